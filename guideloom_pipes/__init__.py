@@ -1,0 +1,61 @@
+"""guideloom_pipes: GuideLoom-compatible shard storage and a resumable PyTorch data loader.
+
+The storage, format, dataset and shuffle layers need only numpy; the loader and the
+``pipes`` stages import torch and torchdata lazily, on first use of those names.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from guideloom_pipes import io, types
+from guideloom_pipes.datasets import DocumentDataset, StreamDataset
+from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
+from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
+
+__version__ = "0.1.0"
+#: The GuideLoom release whose API, files, order and checkpoints this package reproduces.
+GUIDELOOM_VERSION = "1.1.0"
+
+if TYPE_CHECKING:
+    from guideloom_pipes import pipes
+    from guideloom_pipes.loader import StatefulDataLoader
+
+_LAZY = {
+    "StatefulDataLoader": ("guideloom_pipes.loader", "StatefulDataLoader"),
+    "pipes": ("guideloom_pipes.pipes", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Torch-backed names load on first use so preprocessing scripts never import torch.
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'guideloom_pipes' has no attribute {name!r}") from None
+    module = importlib.import_module(module_name)
+    value = module if attr is None else getattr(module, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = [
+    "DocumentDataset",
+    "DocumentPickleFormat",
+    "DocumentStorage",
+    "GUIDELOOM_VERSION",
+    "StatefulDataLoader",
+    "StreamDataset",
+    "StreamNumpyFormat",
+    "StreamStorage",
+    "StreamWithMetaStorage",
+    "__version__",
+    "io",
+    "pipes",
+    "types",
+]

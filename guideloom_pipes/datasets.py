@@ -1,0 +1,278 @@
+"""Datasets: numbered samples over a storage.
+
+``StreamDataset(storage, L)``: sample ``i`` is stream elements ``[i*L, (i+1)*L)`` (windows
+may cross shards; a trailing partial window is dropped). ``DocumentDataset(storage)``:
+sample ``i`` is document ``i``. Samples are read through a reader::
+
+    with StreamDataset(storage, 2048).sync_reader() as reader:
+        len(reader), reader[0], reader[10:20], reader.read_batch(np.array([5, 3, 9]))
+
+``read_batch`` is the loader's path: a numpy array of sample ids in, a list of samples out,
+one vectorised read per batch. Readers are thread-safe; samples own their memory (or share
+it only with samples of the same batch) and stay valid after the reader closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.storage.document import DocumentReader, DocumentStorage
+from guideloom_pipes.storage.stream import StreamReader, StreamStorage
+from guideloom_pipes.storage.stream_meta import StreamWithMetaReader, StreamWithMetaStorage
+from guideloom_pipes.types import Dataset
+
+
+def _check_sequence_length(sequence_length: Any) -> int:
+    if isinstance(sequence_length, bool) or not isinstance(sequence_length, (int, np.integer)):
+        raise TypeError(
+            f"sequence_length must be an int, got {sequence_length!r} "
+            f"({type(sequence_length).__name__})"
+        )
+    if sequence_length < 1:
+        raise ValueError(f"sequence_length must be >= 1, got {sequence_length}")
+    return int(sequence_length)
+
+
+def _as_ids(ids: Any, length: int) -> np.ndarray:
+    array = np.asarray(ids)
+    if array.dtype.kind not in "iu" and array.size:
+        raise TypeError(f"sample ids must be integers, got an array of {array.dtype}")
+    array = array.astype(np.int64, copy=False).reshape(-1)
+    if len(array) and (int(array.min()) < 0 or int(array.max()) >= length):
+        bad = int(array[(array < 0) | (array >= length)][0])
+        raise IndexError(f"sample index {bad} out of range for a dataset of {length} samples")
+    return array
+
+
+class _DatasetReaderBase:
+    """Shared ``len`` / ``[i]`` / slice / lifecycle of the dataset readers."""
+
+    def __init__(self, storage_reader: Any) -> None:
+        self._storage_reader = storage_reader
+        self._length = -1
+
+    def open(self) -> None:
+        """Open the storage reader (discovers and checks the shards)."""
+        self._storage_reader.open()
+        self._length = self._compute_length()
+
+    def close(self) -> None:
+        """Close the storage reader; samples already returned stay valid."""
+        self._storage_reader.close()
+        self._length = -1
+
+    def __enter__(self) -> Any:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _compute_length(self) -> int:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._length < 0:
+            raise RuntimeError(
+                f"{type(self).__name__} is not open; call open() or use it in a `with` block"
+            )
+
+    def __len__(self) -> int:
+        self._check_open()
+        return self._length
+
+    @property
+    def storage_reader(self) -> Any:
+        """The underlying storage reader."""
+        return self._storage_reader
+
+    def __getitem__(self, index: int | slice) -> Any:
+        self._check_open()
+        if isinstance(index, slice):
+            return self.read_batch(np.arange(*index.indices(self._length), dtype=np.int64))
+        try:
+            position = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"dataset indices must be integers or slices, got {type(index).__name__}"
+            ) from None
+        if not 0 <= position < self._length:
+            raise IndexError(
+                f"sample index {position} out of range for a dataset of {self._length} samples"
+            )
+        return self._read_one(position)
+
+    def _read_one(self, index: int) -> Any:
+        return self.read_batch(np.array([index], dtype=np.int64))[0]
+
+    def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
+        """The samples at ``ids`` (a numpy array of sample ids), in that order."""
+        raise NotImplementedError
+
+
+class StreamDatasetReader(_DatasetReaderBase):
+    """Reader of a :class:`StreamDataset` (windows of ``sequence_length`` elements)."""
+
+    _storage_reader: StreamReader
+
+    def __init__(self, dataset: StreamDataset) -> None:
+        super().__init__(dataset.storage.sync_reader())
+        self.sequence_length = dataset.sequence_length
+
+    def _compute_length(self) -> int:
+        return self._storage_reader.total_length // self.sequence_length
+
+    def _read_one(self, index: int) -> Any:
+        length = self.sequence_length
+        return self._storage_reader.read(index * length, length)
+
+    def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
+        """The windows at ``ids``: one vectorised read, then the format decodes them."""
+        self._check_open()
+        ids = _as_ids(ids, self._length)
+        length = self.sequence_length
+        starts = ids * length
+        reader = self._storage_reader
+        windows = reader.read_windows(starts, length)
+        if isinstance(reader, StreamWithMetaReader):
+            return [
+                reader.decode(windows[row], *reader.window_pieces(int(start), length))
+                for row, start in enumerate(starts.tolist())
+            ]
+        format = reader.storage.format
+        unpack_batch = getattr(format, "unpack_batch", None)
+        if unpack_batch is not None:
+            return list(unpack_batch(windows))
+        return [
+            format.unpack(windows[row], *reader.window_pieces(start, length))
+            for row, start in enumerate(starts.tolist())
+        ]
+
+
+class DocumentDatasetReader(_DatasetReaderBase):
+    """Reader of a :class:`DocumentDataset`."""
+
+    _storage_reader: DocumentReader
+
+    def __init__(self, dataset: DocumentDataset) -> None:
+        super().__init__(dataset.storage.sync_reader())
+
+    def _compute_length(self) -> int:
+        return self._storage_reader.total_length
+
+    def _read_one(self, index: int) -> Any:
+        return self._storage_reader.read(index)
+
+    def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
+        """The documents at ``ids``, in that order."""
+        self._check_open()
+        return self._storage_reader.read_many(_as_ids(ids, self._length))
+
+
+class _AsyncDatasetReader:
+    """``async`` facade of a dataset reader: blocking reads run in a worker thread."""
+
+    def __init__(self, reader: _DatasetReaderBase) -> None:
+        self._sync = reader
+
+    async def open(self) -> None:
+        """Open the reader."""
+        await asyncio.to_thread(self._sync.open)
+
+    async def close(self) -> None:
+        """Close the reader."""
+        self._sync.close()
+
+    async def __aenter__(self) -> _AsyncDatasetReader:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def __len__(self) -> int:
+        return len(self._sync)
+
+    async def read(self, index: int | slice) -> Any:
+        """Sample ``index`` (or a list for a slice)."""
+        return await asyncio.to_thread(self._sync.__getitem__, index)
+
+    async def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
+        """The samples at ``ids``."""
+        return await asyncio.to_thread(self._sync.read_batch, ids)
+
+
+class StreamDataset(Dataset):
+    """Fixed-length windows of a stream storage: sample ``i`` is ``[i*L, (i+1)*L)``.
+
+    Args:
+        storage: a :class:`~guideloom_pipes.StreamStorage` or
+            :class:`~guideloom_pipes.StreamWithMetaStorage`.
+        sequence_length: ``L``, elements per sample (>= 1).
+    """
+
+    def __init__(
+        self, storage: StreamStorage | StreamWithMetaStorage, sequence_length: int
+    ) -> None:
+        if not isinstance(storage, (StreamStorage, StreamWithMetaStorage)):
+            hint = " (use DocumentDataset)" if isinstance(storage, DocumentStorage) else ""
+            raise TypeError(
+                f"StreamDataset needs a StreamStorage or StreamWithMetaStorage, got "
+                f"{type(storage).__name__}{hint}"
+            )
+        self.storage = storage
+        self.sequence_length = _check_sequence_length(sequence_length)
+
+    def __len__(self) -> int:
+        with self.sync_reader() as reader:
+            return len(reader)
+
+    def sync_reader(self) -> StreamDatasetReader:
+        """A reader (context manager) with ``len``, ``[i]``, slices and ``read_batch``."""
+        return StreamDatasetReader(self)
+
+    def async_reader(self) -> _AsyncDatasetReader:
+        """An ``async`` reader (``async with``) with ``read`` and ``read_batch``."""
+        return _AsyncDatasetReader(StreamDatasetReader(self))
+
+    def __repr__(self) -> str:
+        return f"StreamDataset({self.storage!r}, sequence_length={self.sequence_length})"
+
+
+class DocumentDataset(Dataset):
+    """The documents of a document storage: sample ``i`` is document ``i``.
+
+    Args:
+        storage: a :class:`~guideloom_pipes.DocumentStorage`.
+    """
+
+    def __init__(self, storage: DocumentStorage) -> None:
+        if not isinstance(storage, DocumentStorage):
+            raise TypeError(
+                f"DocumentDataset needs a DocumentStorage, got {type(storage).__name__} "
+                f"(use StreamDataset(storage, sequence_length) for streams)"
+            )
+        self.storage = storage
+
+    def __len__(self) -> int:
+        with self.sync_reader() as reader:
+            return len(reader)
+
+    def sync_reader(self) -> DocumentDatasetReader:
+        """A reader (context manager) with ``len``, ``[i]``, slices and ``read_batch``."""
+        return DocumentDatasetReader(self)
+
+    def async_reader(self) -> _AsyncDatasetReader:
+        """An ``async`` reader (``async with``) with ``read`` and ``read_batch``."""
+        return _AsyncDatasetReader(DocumentDatasetReader(self))
+
+    def __repr__(self) -> str:
+        return f"DocumentDataset({self.storage!r})"
+
+
+__all__ = ["DocumentDataset", "StreamDataset"]

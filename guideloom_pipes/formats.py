@@ -1,0 +1,114 @@
+"""Built-in storage formats: numpy structured streams and pickled documents."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.types import Buffer
+
+
+class StreamNumpyFormat:
+    """Stream records described by a numpy structured dtype.
+
+    ``pack`` takes a mapping of equal-length 1-D arrays, one per field; ``unpack`` returns
+    ``{field: array}`` where each array is contiguous and owns its memory, so it can go
+    straight through ``torch.from_numpy`` and stays valid after the reader closes.
+
+    Args:
+        structured_dtype: a numpy dtype with named fields, e.g.
+            ``np.dtype([("tokens", "<i4"), ("loss_mask", "u1")])``.
+    """
+
+    def __init__(self, structured_dtype: np.dtype[Any] | Any) -> None:
+        dtype = np.dtype(structured_dtype)
+        if dtype.names is None:
+            raise ValueError(
+                f"StreamNumpyFormat needs a structured dtype with named fields, got {dtype!r}; "
+                'wrap it, e.g. np.dtype([("tokens", "<i4")])'
+            )
+        self.stream_dtype: np.dtype[Any] = dtype
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The field names of ``stream_dtype``, in order."""
+        names = self.stream_dtype.names
+        assert names is not None
+        return names
+
+    def pack(self, data: Mapping[str, Any]) -> np.ndarray:
+        """Interleave one equal-length 1-D array per field into a structured array."""
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                f"StreamNumpyFormat.pack takes a mapping of field -> 1-D array, got "
+                f"{type(data).__name__}; pass {{{', '.join(repr(f) for f in self.fields)}: ...}}"
+            )
+        expected = set(self.fields)
+        if set(data) != expected:
+            missing = sorted(expected - set(data))
+            extra = sorted(set(data) - expected)
+            raise ValueError(
+                f"StreamNumpyFormat.pack needs exactly the fields {list(self.fields)}; "
+                f"missing {missing}, unexpected {extra}"
+            )
+        columns = {name: np.asarray(data[name]) for name in self.fields}
+        lengths = {}
+        for name, column in columns.items():
+            if column.ndim != 1:
+                raise ValueError(f"field {name!r} must be a 1-D array, got shape {column.shape}")
+            lengths[name] = len(column)
+        if len(set(lengths.values())) > 1:
+            raise ValueError(f"fields must have equal lengths, got {lengths}")
+        length = next(iter(lengths.values()))
+        out = np.empty(length, dtype=self.stream_dtype)
+        for name, column in columns.items():
+            out[name] = column
+        return out
+
+    def unpack(
+        self, stream: np.ndarray, shard_lengths: Sequence[int], shards: Sequence[int]
+    ) -> dict[str, np.ndarray]:
+        """Split a window into ``{field: contiguous array}``."""
+        return {name: np.array(stream[name], copy=True) for name in self.fields}
+
+    def unpack_batch(self, windows: np.ndarray) -> list[dict[str, np.ndarray]]:
+        """Decode a ``(batch, length)`` array of windows: one contiguous copy per field."""
+        columns = [(name, np.ascontiguousarray(windows[name])) for name in self.fields]
+        return [{name: column[i] for name, column in columns} for i in range(len(windows))]
+
+    def __repr__(self) -> str:
+        return f"StreamNumpyFormat({self.stream_dtype!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StreamNumpyFormat) and other.stream_dtype == self.stream_dtype
+
+    def __hash__(self) -> int:
+        return hash(("StreamNumpyFormat", self.stream_dtype))
+
+
+class DocumentPickleFormat:
+    """Documents stored as pickles (any picklable object).
+
+    Args:
+        protocol: the pickle protocol used to write (default: ``pickle.DEFAULT_PROTOCOL``).
+    """
+
+    def __init__(self, protocol: int | None = None) -> None:
+        self.protocol = pickle.DEFAULT_PROTOCOL if protocol is None else protocol
+
+    def pack(self, document: Any) -> bytes:
+        """Pickle one document."""
+        return pickle.dumps(document, protocol=self.protocol)
+
+    def unpack(self, buffer: Buffer, shard: int) -> Any:
+        """Unpickle one document."""
+        return pickle.loads(buffer)
+
+    def __repr__(self) -> str:
+        return f"DocumentPickleFormat(protocol={self.protocol})"
+
+
+__all__ = ["DocumentPickleFormat", "StreamNumpyFormat"]

@@ -1,0 +1,23 @@
+"""The storage layer: shard files, atomic commit, read backends and the three storages."""
+
+from guideloom_pipes.storage.document import DocumentStorage
+from guideloom_pipes.storage.shards import (
+    CorruptShardError,
+    ShardLockedError,
+    StaleWriteWarning,
+    StorageError,
+    UncommittedShardError,
+)
+from guideloom_pipes.storage.stream import StreamStorage
+from guideloom_pipes.storage.stream_meta import StreamWithMetaStorage
+
+__all__ = [
+    "CorruptShardError",
+    "DocumentStorage",
+    "ShardLockedError",
+    "StaleWriteWarning",
+    "StorageError",
+    "StreamStorage",
+    "StreamWithMetaStorage",
+    "UncommittedShardError",
+]

@@ -1,0 +1,262 @@
+"""Document storage: whole encoded documents, back to back, with an offset index per shard.
+
+Shard ``k`` is ``{k:07d}.out_of_band.bin`` (the encoded documents) and
+``{k:07d}.out_of_band.index`` (``n + 1`` little-endian int64 byte offsets, the first 0:
+document ``j`` is bytes ``[idx[j], idx[j+1])``). Documents are numbered globally: shard 0's,
+then shard 1's, ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
+from guideloom_pipes.storage.shards import (
+    INDEX,
+    OUT_OF_BAND,
+    CorruptShardError,
+    ShardListing,
+    ShardWriterBase,
+    _CountingFile,
+)
+
+INDEX_DTYPE = np.dtype("<i8")
+
+
+def check_payload(payload: Any, what: str) -> memoryview:
+    """``payload`` as a byte view if it is ``bytes``/``bytearray``/``memoryview``."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise TypeError(
+            f"{what} must return bytes or memoryview, got {type(payload).__name__}; encode the "
+            f"document to bytes in pack"
+        )
+    return memoryview(payload).cast("B")
+
+
+class PayloadLog:
+    """Appends byte payloads to an ``.out_of_band.bin`` file and keeps their offsets."""
+
+    def __init__(self, data: _CountingFile) -> None:
+        self.data = data
+        self.offsets: list[int] = [0]
+
+    def append(self, payload: memoryview) -> None:
+        self.data.write(payload)
+        self.offsets.append(self.data.size)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def write_index(self, index: _CountingFile) -> None:
+        index.write(np.asarray(self.offsets, dtype=INDEX_DTYPE))
+
+
+class OffsetIndex:
+    """Reads byte ranges of documents through shard index files (opened lazily)."""
+
+    def __init__(self, reader: ReaderBase, counts: np.ndarray, bin_sizes: list[int]) -> None:
+        self._index = reader._files[INDEX]
+        self._data = reader._files[OUT_OF_BAND]
+        self._reader = reader
+        self._bin_sizes = bin_sizes
+        self._counts = counts
+        self._checked: set[int] = set()
+
+    def _offsets(self, shard: int, local: int, count: int) -> np.ndarray:
+        mapped = self._index.array(shard, INDEX_DTYPE)
+        if mapped is not None:
+            offsets = mapped[local : local + count + 1]
+        else:
+            raw = self._index.read(shard, local * 8, (count + 1) * 8)
+            offsets = np.frombuffer(raw, dtype=INDEX_DTYPE)
+        if shard not in self._checked:
+            self._check(shard)
+        return offsets
+
+    def _check(self, shard: int) -> None:
+        # GuideLoom files carry no record: check the index against the data file once.
+        mapped = self._index.array(shard, INDEX_DTYPE)
+        if mapped is not None:
+            first, last = int(mapped[0]), int(mapped[-1])
+        else:
+            count = int(self._counts[shard])
+            first = int(np.frombuffer(self._index.read(shard, 0, 8), dtype=INDEX_DTYPE)[0])
+            last = int(np.frombuffer(self._index.read(shard, count * 8, 8), dtype=INDEX_DTYPE)[0])
+        if first != 0 or last != self._bin_sizes[shard]:
+            path = self._reader._shard_path(shard, INDEX)
+            raise CorruptShardError(
+                f"{path} does not match its data file: offsets run from {first} to {last}, but "
+                f"the data file holds {self._bin_sizes[shard]} bytes (truncated or mixed "
+                f"files). Rewrite shard {shard}"
+            )
+        self._checked.add(shard)
+
+    def span(self, shard: int, local: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of document ``local`` of ``shard``."""
+        offsets = self._offsets(shard, local, 1)
+        return int(offsets[0]), int(offsets[1])
+
+    def payload(self, shard: int, local: int) -> bytes:
+        """The bytes of document ``local`` of ``shard`` (a copy that owns its memory)."""
+        if not 0 <= local < self._counts[shard]:
+            raise CorruptShardError(
+                f"{self._reader._shard_path(shard, INDEX)} has {int(self._counts[shard])} "
+                f"entries; entry {local} was asked for (a stream record points past the "
+                f"index). Rewrite shard {shard}"
+            )
+        start, end = self.span(shard, local)
+        if end < start:
+            raise CorruptShardError(
+                f"{self._reader._shard_path(shard, INDEX)} has decreasing offsets at document "
+                f"{local}; rewrite shard {shard}"
+            )
+        mapped = self._data.array(shard, np.dtype("u1"))
+        if mapped is not None:
+            return mapped[start:end].tobytes()
+        return bytes(self._data.read(shard, start, end - start))
+
+
+def index_counts(reader: ReaderBase, sizes: list[dict[str, int]]) -> np.ndarray:
+    """Entries per shard from index-file sizes (``size // 8 - 1``), checking the sizes."""
+    counts = np.empty(len(sizes), dtype=np.int64)
+    for shard, shard_sizes in enumerate(sizes):
+        size = shard_sizes[INDEX]
+        if size < 8 or size % 8:
+            raise CorruptShardError(
+                f"{reader._shard_path(shard, INDEX)} is {size} bytes; an index holds n + 1 "
+                f"int64 offsets (a multiple of 8, at least 8). Rewrite shard {shard}"
+            )
+        counts[shard] = size // 8 - 1
+    return counts
+
+
+class DocumentStorage(StorageBase):
+    """Document storage: encoded documents plus an offset index per shard.
+
+    Args:
+        dir: the dataset directory.
+        format: a document format (e.g. :class:`~guideloom_pipes.DocumentPickleFormat`).
+        read_interface: the read backend (default memory-mapped).
+    """
+
+    kind = "document"
+    suffixes = (INDEX, OUT_OF_BAND)
+
+    def _check_format(self, format: Any) -> None:
+        missing = [n for n in ("pack", "unpack") if not callable(getattr(format, n, None))]
+        if missing:
+            raise TypeError(f"{format!r} is not a document format: it lacks {', '.join(missing)}")
+
+    def sync_reader(self) -> DocumentReader:
+        """A reader of the committed shards (context manager)."""
+        return DocumentReader(self)
+
+    def async_reader(self) -> AsyncDocumentReader:
+        """An ``async`` reader of the committed shards (``async with``)."""
+        return AsyncDocumentReader(DocumentReader(self))
+
+    def sync_writer(self) -> DocumentWriter:
+        """A writer; each touched shard is replaced atomically when it closes."""
+        return DocumentWriter(self)
+
+
+class DocumentWriter(ShardWriterBase):
+    """Appends encoded documents to shards; commits each touched shard on close."""
+
+    kind = "document"
+    suffixes = (INDEX, OUT_OF_BAND)
+
+    def __init__(self, storage: DocumentStorage) -> None:
+        super().__init__(storage.dir)
+        self.format = storage.format
+        self._logs: dict[int, PayloadLog] = {}
+
+    def append(self, shard: int, document: Any) -> None:
+        """Encode ``document`` with the format and append it to shard ``shard``."""
+        self._check_open()
+        payload = check_payload(self.format.pack(document), f"{type(self.format).__name__}.pack")
+        transaction = self._transaction(shard)
+        log = self._logs.get(transaction.shard)
+        if log is None:
+            log = self._logs[transaction.shard] = PayloadLog(transaction.files[OUT_OF_BAND])
+        log.append(payload)
+
+    def length(self, shard: int) -> int:
+        """Documents appended to ``shard`` in this writer session (``KeyError`` if none)."""
+        try:
+            return len(self._logs[shard])
+        except KeyError:
+            raise KeyError(f"shard {shard} was not written by this writer") from None
+
+    def _commit_args(self, shard: int) -> dict[str, Any]:
+        log = self._logs[shard]
+        log.write_index(self._transactions[shard].files[INDEX])
+        return {"count": len(log), "dtype": None}
+
+
+class DocumentReader(ReaderBase):
+    """Reads documents by global index."""
+
+    storage: DocumentStorage
+
+    def _setup(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+        self._counts = index_counts(self, sizes)
+        self._starts = np.zeros(listing.num_shards + 1, dtype=np.int64)
+        np.cumsum(self._counts, out=self._starts[1:])
+        self._total = int(self._starts[-1])
+        self._index = OffsetIndex(self, self._counts, [s[OUT_OF_BAND] for s in sizes])
+
+    @property
+    def total_length(self) -> int:
+        """Documents in the dataset."""
+        self._check_open()
+        return self._total
+
+    def __len__(self) -> int:
+        return self.total_length
+
+    def length(self, shard: int) -> int:
+        """Documents in shard ``shard``."""
+        return int(self._counts[self._check_shard(shard)])
+
+    def _locate(self, global_index: int) -> tuple[int, int]:
+        if not 0 <= global_index < self._total:
+            raise IndexError(
+                f"document index {global_index} out of range for a dataset of {self._total} documents"
+            )
+        shard = int(np.searchsorted(self._starts, global_index, side="right")) - 1
+        return shard, global_index - int(self._starts[shard])
+
+    def read(self, global_index: int) -> Any:
+        """Document ``global_index``, decoded by the format."""
+        self._check_open()
+        shard, local = self._locate(int(global_index))
+        return self.storage.format.unpack(self._index.payload(shard, local), shard)
+
+    def read_many(self, indexes: Iterable[int] | np.ndarray) -> list[Any]:
+        """Documents at ``indexes``, in that order."""
+        self._check_open()
+        ids = np.asarray(indexes, dtype=np.int64).reshape(-1)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self._total):
+            bad = int(ids[(ids < 0) | (ids >= self._total)][0])
+            self._locate(bad)
+        shards = np.searchsorted(self._starts, ids, side="right") - 1
+        locals_ = ids - self._starts[shards]
+        unpack, payload = self.storage.format.unpack, self._index.payload
+        return [unpack(payload(s, k), s) for s, k in zip(shards.tolist(), locals_.tolist())]
+
+
+class AsyncDocumentReader(AsyncReaderBase):
+    """``async`` document reader: ``await reader.read(i)``, ``await reader.read_many(ids)``."""
+
+    async def read(self, global_index: int) -> Any:
+        """See :meth:`DocumentReader.read`."""
+        return await asyncio.to_thread(self._sync.read, global_index)
+
+    async def read_many(self, indexes: Iterable[int]) -> list[Any]:
+        """See :meth:`DocumentReader.read_many`."""
+        return await asyncio.to_thread(self._sync.read_many, indexes)

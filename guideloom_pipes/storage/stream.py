@@ -1,0 +1,288 @@
+"""Stream storage: one flat array of ``format.stream_dtype`` elements per shard.
+
+Shard ``k`` is ``{k:07d}.in_band.bin``: the packed bytes of its elements, no header. The
+dataset's stream is shard 0, then shard 1, ... Reads may cross shard boundaries and, past
+the last element, wrap around to shard 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
+from guideloom_pipes.storage.shards import (
+    IN_BAND,
+    CorruptShardError,
+    ShardListing,
+    ShardWriterBase,
+    shard_name,
+)
+
+
+def check_packed(array: Any, dtype: np.dtype[Any], what: str) -> np.ndarray:
+    """``array`` if it is a 1-D numpy array of exactly ``dtype``, else a clear error."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(
+            f"{what} must return a 1-D numpy array of {dtype}, got {type(array).__name__}"
+        )
+    if array.ndim != 1:
+        raise ValueError(f"{what} must return a 1-D array, got shape {array.shape}")
+    if array.dtype != dtype:
+        raise TypeError(
+            f"{what} returned dtype {array.dtype}, but the format's stream_dtype is {dtype}; "
+            f"convert it (array.astype(stream_dtype)) in pack"
+        )
+    return np.ascontiguousarray(array)
+
+
+def check_stream_format(format: Any, needs: tuple[str, ...]) -> np.dtype[Any]:
+    """The format's ``stream_dtype``, after checking it has the protocol's methods."""
+    missing = [name for name in needs if not callable(getattr(format, name, None))]
+    if missing or not hasattr(format, "stream_dtype"):
+        raise TypeError(
+            f"{format!r} is not a stream format: it needs stream_dtype and "
+            f"{', '.join(needs)} (missing {', '.join(missing) or 'stream_dtype'})"
+        )
+    return np.dtype(format.stream_dtype)
+
+
+class StreamStorage(StorageBase):
+    """Stream storage: shards of flat ``format.stream_dtype`` arrays.
+
+    Args:
+        dir: the dataset directory.
+        format: a stream format (e.g. :class:`~guideloom_pipes.StreamNumpyFormat`).
+        read_interface: the read backend (default memory-mapped).
+    """
+
+    kind = "stream"
+    suffixes = (IN_BAND,)
+
+    def _check_format(self, format: Any) -> None:
+        check_stream_format(format, ("pack", "unpack"))
+
+    def sync_reader(self) -> StreamReader:
+        """A reader of the committed shards (context manager)."""
+        return StreamReader(self)
+
+    def async_reader(self) -> AsyncStreamReader:
+        """An ``async`` reader of the committed shards (``async with``)."""
+        return AsyncStreamReader(StreamReader(self))
+
+    def sync_writer(self) -> StreamWriter:
+        """A writer; each touched shard is replaced atomically when it closes."""
+        return StreamWriter(self)
+
+
+class StreamWriter(ShardWriterBase):
+    """Appends packed records to shards; commits each touched shard on close.
+
+    The first ``append`` to a shard starts it afresh (an existing shard with that id is
+    replaced at commit, never appended to).
+    """
+
+    kind = "stream"
+    suffixes = (IN_BAND,)
+
+    def __init__(self, storage: StreamStorage) -> None:
+        super().__init__(storage.dir)
+        self.format = storage.format
+        self.dtype = np.dtype(storage.format.stream_dtype)
+        self._lengths: dict[int, int] = {}
+
+    def append(self, shard: int, data: Any) -> None:
+        """Pack ``data`` with the format and append it to shard ``shard``."""
+        self._check_open()
+        array = check_packed(
+            self.format.pack(data), self.dtype, f"{type(self.format).__name__}.pack"
+        )
+        transaction = self._transaction(shard)
+        transaction.files[IN_BAND].write(array)
+        self._lengths[transaction.shard] = self._lengths.get(transaction.shard, 0) + len(array)
+
+    def length(self, shard: int) -> int:
+        """Elements appended to ``shard`` in this writer session (``KeyError`` if none)."""
+        try:
+            return self._lengths[shard]
+        except KeyError:
+            raise KeyError(f"shard {shard} was not written by this writer") from None
+
+    def _commit_args(self, shard: int) -> dict[str, Any]:
+        return {"count": self._lengths[shard], "dtype": self.dtype}
+
+
+class StreamReader(ReaderBase):
+    """Reads spans of the concatenated stream; see :meth:`read`."""
+
+    storage: StreamStorage
+
+    def _record_dtype(self) -> np.dtype[Any]:
+        return np.dtype(self.storage.format.stream_dtype)
+
+    def _dtype_hint(self, dtype: np.dtype[Any]) -> str:
+        fields = dtype.descr if dtype.names else dtype.str
+        return (
+            f"StreamNumpyFormat(np.dtype({fields!r}))"
+            if dtype.names
+            else f"stream_dtype {fields!r}"
+        )
+
+    def _element_dtype(self) -> np.dtype[Any]:
+        """The dtype of one element of the in-band file."""
+        return np.dtype(self.storage.format.stream_dtype)
+
+    def _setup(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+        self.dtype = self._element_dtype()
+        itemsize = self.dtype.itemsize
+        lengths = np.empty(listing.num_shards, dtype=np.int64)
+        for shard, shard_sizes in enumerate(sizes):
+            size = shard_sizes[IN_BAND]
+            if size % itemsize:
+                raise CorruptShardError(
+                    f"{shard_name(shard)}{IN_BAND} in {self.storage.dir} is {size} bytes, not a "
+                    f"multiple of the {itemsize}-byte element of {self.dtype}: it is truncated "
+                    f"or was written with another dtype. Rewrite shard {shard}"
+                )
+            lengths[shard] = size // itemsize
+        self._lengths = lengths
+        self._starts = np.zeros(listing.num_shards + 1, dtype=np.int64)
+        np.cumsum(lengths, out=self._starts[1:])
+        self._total = int(self._starts[-1])
+        self._in_band = self._files[IN_BAND]
+
+    @property
+    def total_length(self) -> int:
+        """Elements in the whole stream."""
+        self._check_open()
+        return self._total
+
+    def length(self, shard: int) -> int:
+        """Elements in shard ``shard``."""
+        return int(self._lengths[self._check_shard(shard)])
+
+    @property
+    def shard_starts(self) -> np.ndarray:
+        """Global index of each shard's first element (``num_shards + 1`` values)."""
+        self._check_open()
+        return self._starts
+
+    def _copy(self, shard: int, local: int, count: int, out: np.ndarray) -> None:
+        mapped = self._in_band.array(shard, self.dtype)
+        if mapped is not None:
+            out[:] = mapped[local : local + count]
+            return
+        itemsize = self.dtype.itemsize
+        data = self._in_band.read(shard, local * itemsize, count * itemsize)
+        if len(data) != count * itemsize:
+            raise CorruptShardError(
+                f"{self._shard_path(shard, IN_BAND)} returned {len(data)} bytes where "
+                f"{count * itemsize} were expected: the file shrank while open"
+            )
+        out[:] = np.frombuffer(data, dtype=self.dtype)
+
+    def read_raw(
+        self, global_index: int, global_length: int
+    ) -> tuple[np.ndarray, list[int], list[int]]:
+        """The span as a fresh array, with ``shard_lengths`` and ``shards`` of its pieces."""
+        self._check_open()
+        global_index = int(global_index)
+        global_length = int(global_length)
+        if global_length < 0:
+            raise IndexError(f"global_length must be >= 0, got {global_length}")
+        if not 0 <= global_index < self._total:
+            raise IndexError(
+                f"global_index {global_index} out of range for a stream of {self._total} elements"
+            )
+        out = np.empty(global_length, dtype=self.dtype)
+        shard_lengths: list[int] = []
+        shards: list[int] = []
+        position, filled, starts = global_index, 0, self._starts
+        while filled < global_length:
+            shard = int(np.searchsorted(starts, position, side="right")) - 1
+            local = position - int(starts[shard])
+            take = min(global_length - filled, int(starts[shard + 1]) - position)
+            self._copy(shard, local, take, out[filled : filled + take])
+            shard_lengths.append(take)
+            shards.append(shard)
+            filled += take
+            position += take
+            if position == self._total:
+                position = 0  # wrap around to shard 0
+        return out, shard_lengths, shards
+
+    def read(self, global_index: int, global_length: int) -> Any:
+        """``format.unpack`` of ``global_length`` elements from ``global_index``.
+
+        The span may cross shards and wraps to shard 0 past the end (as often as needed).
+        ``global_index`` outside ``[0, total_length)`` or a negative length: ``IndexError``.
+        """
+        stream, shard_lengths, shards = self.read_raw(global_index, global_length)
+        return self.storage.format.unpack(stream, shard_lengths, shards)
+
+    def read_windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """Equal-length spans as one fresh ``(len(starts), length)`` array (the batch path).
+
+        Every span must lie inside the stream (no wrap-around); spans may cross shards.
+        """
+        self._check_open()
+        starts = np.asarray(starts, dtype=np.int64)
+        out = np.empty((len(starts), length), dtype=self.dtype)
+        if len(starts) == 0:
+            return out
+        if int(starts.min()) < 0 or int(starts.max()) + length > self._total:
+            bad = starts[(starts < 0) | (starts + length > self._total)][0]
+            raise IndexError(
+                f"window [{bad}, {bad + length}) is outside the stream of {self._total} elements"
+            )
+        first = np.searchsorted(self._starts, starts, side="right") - 1
+        last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
+        local = starts - self._starts[first]
+        shard_starts = self._starts
+        for row, (shard, end_shard, offset) in enumerate(
+            zip(first.tolist(), last.tolist(), local.tolist())
+        ):
+            if shard == end_shard:
+                mapped = self._in_band.array(shard, self.dtype)
+                if mapped is not None:
+                    out[row] = mapped[offset : offset + length]
+                else:
+                    self._copy(shard, offset, length, out[row])
+                continue
+            filled, position = 0, int(starts[row])
+            while filled < length:
+                take = min(length - filled, int(shard_starts[shard + 1]) - position)
+                self._copy(
+                    shard,
+                    position - int(shard_starts[shard]),
+                    take,
+                    out[row, filled : filled + take],
+                )
+                filled += take
+                position += take
+                shard += 1
+        return out
+
+    def window_pieces(self, start: int, length: int) -> tuple[list[int], list[int]]:
+        """``shard_lengths`` and ``shards`` of a span inside the stream (for ``unpack``)."""
+        shard_lengths: list[int] = []
+        shards: list[int] = []
+        position, end = start, start + length
+        while position < end:
+            shard = int(np.searchsorted(self._starts, position, side="right")) - 1
+            take = min(end, int(self._starts[shard + 1])) - position
+            shard_lengths.append(take)
+            shards.append(shard)
+            position += take
+        return shard_lengths, shards
+
+
+class AsyncStreamReader(AsyncReaderBase):
+    """``async`` stream reader: ``await reader.read(global_index, global_length)``."""
+
+    async def read(self, global_index: int, global_length: int) -> Any:
+        """See :meth:`StreamReader.read`."""
+        import asyncio
+
+        return await asyncio.to_thread(self._sync.read, global_index, global_length)

@@ -1,0 +1,217 @@
+"""Stream with metadata: a stream whose elements each point to a metadata payload.
+
+Shard ``k`` is ``{k:07d}.in_band.bin`` (packed records ``[("index", "<i4"), ("user",
+stream_dtype)]``; ``index`` is the shard-local number of the element's payload) plus the
+payloads stored as documents are (``.out_of_band.bin`` + ``.out_of_band.index``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.storage.base import AsyncReaderBase, StorageBase
+from guideloom_pipes.storage.document import (
+    INDEX_DTYPE,
+    OffsetIndex,
+    PayloadLog,
+    index_counts,
+)
+from guideloom_pipes.storage.shards import (
+    IN_BAND,
+    INDEX,
+    OUT_OF_BAND,
+    ShardListing,
+    ShardWriterBase,
+)
+from guideloom_pipes.storage.stream import StreamReader, check_packed, check_stream_format
+
+#: Most payloads one shard can hold (the ``index`` field is an int32).
+MAX_PAYLOADS = 2**31
+
+
+def record_dtype(stream_dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The packed in-band record dtype for a user ``stream_dtype``."""
+    return np.dtype([("index", "<i4"), ("user", np.dtype(stream_dtype))])
+
+
+class StreamWithMetaStorage(StorageBase):
+    """A stream whose elements carry a pointer to a per-chunk metadata payload.
+
+    Args:
+        dir: the dataset directory.
+        format: a stream-with-metadata format (see
+            :class:`~guideloom_pipes.types.StreamWithMetaStorageFormat`).
+        read_interface: the read backend (default memory-mapped).
+    """
+
+    kind = "stream_meta"
+    suffixes = (IN_BAND, INDEX, OUT_OF_BAND)
+
+    def _check_format(self, format: Any) -> None:
+        check_stream_format(format, ("size", "pack", "unpack"))
+
+    def sync_reader(self) -> StreamWithMetaReader:
+        """A reader of the committed shards (context manager)."""
+        return StreamWithMetaReader(self)
+
+    def async_reader(self) -> AsyncStreamWithMetaReader:
+        """An ``async`` reader of the committed shards (``async with``)."""
+        return AsyncStreamWithMetaReader(StreamWithMetaReader(self))
+
+    def sync_writer(self) -> StreamWithMetaWriter:
+        """A writer; each touched shard is replaced atomically when it closes."""
+        return StreamWithMetaWriter(self)
+
+
+class StreamWithMetaWriter(ShardWriterBase):
+    """Appends records with their metadata payloads; commits each touched shard on close."""
+
+    kind = "stream_meta"
+    suffixes = (IN_BAND, INDEX, OUT_OF_BAND)
+
+    def __init__(self, storage: StreamWithMetaStorage) -> None:
+        super().__init__(storage.dir)
+        self.format = storage.format
+        self.dtype = np.dtype(storage.format.stream_dtype)
+        self.records = record_dtype(self.dtype)
+        self._lengths: dict[int, int] = {}
+        self._logs: dict[int, PayloadLog] = {}
+
+    def append(self, shard: int, data: Any) -> None:
+        """Pack ``data``: one ``(key, payload)`` per element, then the stream array.
+
+        Everything is checked before anything is written, so a refused append leaves the
+        shard as it was.
+        """
+        self._check_open()
+        name = type(self.format).__name__
+        size = int(self.format.size(data))
+        generator = self.format.pack(data)
+        if not hasattr(generator, "send"):
+            raise TypeError(
+                f"{name}.pack must be a generator yielding (key, payload) pairs and returning "
+                f"the stream array, got {type(generator).__name__}"
+            )
+        index = np.empty(size, dtype="<i4")
+        payloads: list[bytes] = []
+        seen: set[Any] = set()
+        last: Any = None
+        count = 0
+        while True:
+            try:
+                key, payload = next(generator)
+            except StopIteration as stop:
+                stream = stop.value
+                break
+            if count >= size:
+                raise ValueError(f"{name}.pack yielded more than size(data) = {size} pairs")
+            if count == 0 or key != last:
+                if key in seen:
+                    raise ValueError(
+                        f"{name}.pack: key {key!r} repeats after another key at element "
+                        f"{count}; a key may repeat only in one contiguous run"
+                    )
+                if not isinstance(payload, (bytes, bytearray, memoryview)):
+                    raise ValueError(
+                        f"{name}.pack: the first pair of the run of key {key!r} (element "
+                        f"{count}) must carry bytes or memoryview, got {type(payload).__name__}"
+                    )
+                seen.add(key)
+                payloads.append(bytes(payload))
+                last = key
+            index[count] = len(payloads) - 1
+            count += 1
+        if count != size:
+            raise ValueError(f"{name}.pack yielded {count} pairs but size(data) is {size}")
+        stream = check_packed(stream, self.dtype, f"{name}.pack")
+        if len(stream) != size:
+            raise ValueError(
+                f"{name}.pack returned a stream of {len(stream)} elements but size(data) is {size}"
+            )
+        transaction = self._transaction(shard)
+        shard = transaction.shard
+        log = self._logs.get(shard)
+        if log is None:
+            log = self._logs[shard] = PayloadLog(transaction.files[OUT_OF_BAND])
+        if len(log) + len(payloads) > MAX_PAYLOADS:
+            raise ValueError(
+                f"shard {shard} would hold {len(log) + len(payloads)} payloads, more than "
+                f"{MAX_PAYLOADS} (the int32 index); spread the data over more shards"
+            )
+        records = np.empty(size, dtype=self.records)
+        records["index"] = index + len(log)
+        records["user"] = stream
+        for payload in payloads:
+            log.append(memoryview(payload))
+        transaction.files[IN_BAND].write(records)
+        self._lengths[shard] = self._lengths.get(shard, 0) + size
+
+    def length(self, shard: int) -> int:
+        """Elements appended to ``shard`` in this writer session (``KeyError`` if none)."""
+        try:
+            return self._lengths[shard]
+        except KeyError:
+            raise KeyError(f"shard {shard} was not written by this writer") from None
+
+    def _commit_args(self, shard: int) -> dict[str, Any]:
+        log = self._logs[shard]
+        log.write_index(self._transactions[shard].files[INDEX])
+        return {"count": self._lengths[shard], "dtype": self.dtype, "payloads": len(log)}
+
+
+class StreamWithMetaReader(StreamReader):
+    """Reads spans of the stream together with the payloads they touch."""
+
+    storage: StreamWithMetaStorage  # type: ignore[assignment]
+
+    def _element_dtype(self) -> np.dtype[Any]:
+        return record_dtype(np.dtype(self.storage.format.stream_dtype))
+
+    def _setup(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+        super()._setup(listing, sizes)
+        counts = index_counts(self, sizes)
+        self._payloads = OffsetIndex(self, counts, [s[OUT_OF_BAND] for s in sizes])
+
+    def decode(self, records: np.ndarray, shard_lengths: list[int], shards: list[int]) -> Any:
+        """``format.unpack`` of a span of records whose pieces came from ``shards``."""
+        piece_shards = np.repeat(np.asarray(shards, dtype=np.int64), shard_lengths)
+        keys = (piece_shards << 32) | records["index"].astype(np.int64)
+        unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        order = np.argsort(first, kind="stable")
+        rank = np.empty(len(order), dtype=np.int32)
+        rank[order] = np.arange(len(order), dtype=np.int32)
+        document_index = rank[inverse.reshape(-1)].astype(np.int32)
+        ordered = unique[order]
+        document_shard = (ordered >> 32).astype(np.int64)
+        payload = self._payloads.payload
+        document_data = [
+            payload(int(s), int(k)) for s, k in zip(document_shard, ordered & 0xFFFFFFFF)
+        ]
+        stream_data = np.array(records["user"], copy=True)
+        return self.storage.format.unpack(
+            stream_data, document_shard, document_index, document_data
+        )
+
+    def read(self, global_index: int, global_length: int) -> Any:
+        """``format.unpack(stream_data, document_shard, document_index, document_data)``.
+
+        ``document_data`` lists the distinct payloads the span touches in order of first
+        use, ``document_shard[j]`` is payload ``j``'s shard, ``document_index[t]`` (int32)
+        the payload of element ``t``. Wraps past the end like a stream read.
+        """
+        records, shard_lengths, shards = self.read_raw(global_index, global_length)
+        return self.decode(records, shard_lengths, shards)
+
+
+class AsyncStreamWithMetaReader(AsyncReaderBase):
+    """``async`` reader: ``await reader.read(global_index, global_length)``."""
+
+    async def read(self, global_index: int, global_length: int) -> Any:
+        """See :meth:`StreamWithMetaReader.read`."""
+        return await asyncio.to_thread(self._sync.read, global_index, global_length)
+
+
+__all__ = ["INDEX_DTYPE", "StreamWithMetaStorage", "record_dtype"]
