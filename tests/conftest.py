@@ -1,0 +1,69 @@
+"""Test-suite wide settings: the torch-free mode.
+
+The storage, format, dataset and shuffle layers need only numpy, and their tests run on
+Pythons without torch (tox envs ``torchfree-py310``/``-py312``/``-py313``). The rule:
+
+* A test module that needs torch or torchdata (directly, or through ``StatefulDataLoader``,
+  ``guideloom_pipes.loader`` or ``guideloom_pipes.pipes``) starts with::
+
+      import pytest
+
+      pytest.importorskip("torch")
+
+      import torch  # and the rest of its imports
+
+  (ruff allows imports after that call). A single test in an otherwise torch-free module
+  calls ``pytest.importorskip("torch")`` in its body instead.
+* Every other test must pass without torch.
+
+``GUIDELOOM_PIPES_TORCH_FREE=1`` selects that mode: torch and torchdata then cannot be
+imported even where they are installed, so ``GUIDELOOM_PIPES_TORCH_FREE=1 python -m pytest``
+in the development venv shows what the torch-free envs will see. Without it, a missing
+torch is an error rather than a quiet skip of every loader test.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from types import ModuleType
+
+import pytest
+
+TORCH_FREE = os.environ.get("GUIDELOOM_PIPES_TORCH_FREE") == "1"
+_BLOCKED = ("torch", "torchdata")
+
+
+class _BlockTorch(importlib.abc.MetaPathFinder):
+    """Makes ``import torch`` / ``import torchdata`` fail as on a Python without them."""
+
+    def find_spec(
+        self, fullname: str, path: object = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname.partition(".")[0] in _BLOCKED:
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r} (GUIDELOOM_PIPES_TORCH_FREE=1)", name=fullname
+            )
+        return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if TORCH_FREE:
+        loaded = sorted(m for m in sys.modules if m.partition(".")[0] in _BLOCKED)
+        if loaded:
+            raise pytest.UsageError(f"torch-free mode, but already imported: {loaded}")
+        sys.meta_path.insert(0, _BlockTorch())
+    elif importlib.util.find_spec("torch") is None:
+        raise pytest.UsageError(
+            "torch is not installed in this environment. Install it (README: Tests), or set "
+            "GUIDELOOM_PIPES_TORCH_FREE=1 to run only the tests that need no torch."
+        )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if TORCH_FREE:
+        return "torch-free mode: modules that need torch are skipped"
+    return "torch available"
