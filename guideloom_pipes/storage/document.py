@@ -23,6 +23,7 @@ from guideloom_pipes.storage.shards import (
     ShardWriterBase,
     _CountingFile,
 )
+from guideloom_pipes.storage.stream import as_int
 
 INDEX_DTYPE = np.dtype("<i8")
 
@@ -221,12 +222,14 @@ class DocumentReader(ReaderBase):
 
     def length(self, shard: int) -> int:
         """Documents in shard ``shard``."""
-        return int(self._counts[self._check_shard(shard)])
+        shard = self._check_shard(as_int(shard, "shard"))
+        return int(self._counts[shard])
 
     def _locate(self, global_index: int) -> tuple[int, int]:
         if not 0 <= global_index < self._total:
             raise IndexError(
-                f"document index {global_index} out of range for a dataset of {self._total} documents"
+                f"document index {global_index} out of range for a dataset of "
+                f"{self._total} documents"
             )
         shard = int(np.searchsorted(self._starts, global_index, side="right")) - 1
         return shard, global_index - int(self._starts[shard])
@@ -234,13 +237,16 @@ class DocumentReader(ReaderBase):
     def read(self, global_index: int) -> Any:
         """Document ``global_index``, decoded by the format."""
         self._check_open()
-        shard, local = self._locate(int(global_index))
+        shard, local = self._locate(as_int(global_index, "global_index"))
         return self.storage.format.unpack(self._index.payload(shard, local), shard)
 
     def read_many(self, indexes: Iterable[int] | np.ndarray) -> list[Any]:
         """Documents at ``indexes``, in that order."""
         self._check_open()
-        ids = np.asarray(indexes, dtype=np.int64).reshape(-1)
+        ids = np.asarray(indexes)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise TypeError(f"document indexes must be integers, got an array of {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False).reshape(-1)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self._total):
             bad = int(ids[(ids < 0) | (ids >= self._total)][0])
             self._locate(bad)

@@ -14,6 +14,7 @@ directory (and so detect a missing shard) instead of probing ids.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import mmap
 import os
 import threading
@@ -102,10 +103,9 @@ class _MmapReader:
 
     def close(self) -> None:
         if self._map is not None:
-            try:
+            # A view may still be alive somewhere; the map is then freed with it.
+            with contextlib.suppress(BufferError):
                 self._map.close()
-            except BufferError:
-                pass  # a view is still alive somewhere; the map is freed with it
         self._map = None
         self._size = -1
 

@@ -7,6 +7,7 @@ the last element, wrap around to shard 0.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,16 @@ from guideloom_pipes.storage.shards import (
     ShardWriterBase,
     shard_name,
 )
+
+
+def as_int(value: Any, what: str) -> int:
+    """``value`` as an ``int`` if it is an integer (Python or numpy), else ``TypeError``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
 
 
 def check_packed(array: Any, dtype: np.dtype[Any], what: str) -> np.ndarray:
@@ -160,7 +171,8 @@ class StreamReader(ReaderBase):
 
     def length(self, shard: int) -> int:
         """Elements in shard ``shard``."""
-        return int(self._lengths[self._check_shard(shard)])
+        shard = self._check_shard(as_int(shard, "shard"))
+        return int(self._lengths[shard])
 
     @property
     def shard_starts(self) -> np.ndarray:
@@ -187,8 +199,8 @@ class StreamReader(ReaderBase):
     ) -> tuple[np.ndarray, list[int], list[int]]:
         """The span as a fresh array, with ``shard_lengths`` and ``shards`` of its pieces."""
         self._check_open()
-        global_index = int(global_index)
-        global_length = int(global_length)
+        global_index = as_int(global_index, "global_index")
+        global_length = as_int(global_length, "global_length")
         if global_length < 0:
             raise IndexError(f"global_length must be >= 0, got {global_length}")
         if not 0 <= global_index < self._total:
