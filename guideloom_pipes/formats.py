@@ -11,6 +11,23 @@ import numpy as np
 from guideloom_pipes.types import Buffer
 
 
+def _check_fits(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
+    """Refuse integers that a narrower integer field would silently wrap around."""
+    if column.dtype.kind not in "iu" or dtype.kind not in "iu" or not column.size:
+        return
+    if np.can_cast(column.dtype, dtype, "safe"):
+        return
+    info = np.iinfo(dtype)
+    low, high = column.min(), column.max()
+    if low < info.min or high > info.max:
+        bad = low if low < info.min else high
+        raise ValueError(
+            f"field {name!r} holds {int(bad)}, which does not fit its dtype {dtype} "
+            f"({info.min}..{info.max}); numpy would wrap it around silently. Fix the data or "
+            f"widen the field"
+        )
+
+
 class StreamNumpyFormat:
     """Stream records described by a numpy structured dtype.
 
@@ -65,6 +82,7 @@ class StreamNumpyFormat:
         length = next(iter(lengths.values()))
         out = np.empty(length, dtype=self.stream_dtype)
         for name, column in columns.items():
+            _check_fits(name, column, self.stream_dtype[name])
             out[name] = column
         return out
 
