@@ -87,7 +87,7 @@ class ReaderBase:
         if self._open:
             return
         storage = self.storage
-        listing = discover(self.backend, storage.dir, storage.suffixes[0])
+        listing = discover(self.backend, storage.dir, storage.suffixes)
         sizes = check_listing(
             listing,
             self.backend,

@@ -13,16 +13,22 @@ Writing a shard never exposes half-written data:
    exclusive ``flock`` on it (the *write lock*: a second writer of ``k`` fails at once; a
    lock left by a dead process is released by the kernel, so its leftover files are stale
    and the next writer replaces them). Data goes to ``<final name>.tmp`` files.
-2. On a successful close: data files are ``fsync``-ed; the commit record is replaced by a
-   *pending* record; the data files are renamed over their final names; the directory is
-   ``fsync``-ed; the committed record is written into the lock file, ``fsync``-ed and
-   renamed over the record (the commit point); the directory is ``fsync``-ed again.
+2. On a successful close, for all the shards of the writer together, step by step:
+   (a) the data files are ``fsync``-ed and a *pending* record is written to
+   ``0000003.shard.json.pending`` and ``fsync``-ed; (b) the pending record replaces the
+   commit record (the old shard is no longer committed), then the directory is
+   ``fsync``-ed; (c) the data files are renamed over their final names, then the directory
+   is ``fsync``-ed; (d) the committed record is written into the lock file, ``fsync``-ed
+   and renamed over the record (the commit point), then the directory is ``fsync``-ed.
+   Three directory ``fsync`` calls per close, however many shards.
 3. On an error (or ``abort``) the temporary files are removed: readers keep seeing the
-   previous content of ``k``, or no shard ``k``.
+   previous content of ``k``, or no shard ``k``. An error during (b) or (c) before any of
+   the shard's data files was renamed puts its previous record back.
 
-A crash during step 2 leaves a pending record, which readers report; once any shard of a
-dataset has a record, a shard without one is reported as uncommitted. Datasets without any
-record (written by GuideLoom) open as they are, with the checks their sizes allow.
+A crash after step 2b and before 2d leaves a pending record, which readers report (an
+error during 2a leaves every shard as it was); once any shard of a dataset has a record, a
+shard without one is reported as uncommitted. Datasets without any record (written by
+GuideLoom) open as they are, with the checks their sizes allow.
 """
 
 from __future__ import annotations
@@ -53,9 +59,19 @@ TMP = ".tmp"
 PENDING = ".pending"
 
 RECORD_VERSION = 1
+#: Names of shard files: the id as ``shard_name`` writes it (7 digits, or more without a
+#: leading zero past 9,999,999), a known suffix, and ``.tmp``/``.pending`` for temporaries.
 _NAME = re.compile(
-    r"^(\d{7,})(\.in_band\.bin|\.out_of_band\.bin|\.out_of_band\.index|\.shard\.json)(\.tmp)?$"
+    r"^(\d{7}|[1-9]\d{7,})"
+    r"(\.in_band\.bin|\.out_of_band\.bin|\.out_of_band\.index|\.shard\.json)"
+    r"(\.tmp|\.pending)?$"
 )
+#: The data-file suffixes GuideLoom writes, and the storage classes that use each.
+_DATA_SUFFIXES = {
+    IN_BAND: "StreamStorage or StreamWithMetaStorage",
+    OUT_OF_BAND: "DocumentStorage or StreamWithMetaStorage",
+    INDEX: "DocumentStorage or StreamWithMetaStorage",
+}
 _CHUNK = 16 << 20
 
 
@@ -155,6 +171,18 @@ class ShardRecord:
     def from_json(cls, raw: bytes, where: str) -> ShardRecord:
         try:
             data = json.loads(raw)
+            version = int(data["guideloom_pipes_record"])
+        except (ValueError, KeyError, TypeError) as error:
+            raise CorruptShardError(
+                f"commit record {where} is unreadable ({type(error).__name__}: {error}); "
+                f"rewrite the shard"
+            ) from error
+        if version > RECORD_VERSION:
+            raise StorageError(
+                f"commit record {where} has format version {version}, newer than this "
+                f"guideloom_pipes understands ({RECORD_VERSION}); upgrade guideloom_pipes"
+            )
+        try:
             return cls(
                 kind=data["kind"],
                 shard=int(data["shard"]),
@@ -168,7 +196,8 @@ class ShardRecord:
             )
         except (ValueError, KeyError, TypeError) as error:
             raise CorruptShardError(
-                f"commit record {where} is unreadable ({error}); rewrite the shard"
+                f"commit record {where} is unreadable ({type(error).__name__}: {error}); "
+                f"rewrite the shard"
             ) from error
 
 
@@ -227,7 +256,7 @@ def _is_locked(path: str) -> bool:
     """Whether a live writer holds the write lock on ``path``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except OSError:  # gone (committed or aborted), or not a local file at all
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -242,16 +271,21 @@ def _is_locked(path: str) -> bool:
         os.close(fd)
 
 
-def discover(backend: Any, directory: PurePath, primary: str) -> ShardListing:
-    """Find the shards of ``directory`` whose presence is marked by files ending in ``primary``.
+def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -> ShardListing:
+    """Find the shards of ``directory``, a dataset whose shards consist of ``suffixes`` files.
 
     Lists the directory when the backend can (local backends, or one with ``list_dir``):
     a gap in the ids is an error naming the missing shard, an empty or missing directory is
+    an error, data files of another storage class in a directory without commit records are
     an error, stale temporary files are named in a :class:`StaleWriteWarning`. Otherwise
-    probes ids 0, 1, 2, 4, ... and bisects the end, as GuideLoom does (a gap is undetectable).
+    probes ids 0, 1, 2, 4, ... for the first suffix's files and bisects the end, as
+    GuideLoom does (a gap is then undetectable).
     """
     from guideloom_pipes.storage.io import _LocalBackend
 
+    if isinstance(suffixes, str):
+        suffixes = (suffixes,)
+    ours = tuple(suffixes)
     if isinstance(backend, _LocalBackend):
         sizes_by_name: dict[str, int] | None = _scan_local(directory)
     elif callable(getattr(backend, "list_dir", None)):
@@ -266,12 +300,13 @@ def discover(backend: Any, directory: PurePath, primary: str) -> ShardListing:
         sizes_by_name = None
 
     if sizes_by_name is None:
-        return _probe(backend, directory, primary)
+        return _probe(backend, directory, ours[0])
 
     ids: set[int] = set()
     sizes: dict[tuple[int, str], int] = {}
     record_names: dict[int, str] = {}
     temporaries: dict[int, list[str]] = {}
+    foreign: set[str] = set()
     for name, size in sizes_by_name.items():
         match = _NAME.match(name)
         if match is None:
@@ -283,28 +318,38 @@ def discover(backend: Any, directory: PurePath, primary: str) -> ShardListing:
         if suffix == RECORD:
             record_names[shard] = name
             continue
-        if size >= 0:
-            sizes[(shard, suffix)] = size
-        else:
-            sizes.setdefault((shard, suffix), -1)
-        if suffix == primary:
-            ids.add(shard)
+        if suffix not in ours:
+            foreign.add(suffix)
+            continue
+        sizes[(shard, suffix)] = size
+        ids.add(shard)
     if temporaries and isinstance(backend, _LocalBackend):
         _warn_stale(directory, temporaries)
     ids |= set(record_names)
+    where = _display(directory)
+    if foreign and not record_names:
+        # Without commit records the kind is known only from the file names: GuideLoom's
+        # storages never mix these, and reading one as another returns garbage.
+        kinds = " and ".join(sorted(f"*{s}" for s in foreign))
+        owners = sorted({_DATA_SUFFIXES[s] for s in foreign})
+        raise ValueError(
+            f"{where} holds {kinds} files, which a dataset with only {', '.join(ours)} files "
+            f"does not have: it looks like a {' / '.join(owners)} dataset. Open it with the "
+            f"storage class it was written with"
+        )
     if not ids:
         raise FileNotFoundError(
-            f"no shards in {_display(directory)} (no *{primary} files); write the dataset "
-            f"first, or check the path and the storage class"
+            f"no shards in {where} (no {' / '.join(f'*{s}' for s in ours)} files); write the "
+            f"dataset first, or check the path and the storage class"
         )
     count = max(ids) + 1
     if len(ids) != count:
         missing = sorted(set(range(count)) - ids)
         found = ", ".join(str(i) for i in sorted(ids)[:20]) + (", ..." if len(ids) > 20 else "")
         raise FileNotFoundError(
-            f"shard {shard_name(missing[0])} is missing from {_display(directory)} "
-            f"(found {found}); {len(missing)} missing in all. Rewrite the missing shard(s), "
-            f"or renumber the shards so that ids run 0..N-1"
+            f"shard {shard_name(missing[0])} is missing from {where} (found {found}); "
+            f"{len(missing)} missing in all. Rewrite the missing shard(s), or renumber the "
+            f"shards so that ids run 0..N-1"
         )
     records = {
         shard: ShardRecord.from_json(
@@ -367,8 +412,8 @@ def check_listing(
     """Check every shard's files against its commit record; the file sizes per shard.
 
     Refuses: a shard without a record when others have one (uncommitted), a pending record
-    (interrupted commit), a record of another kind, a dtype other than the one asked for,
-    a missing file, a file whose size differs from its record.
+    (interrupted commit), a record of another kind or shard, a dtype other than the one
+    asked for, a missing file, a file whose size differs from its record.
     """
     directory = listing.directory
     where = _display(directory)
@@ -376,6 +421,16 @@ def check_listing(
     have_records = bool(listing.records)
     for shard in range(listing.num_shards):
         name = shard_name(shard)
+        record = listing.records.get(shard)
+        if record is None and have_records:
+            raise UncommittedShardError(
+                f"shard {name} of {where} has no commit record ({name}{RECORD}) although "
+                f"other shards do: it was not committed by a writer that closed successfully "
+                f"(interrupted, or written by another tool such as GuideLoom). Rewrite shard "
+                f"{shard} with a guideloom_pipes writer"
+            )
+        if record is not None:
+            _check_record(record, listing, shard, kind, dtype, dtype_hint)
         sizes: dict[str, int] = {}
         for suffix in suffixes:
             size = listing.sizes.get((shard, suffix))
@@ -388,50 +443,71 @@ def check_listing(
                     f"Rewrite shard {shard}"
                 )
             sizes[suffix] = size
-        record = listing.records.get(shard)
-        if record is None:
-            if have_records:
-                raise UncommittedShardError(
-                    f"shard {name} of {where} has no commit record ({name}{RECORD}) although "
-                    f"other shards do: it was not committed by a writer that closed "
-                    f"successfully (interrupted, or written by another tool). Rewrite shard "
-                    f"{shard} with a guideloom_pipes writer"
-                )
-            result.append(sizes)
-            continue
-        if record.state != "committed":
-            raise UncommittedShardError(
-                f"shard {name} of {where} was being committed when its writer stopped "
-                f"(record state {record.state!r}); its files may mix old and new data. "
-                f"Rewrite shard {shard}"
-            )
-        if record.kind != kind:
-            raise ValueError(
-                f"shard {name} of {where} was written as {record.kind!r} data, but it is "
-                f"opened as {kind!r}; open it with the storage class it was written with"
-            )
-        if dtype is not None and record.dtype is not None and record.dtype != dtype:
-            hint = dtype_hint(record.dtype) if dtype_hint else f"np.dtype({record.dtype.descr!r})"
-            raise ValueError(
-                f"shard {name} of {where} was written with dtype {record.dtype} but the format "
-                f"asks for {dtype}; reading it would return garbage. Open it with {hint}"
-            )
-        for suffix in suffixes:
+            if record is None:
+                continue
             expected = record.files.get(suffix.lstrip("."))
             if expected is None:
                 raise CorruptShardError(
                     f"commit record of shard {name} of {where} does not list {name}{suffix}; "
                     f"rewrite shard {shard}"
                 )
-            if expected.size != sizes[suffix]:
-                change = "truncated" if sizes[suffix] < expected.size else "grown"
+            if expected.size != size:
+                change = "truncated" if size < expected.size else "grown"
                 raise CorruptShardError(
-                    f"{name}{suffix} in {where} is {sizes[suffix]} bytes but was committed with "
+                    f"{name}{suffix} in {where} is {size} bytes but was committed with "
                     f"{expected.size} bytes: the file was {change} after it was written. "
                     f"Restore it or rewrite shard {shard}"
                 )
         result.append(sizes)
     return result
+
+
+def _check_record(
+    record: ShardRecord,
+    listing: ShardListing,
+    shard: int,
+    kind: str,
+    dtype: np.dtype[Any] | None,
+    dtype_hint: Callable[[np.dtype[Any]], str] | None,
+) -> None:
+    name = shard_name(shard)
+    where = _display(listing.directory)
+    if record.state != "committed":
+        lock = listing.directory / (name + RECORD + TMP)
+        if listing.listed and _is_locked(os.fspath(lock)):
+            raise UncommittedShardError(
+                f"shard {name} of {where} is being committed by a live writer right now "
+                f"(it holds {_display(lock)}); open the dataset again once the writer has closed"
+            )
+        raise UncommittedShardError(
+            f"shard {name} of {where} was being committed when its writer stopped (record "
+            f"{name}{RECORD} is in state {record.state!r}); its files may mix old and new "
+            f"data. Rewrite shard {shard}"
+        )
+    if record.shard != shard:
+        raise CorruptShardError(
+            f"commit record {name}{RECORD} in {where} belongs to shard {record.shard}, not "
+            f"{shard} (was it copied or renamed?); rewrite shard {shard}"
+        )
+    if record.kind != kind:
+        raise ValueError(
+            f"shard {name} of {where} was written as {record.kind!r} data, but it is opened "
+            f"as {kind!r}; open it with the storage class it was written with "
+            f"({_STORAGE_CLASSES.get(record.kind, record.kind)})"
+        )
+    if dtype is not None and record.dtype is not None and record.dtype != dtype:
+        hint = dtype_hint(record.dtype) if dtype_hint else f"np.dtype({record.dtype.descr!r})"
+        raise ValueError(
+            f"shard {name} of {where} was written with dtype {record.dtype} but the format "
+            f"asks for {dtype}; reading it would return garbage. Open it with {hint}"
+        )
+
+
+_STORAGE_CLASSES = {
+    "stream": "StreamStorage",
+    "stream_meta": "StreamWithMetaStorage",
+    "document": "DocumentStorage",
+}
 
 
 def verify_checksums(
@@ -509,6 +585,12 @@ class _CountingFile:
     def close(self) -> None:
         self.file.close()
 
+    def discard(self) -> None:
+        """Close without reporting errors and remove the file (the shard is abandoned)."""
+        with contextlib.suppress(OSError, ValueError):
+            self.file.close()
+        _unlink_quiet(self.path)
+
 
 def _take_lock(path: str, shard: int, directory: str) -> int:
     """Open ``path`` and hold an exclusive ``flock`` on it; the descriptor."""
@@ -542,6 +624,10 @@ def _take_lock(path: str, shard: int, directory: str) -> int:
 class ShardTransaction:
     """The temporary files of one shard being written, committed or aborted as a unit.
 
+    Committing runs in four steps (see the module docstring); :func:`commit_transactions`
+    runs each step for a group of shards before the next, so one ``fsync`` of the
+    directory per step covers the whole group.
+
     Args:
         directory: the dataset directory (a local path).
         shard: the shard id.
@@ -554,10 +640,18 @@ class ShardTransaction:
         self.shard = shard
         self.kind = kind
         self.suffixes = tuple(suffixes)
+        self.done = False
+        self.stage = "writing"
+        self.record: ShardRecord | None = None
         stem = os.path.join(directory, shard_name(shard))
+        self._stem = stem
         self._record_path = stem + RECORD
         self._lock_path = stem + RECORD + TMP
+        self._pending_path = stem + RECORD + PENDING
+        self._old_record: bytes | None = None
+        self._renamed = 0
         self._lock_fd = _take_lock(self._lock_path, shard, directory)
+        self._lock_linked = True  # the lock file still has its .tmp name
         self.files: dict[str, _CountingFile] = {}
         try:
             for suffix in self.suffixes:
@@ -565,15 +659,13 @@ class ShardTransaction:
         except BaseException:
             self.abort()
             raise
-        self.done = False
 
-    def commit(self, count: int, dtype: np.dtype[Any] | None, payloads: int | None = None) -> None:
-        """Make the shard visible: fsync, pending record, renames, committed record."""
-        stem = os.path.join(self.directory, shard_name(self.shard))
+    def prepare(self, count: int, dtype: np.dtype[Any] | None, payloads: int | None = None) -> None:
+        """Step 1: ``fsync`` the data files and write the pending record (not yet in place)."""
         for handle in self.files.values():
             handle.sync()
             handle.close()
-        record = ShardRecord(
+        self.record = ShardRecord(
             kind=self.kind,
             shard=self.shard,
             count=count,
@@ -582,42 +674,137 @@ class ShardTransaction:
             payloads=payloads,
             state="pending",
         )
-        pending = stem + RECORD + PENDING
-        with open(pending, "wb") as out:
-            out.write(record.to_json())
+        try:
+            with open(self._record_path, "rb") as old:
+                self._old_record = old.read()
+        except FileNotFoundError:
+            self._old_record = None
+        with open(self._pending_path, "wb") as out:
+            out.write(self.record.to_json())
             out.flush()
             os.fsync(out.fileno())
-        os.replace(pending, self._record_path)
+        self.stage = "prepared"
+
+    def install(self) -> None:
+        """Step 2: the pending record replaces the committed one; the old shard is gone."""
+        os.replace(self._pending_path, self._record_path)
+        self.stage = "installed"
+
+    def publish(self) -> None:
+        """Step 3: rename the data files over their final names."""
         for suffix in self.suffixes:
-            os.replace(stem + suffix + TMP, stem + suffix)
-        _fsync_directory(self.directory)
-        record.state = "committed"
-        data = record.to_json()
+            os.replace(self._stem + suffix + TMP, self._stem + suffix)
+            self._renamed += 1
+        self.stage = "published"
+
+    def finish(self) -> None:
+        """Step 4 (the commit point): the committed record replaces the pending one."""
+        assert self.record is not None
+        self.record.state = "committed"
+        self._replace_record(self.record.to_json())
+        self.stage = "committed"
+
+    def _replace_record(self, data: bytes) -> None:
+        # The lock file becomes the record: it is ours alone while we hold its lock.
         os.pwrite(self._lock_fd, data, 0)
+        os.ftruncate(self._lock_fd, len(data))
         os.fsync(self._lock_fd)
         os.replace(self._lock_path, self._record_path)
-        _fsync_directory(self.directory)
-        os.close(self._lock_fd)
-        self._lock_fd = -1
+        self._lock_linked = False
+
+    def release(self) -> None:
+        """Drop the write lock (after the commit)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
         self.done = True
 
+    def commit(self, count: int, dtype: np.dtype[Any] | None, payloads: int | None = None) -> None:
+        """Make this shard visible (all four steps); see :func:`commit_transactions`."""
+        commit_transactions(
+            self.directory, [self], lambda _: {"count": count, "dtype": dtype, "payloads": payloads}
+        )
+
     def abort(self) -> None:
-        """Remove the temporary files; the committed shard (if any) stays as it was."""
+        """Remove the temporary files; the committed shard (if any) stays as it was.
+
+        After step 2, and before any data file was renamed, the previous commit record is
+        put back. Once a data file was renamed, the pending record stays, so readers report
+        the shard as uncommitted rather than read a mix of old and new files.
+        """
         for handle in self.files.values():
-            try:
-                handle.close()
-            finally:
-                _unlink_quiet(handle.path)
+            handle.discard()
+        _unlink_quiet(self._pending_path)
+        if self.stage == "installed" and self._renamed == 0 and self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                if self._old_record is None:
+                    os.unlink(self._record_path)
+                else:
+                    self._replace_record(self._old_record)
+                _fsync_directory(self.directory)
         if self._lock_fd >= 0:
-            _unlink_quiet(self._lock_path)
+            if self._lock_linked:
+                _unlink_quiet(self._lock_path)  # still ours: nobody else can lock it
             os.close(self._lock_fd)
             self._lock_fd = -1
         self.done = True
 
 
+def commit_transactions(
+    directory: str,
+    transactions: Sequence[ShardTransaction],
+    commit_args: Callable[[ShardTransaction], dict[str, Any]],
+) -> None:
+    """Commit a group of shards of ``directory``: each step for every shard, then the next.
+
+    ``commit_args(transaction)`` gives the keyword arguments of
+    :meth:`ShardTransaction.prepare` (it may still write to the transaction's files).
+    An error before any shard's pending record is in place (the usual case: a full disk
+    while flushing) leaves every shard as it was. On any error the unfinished shards are
+    aborted and the error re-raised.
+    """
+    try:
+        for transaction in transactions:
+            transaction.prepare(**commit_args(transaction))
+        if not transactions:
+            return
+        for transaction in transactions:
+            transaction.install()
+        _fsync_directory(directory)  # no data file is renamed before its pending record lands
+        for transaction in transactions:
+            transaction.publish()
+        _fsync_directory(directory)
+        for transaction in transactions:
+            transaction.finish()
+        _fsync_directory(directory)
+    except BaseException:
+        for transaction in transactions:
+            if transaction.stage != "committed":
+                transaction.abort()
+        raise
+    finally:
+        for transaction in transactions:
+            if transaction.stage == "committed":
+                transaction.release()
+
+
 def _unlink_quiet(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _too_many_files(error: OSError, shard: int, open_shards: int, per_shard: int) -> OSError:
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return OSError(
+        error.errno,
+        f"too many open files while starting shard {shard_name(shard)}: a writer keeps "
+        f"{per_shard} file descriptors open per shard it writes until it closes, and this one "
+        f"has {open_shards} shards open (the limit is {limit} descriptors per process). Write "
+        f"at most about {max(1, (limit - 64) // per_shard)} shards per writer (close it and "
+        f"open a new one for the next shards), or raise the limit (ulimit -n)",
+    )
 
 
 class ShardWriterBase:
@@ -651,7 +838,10 @@ class ShardWriterBase:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this writer is closed; open a new one with storage.sync_writer()")
+            raise RuntimeError(
+                f"this writer of {self.directory} is closed (committed or aborted), it takes "
+                f"no more appends; open a new one with storage.sync_writer()"
+            )
 
     def _transaction(self, shard: Any) -> ShardTransaction:
         shard = check_shard_id(shard)
@@ -659,7 +849,14 @@ class ShardWriterBase:
         transaction = self._transactions.get(shard)
         if transaction is None:
             os.makedirs(self.directory, exist_ok=True)
-            transaction = ShardTransaction(self.directory, shard, self.kind, self.suffixes)
+            try:
+                transaction = ShardTransaction(self.directory, shard, self.kind, self.suffixes)
+            except OSError as error:
+                if error.errno in (errno.EMFILE, errno.ENFILE):
+                    raise _too_many_files(
+                        error, shard, len(self._transactions), len(self.suffixes) + 1
+                    ) from error
+                raise
             self._transactions[shard] = transaction
         return transaction
 
@@ -667,19 +864,17 @@ class ShardWriterBase:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Commit every shard this writer touched (each atomically), in id order."""
+        """Commit every shard this writer touched, each atomically.
+
+        Either every shard is committed, or the error is raised; shards whose commit did
+        not finish then read as before, or (after a failure in the middle of renaming their
+        files) are reported as uncommitted, never as a mix of old and new.
+        """
         if self._closed:
             return
         self._closed = True
-        pending = sorted(self._transactions.items())
-        try:
-            for shard, transaction in pending:
-                transaction.commit(**self._commit_args(shard))
-        except BaseException:
-            for _, transaction in pending:
-                if not transaction.done:
-                    transaction.abort()
-            raise
+        transactions = [t for _, t in sorted(self._transactions.items())]
+        commit_transactions(self.directory, transactions, lambda t: self._commit_args(t.shard))
 
     def abort(self) -> None:
         """Drop everything written in this session; committed shards stay as they were."""
