@@ -1,0 +1,663 @@
+"""``StatefulDataLoader``: GuideLoom's resumable loader, built from :mod:`guideloom_pipes.pipes`.
+
+It reproduces GuideLoom 1.1's constructor, order and checkpoints (SPEC §5, with the
+differences of §6) and accepts the keywords of ``torch.utils.data.DataLoader``.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing.context
+import operator
+import pickle
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import torch
+from torchdata.nodes import BaseNode
+
+from guideloom_pipes._reading import _open_reader
+from guideloom_pipes.pipes import (
+    Collate,
+    PinMemory,
+    Prefetcher,
+    RankPositions,
+    ReadSamples,
+    Shuffle,
+    ToDevice,
+    close_pipeline,
+    default_collate,
+    draw_seed,
+)
+
+__all__ = ["StatefulDataLoader"]
+
+_STATE_KEYS = ("epoch", "observation_offset", "shuffle", "shuffle_seed", "drop_last")
+#: Extra key of ours in ``state_dict()``: the dataset size, to warn when it changed.
+_NUM_SAMPLES_KEY = "num_samples"
+_METHODS = ("thread", "process")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _int_arg(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def _bool_arg(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_picklable(name: str, value: Any) -> None:
+    try:
+        pickle.dumps(value)
+    except Exception as error:
+        raise TypeError(
+            f"{name} {value!r} cannot be pickled ({error}), and parallel_method='process' "
+            f"sends it to every worker process: define it at module level (not a lambda, a "
+            f"nested function or an object holding open files or locks), or use "
+            f"parallel_method='thread'"
+        ) from error
+
+
+def _reject_torch_keywords(
+    sampler: Any,
+    batch_sampler: Any,
+    worker_init_fn: Any,
+    persistent_workers: Any,
+    pin_memory_device: Any,
+    in_order: Any,
+) -> None:
+    """torch ``DataLoader`` keywords this loader cannot honour: say what to use instead."""
+    if sampler is not None:
+        raise ValueError(
+            f"sampler={sampler!r} is not supported: the loader orders samples itself so that "
+            "it can checkpoint and resume them exactly. Pass shuffle=True (with shuffle_seed=) "
+            "for a random order, and rank=/world_size= instead of a DistributedSampler"
+        )
+    if batch_sampler is not None:
+        raise ValueError(
+            f"batch_sampler={batch_sampler!r} is not supported: pass batch_size= (or "
+            "local_batch_size=), drop_last= and shuffle= instead"
+        )
+    if worker_init_fn is not None:
+        raise ValueError(
+            f"worker_init_fn={worker_init_fn!r} is not supported: workers read whole batches "
+            "through the dataset, so put per-worker setup in the dataset (our datasets open "
+            "one reader per worker process) or in collate_fn"
+        )
+    if persistent_workers:
+        raise ValueError(
+            "persistent_workers=True is not supported: workers start with each iterator and "
+            "stop with it, so no thread or process outlives an epoch; remove the keyword "
+            "(thread workers start in microseconds)"
+        )
+    if pin_memory_device:
+        raise ValueError(
+            f"pin_memory_device={pin_memory_device!r} is not supported: pass device= (the "
+            "device batches are moved to) with pin_memory=True"
+        )
+    if in_order is not True:
+        raise ValueError(
+            f"in_order={in_order!r} is not supported: batches always arrive in order, which is "
+            "what makes checkpoints exact; remove the keyword"
+        )
+
+
+class StatefulDataLoader:
+    """GuideLoom's resumable data loader: exact shuffled order, exact checkpoints, many ranks.
+
+    Each rank takes its strided share of every global batch of ``local_batch_size *
+    world_size`` positions; with ``shuffle`` position ``p`` of epoch ``e`` is sample
+    ``feistel_e(p)`` (GuideLoom's permutation). ``state_dict()`` describes what was delivered
+    to the caller and resumes in O(1), also on another world size or batch size.
+
+    Built from :mod:`guideloom_pipes.pipes` stages: ``RankPositions -> Shuffle ->
+    ReadSamples -> Collate -> PinMemory -> Prefetcher -> ToDevice`` (each only when needed).
+
+    It is a context manager (``open()``/``close()`` the dataset's reader; used without
+    ``with`` it opens on first use) and an iterable: each iterator is one epoch (or the rest
+    of one). Drain or close an iterator before asking for the next.
+
+    Args:
+        dataset: Any map-style dataset (``len`` and ``[i]``: a torch ``Dataset``, a numpy
+            array, a ``Sequence``) or ours (``StreamDataset``, ``DocumentDataset``).
+        collate_fn: samples -> batch. ``None`` collates as torch's ``default_collate`` and
+            delivers an empty rank batch as ``[]``; a given ``collate_fn`` also gets ``[]``.
+        device: Where batches go (tensors nested in dicts, lists, tuples, dataclasses); by
+            default the current CUDA device, else the CPU (no copy).
+        local_batch_size: Samples per batch on this rank (torch's ``batch_size``).
+        rank: This process's global rank, ``0 <= rank < world_size``.
+        world_size: Number of training processes sharing the dataset.
+        num_workers: Worker threads or processes reading whole batches in parallel
+            (0: read in the calling thread, or in the prefetch thread when ``prefetch``).
+        parallel_method: ``"thread"`` or ``"process"`` (``spawn`` start method by default;
+            ``collate_fn`` and ``dataset`` must then be picklable).
+        shuffle: Shuffle with GuideLoom's per-epoch Feistel permutation.
+        shuffle_seed: Seed of the shuffle; ``None`` draws one now (see ``state_dict()``).
+        pin_memory: Pin batches before moving them to a CUDA device (ignored, with a
+            warning, for a CPU device).
+        drop_last: Drop the incomplete final global batch (True) or pad it (False: final
+            batches may be short, or ``[]`` on some ranks).
+        prefetch: How many finished batches wait ahead of the training loop (0: none; with
+            workers, reads still overlap training).
+        batch_size: torch's name for ``local_batch_size``.
+        prefetch_factor: torch's per-worker prefetch: ``prefetch = prefetch_factor *
+            num_workers`` (needs ``num_workers > 0``, as in torch).
+        multiprocessing_context: Start method or context for ``parallel_method="process"``
+            (``"spawn"`` by default, ``"forkserver"``, ``"fork"``).
+        timeout: Seconds to wait for a worker's batch before raising (0: forever).
+        generator: A ``torch.Generator`` to draw the shuffle seed from when ``shuffle_seed``
+            is ``None``.
+        sampler: Not supported (pass ``shuffle``/``rank``/``world_size``).
+        batch_sampler: Not supported (pass ``batch_size``/``drop_last``).
+        worker_init_fn: Not supported.
+        persistent_workers: Only ``False`` (workers live as long as their iterator).
+        pin_memory_device: Only ``""`` (pass ``device``).
+        in_order: Only ``True``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        *,
+        device: torch.device | str | int | None = None,
+        local_batch_size: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        parallel_method: str = "thread",
+        shuffle: bool | None = False,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        prefetch: int = 0,
+        batch_size: int | None = _UNSET,
+        prefetch_factor: int | None = None,
+        multiprocessing_context: str | multiprocessing.context.BaseContext | None = None,
+        timeout: float = 0,
+        generator: torch.Generator | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        worker_init_fn: Any = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+    ) -> None:
+        if collate_fn is not None and not callable(collate_fn):
+            if isinstance(collate_fn, int) and not isinstance(collate_fn, bool):
+                raise TypeError(
+                    f"the second positional argument is collate_fn, got {collate_fn!r}: for a "
+                    f"batch size, pass batch_size={collate_fn} (or local_batch_size="
+                    f"{collate_fn})"
+                )
+            raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
+        _reject_torch_keywords(
+            sampler, batch_sampler, worker_init_fn, persistent_workers, pin_memory_device, in_order
+        )
+        if isinstance(dataset, torch.utils.data.IterableDataset):
+            raise TypeError(
+                f"{type(dataset).__name__} is an iterable-style dataset; this loader needs a "
+                "map-style one (len() and [i]) to shuffle, shard and resume by position"
+            )
+        if not hasattr(dataset, "__len__") or not (
+            hasattr(dataset, "__getitem__") or hasattr(dataset, "sync_reader")
+        ):
+            raise TypeError(
+                f"dataset must be map-style (support len() and [i]), got {type(dataset).__name__}"
+            )
+
+        # torch's batch_size / prefetch_factor / shuffle=None / timeout
+        if batch_size is not _UNSET:
+            if batch_size is None:
+                raise ValueError(
+                    "batch_size=None (torch's unbatched loading) is not supported: pass "
+                    "batch_size=1 and take batch[0], or collate_fn=lambda samples: samples[0]"
+                )
+            batch_size = _int_arg("batch_size", batch_size, 1)
+            if local_batch_size not in (1, batch_size):
+                raise ValueError(
+                    f"batch_size={batch_size} and local_batch_size={local_batch_size} disagree: "
+                    "pass only one of them (they mean the same)"
+                )
+            local_batch_size = batch_size
+        if shuffle is None:
+            shuffle = False
+        self.num_workers = _int_arg("num_workers", num_workers, 0)
+        if prefetch_factor is not None:
+            prefetch_factor = _int_arg("prefetch_factor", prefetch_factor, 1)
+            if self.num_workers == 0:
+                raise ValueError(
+                    f"prefetch_factor={prefetch_factor} applies only with num_workers > 0 (as "
+                    "in torch); pass prefetch= for finished batches waiting ahead"
+                )
+            if prefetch != 0:
+                raise ValueError(
+                    f"pass prefetch ({prefetch}) or prefetch_factor ({prefetch_factor}), not "
+                    "both: prefetch = prefetch_factor * num_workers"
+                )
+            prefetch = prefetch_factor * self.num_workers
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.local_batch_size = _int_arg("local_batch_size", local_batch_size, 1)
+        self.world_size = _int_arg("world_size", world_size, 1)
+        self.rank = _int_arg("rank", rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(
+                f"rank must be < world_size ({self.world_size}), got {self.rank}: pass the "
+                "global rank, from 0 to world_size - 1"
+            )
+        if parallel_method not in _METHODS:
+            raise ValueError(
+                f"parallel_method must be 'thread' or 'process', got {parallel_method!r}"
+            )
+        self.parallel_method = parallel_method
+        if multiprocessing_context is not None and parallel_method != "process":
+            raise ValueError(
+                f"multiprocessing_context={multiprocessing_context!r} applies only to process "
+                "workers: pass parallel_method='process' too (workers are threads by default)"
+            )
+        self.multiprocessing_context = multiprocessing_context
+        self.timeout = float(timeout)
+        self.shuffle = _bool_arg("shuffle", shuffle)
+        self.drop_last = _bool_arg("drop_last", drop_last)
+        self.prefetch = _int_arg("prefetch", prefetch, 0)
+        pin_memory = _bool_arg("pin_memory", pin_memory)
+
+        if shuffle_seed is not None:
+            if generator is not None:
+                raise ValueError("pass shuffle_seed or generator, not both")
+            shuffle_seed = _int_arg("shuffle_seed", shuffle_seed, 0)
+        self._seed_given = shuffle_seed is not None
+        if shuffle_seed is None and self.shuffle:
+            if generator is not None:
+                shuffle_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+            else:
+                shuffle_seed = draw_seed()
+        self.shuffle_seed: int | None = shuffle_seed
+
+        self.device = _default_device() if device is None else torch.device(device)
+        if pin_memory and self.device.type != "cuda":
+            warnings.warn(
+                f"pin_memory=True has no effect with device={self.device}: pinned memory only "
+                "speeds up copies to a CUDA device; ignoring it (GuideLoom raises ValueError)",
+                UserWarning,
+                stacklevel=2,
+            )
+            pin_memory = False
+        self.pin_memory = pin_memory
+        if self.device.type == "cuda" and not pin_memory:
+            warnings.warn(
+                f"device={self.device} without pin_memory=True: host-to-device copies will be "
+                "synchronous; pass pin_memory=True",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self.prefetch * self.local_batch_size < self.num_workers:
+            warnings.warn(
+                f"prefetch * local_batch_size = {self.prefetch * self.local_batch_size} < "
+                f"num_workers = {self.num_workers}: GuideLoom warns here because its "
+                "per-sample workers then idle. This loader reads whole batches and keeps "
+                "2 * num_workers of them in flight anyway; set prefetch >= "
+                f"{math.ceil(self.num_workers / self.local_batch_size)} to also let finished "
+                "batches wait ahead of the training loop",
+                UserWarning,
+                stacklevel=2,
+            )
+        if self.parallel_method == "process" and self.num_workers > 0:
+            _check_picklable("collate_fn", self.collate_fn)
+            _check_picklable("dataset", self.dataset)
+
+        self._epoch = 0
+        self._offset = 0
+        self._reader: Any = None
+        self._owns_reader = False
+        self._is_open = False
+        self._iterator: weakref.ref[_LoaderIterator] | None = None
+
+    @classmethod
+    def from_storage(
+        cls,
+        storage: Any,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        *,
+        sequence_length: int | None = None,
+        **kwargs: Any,
+    ) -> StatefulDataLoader:
+        """A loader over a storage: ``StreamDataset`` or ``DocumentDataset`` picked for you.
+
+        Args:
+            storage: A ``StreamStorage``, ``StreamWithMetaStorage`` or ``DocumentStorage``.
+            collate_fn: As for the constructor.
+            sequence_length: Elements per sample; required for stream storages, refused for
+                document storages.
+            **kwargs: The constructor's keywords.
+        """
+        from guideloom_pipes.datasets import DocumentDataset, StreamDataset
+        from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
+
+        dataset: Any
+        if isinstance(storage, (StreamStorage, StreamWithMetaStorage)):
+            if sequence_length is None:
+                raise ValueError(
+                    f"{type(storage).__name__} needs sequence_length= (the number of stream "
+                    "elements per sample)"
+                )
+            dataset = StreamDataset(storage, sequence_length)
+        elif isinstance(storage, DocumentStorage):
+            if sequence_length is not None:
+                raise TypeError(
+                    f"DocumentStorage takes no sequence_length (got {sequence_length!r}): each "
+                    "document is one sample; remove the keyword"
+                )
+            dataset = DocumentDataset(storage)
+        else:
+            raise TypeError(
+                "storage must be a StreamStorage, StreamWithMetaStorage or DocumentStorage, "
+                f"got {type(storage).__name__}; wrap other data in a dataset and pass it to "
+                "StatefulDataLoader(dataset, ...)"
+            )
+        return cls(dataset, collate_fn, **kwargs)
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """torch's name for ``local_batch_size``."""
+        return self.local_batch_size
+
+    @property
+    def global_batch_size(self) -> int:
+        """``local_batch_size * world_size``: positions consumed per step by all ranks."""
+        return self.local_batch_size * self.world_size
+
+    def __len__(self) -> int:
+        """Steps in a full epoch: ``n // G`` with ``drop_last``, else ``ceil(n / G)``."""
+        n, g = len(self.dataset), self.global_batch_size
+        return n // g if self.drop_last else -(-n // g)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({type(self.dataset).__name__} of {len(self.dataset)}, "
+            f"local_batch_size={self.local_batch_size}, rank={self.rank}, "
+            f"world_size={self.world_size}, shuffle={self.shuffle}, "
+            f"drop_last={self.drop_last}, num_workers={self.num_workers}, "
+            f"parallel_method={self.parallel_method!r}, prefetch={self.prefetch}, "
+            f"device={self.device})"
+        )
+
+    # -- open / close -----------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Check the dataset holds a global batch and open its reader (idempotent)."""
+        if self._is_open:
+            return
+        n = len(self.dataset)
+        if n < self.global_batch_size:
+            raise ValueError(
+                f"the dataset has {n} samples, fewer than one global batch of "
+                f"local_batch_size * world_size = {self.local_batch_size} * {self.world_size} "
+                f"= {self.global_batch_size} (also required with drop_last=False): use a "
+                "smaller batch or world size, or more data"
+            )
+        self._reader, self._owns_reader = _open_reader(self.dataset)
+        self._is_open = True
+
+    def close(self) -> None:
+        """Close the active iterator (stopping its workers) and the dataset's reader."""
+        iterator = self._active_iterator()
+        if iterator is not None:
+            iterator.close()
+        if self._is_open:
+            reader, self._reader = self._reader, None
+            self._is_open = False
+            if self._owns_reader:
+                self._owns_reader = False
+                reader.close()
+
+    def __enter__(self) -> StatefulDataLoader:
+        self.open()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def _active_iterator(self) -> _LoaderIterator | None:
+        iterator = self._iterator() if self._iterator is not None else None
+        return iterator if iterator is not None and iterator._active else None
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._active_iterator() is not None:
+            raise RuntimeError(
+                "an iterator of this loader is still active: drain it or call its close() "
+                "before calling iter() again (take state_dict() first to resume mid-epoch)"
+            )
+        self.open()
+        root = self._build_pipeline(self._epoch, self._offset)
+        iterator = _LoaderIterator(self, root, self._epoch, self._offset)
+        self._iterator = weakref.ref(iterator)
+        return iterator
+
+    def _build_pipeline(self, epoch: int, offset: int) -> BaseNode[Any]:
+        node: BaseNode[Any] = RankPositions(
+            len(self.dataset),
+            self.local_batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            epoch=epoch,
+            observation_offset=offset,
+        )
+        if self.shuffle:
+            node = Shuffle(node, self.shuffle_seed)
+        collate = self.collate_fn if self.collate_fn is not None else default_collate
+        if self.num_workers == 0:
+            node = Collate(ReadSamples(node, self.dataset, reader=self._reader), collate)
+        else:
+            node = ReadSamples(
+                node,
+                self.dataset,
+                num_workers=self.num_workers,
+                method=self.parallel_method,  # type: ignore[arg-type]
+                multiprocessing_context=self.multiprocessing_context,
+                collate_fn=collate,
+                timeout=self.timeout or None,
+                reader=self._reader,
+            )
+        if self.pin_memory:
+            node = PinMemory(node)
+        if self.prefetch > 0:
+            node = Prefetcher(node, self.prefetch)
+        if self.device.type != "cpu":
+            node = ToDevice(node, self.device)
+        return node
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What was delivered: GuideLoom's five keys plus ``num_samples`` (ours).
+
+        ``observation_offset`` grows by the global batch size for each batch handed to the
+        caller (padding included; prefetched batches do not count). A drained iterator moves
+        to ``(epoch + 1, 0)``; one closed early to ``(epoch, 0)``.
+        """
+        iterator = self._active_iterator()
+        if iterator is not None:
+            epoch, offset = iterator._epoch, iterator._position()
+        else:
+            epoch, offset = self._epoch, self._offset
+        return {
+            "epoch": epoch,
+            "observation_offset": offset,
+            "shuffle": self.shuffle,
+            "shuffle_seed": self.shuffle_seed,
+            "drop_last": self.drop_last,
+            _NUM_SAMPLES_KEY: len(self.dataset),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from ``state_dict`` (ours or GuideLoom's) at the next ``iter()``.
+
+        It may come from a loader with another world size or batch size (the offset is
+        global). Shuffle, seed and drop_last mismatches warn; a loader built with
+        ``shuffle_seed=None`` adopts the state's seed. A state from a dataset of another
+        size warns.
+
+        Args:
+            state_dict: A dict from :meth:`state_dict` (or GuideLoom's).
+        """
+        if self._active_iterator() is not None:
+            raise RuntimeError(
+                "load_state_dict() while an iterator of this loader is active: drain it or "
+                "call its close() first"
+            )
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(
+                f"state_dict is missing {missing}: expected the keys {list(_STATE_KEYS)} of "
+                "StatefulDataLoader.state_dict()"
+            )
+        epoch = _int_arg("state_dict['epoch']", state_dict["epoch"], 0)
+        offset = _int_arg("state_dict['observation_offset']", state_dict["observation_offset"], 0)
+        saved_shuffle = state_dict["shuffle"]
+        saved_seed = state_dict["shuffle_seed"]
+        saved_drop_last = state_dict["drop_last"]
+        if saved_shuffle != self.shuffle:
+            warnings.warn(
+                f"the state was saved with shuffle={saved_shuffle}, this loader has "
+                f"shuffle={self.shuffle}: the order will differ from the saved run's",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif self.shuffle and saved_seed != self.shuffle_seed:
+            if saved_seed is None:
+                warnings.warn(
+                    "the state comes from an unseeded GuideLoom run, whose order cannot be "
+                    f"reproduced; continuing with shuffle_seed={self.shuffle_seed}",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            elif not self._seed_given:
+                self.shuffle_seed = _int_arg("state_dict['shuffle_seed']", saved_seed, 0)
+            else:
+                warnings.warn(
+                    f"the state was saved with shuffle_seed={saved_seed}, this loader has "
+                    f"shuffle_seed={self.shuffle_seed}: the order will differ from the saved "
+                    "run's (build the loader with shuffle_seed=None to adopt the state's)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        if saved_drop_last != self.drop_last:
+            warnings.warn(
+                f"the state was saved with drop_last={saved_drop_last}, this loader has "
+                f"drop_last={self.drop_last}: epochs will have a different number of steps",
+                UserWarning,
+                stacklevel=2,
+            )
+        saved_n = state_dict.get(_NUM_SAMPLES_KEY)
+        if saved_n is not None and saved_n != len(self.dataset):
+            warnings.warn(
+                f"the state was taken on a dataset of {saved_n} samples, this loader's has "
+                f"{len(self.dataset)}: the offset and the shuffled order now refer to other "
+                "samples",
+                UserWarning,
+                stacklevel=2,
+            )
+        self._epoch, self._offset = epoch, offset
+
+
+class _LoaderIterator(Iterator[Any]):
+    """One epoch (or the rest of one) of a :class:`StatefulDataLoader`.
+
+    Owns the pipeline: its threads and processes stop when it is drained, closed, fails, or
+    is garbage-collected.
+    """
+
+    def __init__(self, loader: StatefulDataLoader, root: BaseNode[Any], epoch: int, offset: int):
+        self._active = False
+        self._loader = loader
+        self._root = root
+        self._epoch = epoch
+        self._offset0 = offset
+        self._global = loader.global_batch_size
+        self._delivered = 0
+        try:
+            root.reset()
+        except BaseException:
+            close_pipeline(root)
+            raise
+        self._active = True
+
+    def _position(self) -> int:
+        return self._offset0 + self._delivered * self._global
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._active:
+            raise StopIteration
+        try:
+            batch = next(self._root)
+        except StopIteration:
+            self._finish(self._epoch + 1, 0)
+            raise
+        except BaseException:
+            # Nothing more was delivered: a resume (or the next iter()) retries this batch.
+            self._finish(self._epoch, self._position())
+            raise
+        self._delivered += 1
+        return batch
+
+    def close(self) -> None:
+        """Stop early: workers stop and the loader's offset returns to 0 (same epoch)."""
+        if self._active:
+            self._finish(self._epoch, 0)
+
+    def _finish(self, epoch: int, offset: int) -> None:
+        self._active = False
+        loader = self._loader
+        loader._epoch, loader._offset = epoch, offset
+        close_pipeline(self._root)
+
+    def __del__(self) -> None:
+        if getattr(self, "_active", False):
+            self.close()

@@ -1,0 +1,230 @@
+"""Pin memory, prefetch and device placement of finished batches."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torchdata.nodes import BaseNode
+
+__all__ = ["PinMemory", "Prefetcher", "ToDevice", "apply_to_tensors"]
+
+
+def apply_to_tensors(data: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor nested in dicts, lists, tuples, named tuples and dataclasses.
+
+    Containers are rebuilt with the same type; anything that is not a tensor or one of these
+    containers is returned unchanged.
+
+    Args:
+        data: A batch.
+        fn: tensor -> tensor.
+    """
+    if isinstance(data, torch.Tensor):
+        return fn(data)
+    if isinstance(data, Mapping):
+        items = {key: apply_to_tensors(value, fn) for key, value in data.items()}
+        try:
+            return type(data)(items)  # type: ignore[call-arg]
+        except TypeError:
+            return items
+    if isinstance(data, tuple):
+        values = [apply_to_tensors(value, fn) for value in data]
+        if hasattr(data, "_fields"):  # named tuple
+            return type(data)(*values)
+        return tuple(values)
+    if isinstance(data, list):
+        return [apply_to_tensors(value, fn) for value in data]
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        changes = {
+            field.name: apply_to_tensors(getattr(data, field.name), fn)
+            for field in dataclasses.fields(data)
+            if field.init
+        }
+        return dataclasses.replace(data, **changes)
+    return data
+
+
+def _source_reset(source: BaseNode[Any], initial_state: dict[str, Any] | None, key: str) -> None:
+    if initial_state is not None:
+        source.reset(initial_state[key])
+    else:
+        source.reset()
+
+
+class PinMemory(BaseNode[Any]):
+    """Copies every tensor of each batch into page-locked (pinned) host memory.
+
+    Pinned batches copy to a CUDA device asynchronously (``non_blocking=True``). The work runs
+    in the thread that pulls from this stage: put a :class:`Prefetcher` after it to overlap
+    it with training. Needs a CUDA build of torch with a GPU.
+
+    Args:
+        source: Emits batches (tensors nested in containers, see :func:`apply_to_tensors`).
+    """
+
+    SOURCE_KEY = "source"
+
+    def __init__(self, source: BaseNode[Any]) -> None:
+        super().__init__()
+        self.source = source
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        _source_reset(self.source, initial_state, self.SOURCE_KEY)
+
+    def next(self) -> Any:
+        return apply_to_tensors(next(self.source), torch.Tensor.pin_memory)
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.SOURCE_KEY: self.source.state_dict()}
+
+
+class ToDevice(BaseNode[Any]):
+    """Moves every tensor of each batch to ``device``, in the calling (training) thread.
+
+    Args:
+        source: Emits batches (tensors nested in containers, see :func:`apply_to_tensors`).
+        device: Target device.
+        non_blocking: Asynchronous copies; by default on for CUDA (useful with pinned batches).
+    """
+
+    SOURCE_KEY = "source"
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        device: torch.device | str | int,
+        non_blocking: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.device = torch.device(device)
+        self.non_blocking = self.device.type == "cuda" if non_blocking is None else non_blocking
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        _source_reset(self.source, initial_state, self.SOURCE_KEY)
+
+    def next(self) -> Any:
+        device, non_blocking = self.device, self.non_blocking
+        return apply_to_tensors(
+            next(self.source), lambda t: t.to(device, non_blocking=non_blocking)
+        )
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.SOURCE_KEY: self.source.state_dict()}
+
+
+_ITEM, _END, _ERROR = 0, 1, 2
+
+
+def _prefetch_loop(
+    source: BaseNode[Any],
+    out: queue.SimpleQueue[tuple[int, Any, Any]],
+    slots: threading.Semaphore,
+    stop: threading.Event,
+) -> None:
+    """Pull from ``source`` into ``out`` while a slot is free; always end with _END/_ERROR."""
+    try:
+        while True:
+            slots.acquire()
+            if stop.is_set():
+                return
+            try:
+                item = next(source)
+            except StopIteration:
+                out.put((_END, None, source.state_dict()))
+                return
+            out.put((_ITEM, item, source.state_dict()))
+    except BaseException as error:
+        out.put((_ERROR, error, None))
+
+
+class Prefetcher(BaseNode[Any]):
+    """Keeps up to ``prefetch`` finished batches waiting, pulled from ``source`` by a thread.
+
+    Unlike torchdata's ``Prefetcher`` it never polls: the thread sleeps until a slot frees,
+    and :meth:`close` (or the next ``reset()``) stops and joins it at once. The state is that
+    of ``source`` as of the last batch delivered, so prefetched batches never count.
+    Exceptions from ``source`` are re-raised in the caller with their type and traceback.
+
+    Args:
+        source: The stage to read ahead of.
+        prefetch: How many finished batches may wait (>= 1).
+    """
+
+    SOURCE_KEY = "source"
+
+    def __init__(self, source: BaseNode[Any], prefetch: int) -> None:
+        super().__init__()
+        if isinstance(prefetch, bool):
+            raise TypeError(f"prefetch must be an int, got {prefetch!r}")
+        self.prefetch = operator.index(prefetch)
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1 for a Prefetcher, got {self.prefetch}")
+        self.source = source
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._slots = threading.Semaphore(0)
+        self._queue: queue.SimpleQueue[tuple[int, Any, Any]] = queue.SimpleQueue()
+        self._snapshot: Any = None
+        self._done = False
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.close()
+        _source_reset(self.source, initial_state, self.SOURCE_KEY)
+        self._snapshot = self.source.state_dict()
+        self._done = False
+        self._stop = threading.Event()
+        self._slots = threading.Semaphore(self.prefetch)
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=_prefetch_loop,
+            args=(self.source, self._queue, self._slots, self._stop),
+            name="guideloom-prefetch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def next(self) -> Any:
+        if self._done:
+            raise StopIteration()
+        kind, value, snapshot = self._queue.get()
+        if kind == _ITEM:
+            self._slots.release()
+            self._snapshot = snapshot
+            return value
+        self._done = True
+        self._join()
+        if kind == _END:
+            self._snapshot = snapshot
+            raise StopIteration()
+        raise value
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.SOURCE_KEY: self._snapshot}
+
+    def close(self) -> None:
+        """Stop and join the prefetch thread (the stage can be reset again)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._slots.release()  # wake the thread if it waits for a slot
+        self._join()
+
+    def _join(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()

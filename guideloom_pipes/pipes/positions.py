@@ -1,0 +1,172 @@
+"""Rank position sharding: the global positions one rank reads, a local batch at a time."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+from torchdata.nodes import BaseNode
+
+__all__ = ["Positions", "RankPositions", "num_steps"]
+
+
+class Positions(NamedTuple):
+    """One local batch of global positions of one epoch, as :class:`RankPositions` emits it.
+
+    ``positions`` is an int64 array of positions ``< num_samples`` (padding slots removed, so
+    it may be short or empty with ``drop_last=False``), evenly spaced by ``stride`` (the world
+    size): :class:`~guideloom_pipes.pipes.Shuffle` uses that to compute ahead.
+    """
+
+    epoch: int
+    num_samples: int
+    positions: npt.NDArray[np.int64]
+    stride: int
+
+
+def num_steps(num_samples: int, offset: int, global_batch_size: int, drop_last: bool) -> int:
+    """How many global batches an epoch has left from global position ``offset`` (SPEC §5).
+
+    Args:
+        num_samples: The dataset size ``n``.
+        offset: The global position the epoch resumes at (it may exceed ``n`` after padding).
+        global_batch_size: ``local_batch_size * world_size``.
+        drop_last: Drop the incomplete final global batch instead of padding it.
+    """
+    left = num_samples - offset
+    if left <= 0:
+        return 0
+    if drop_last:
+        return left // global_batch_size
+    return -(-left // global_batch_size)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+class RankPositions(BaseNode[Positions]):
+    """Emits this rank's global positions, one local batch per step (GuideLoom's order).
+
+    For an epoch resumed at global offset ``o`` with ``r = n - o`` samples left there are
+    ``r // G`` steps (``ceil(r / G)`` with ``drop_last=False``), ``G = local_batch_size *
+    world_size``. Rank ``k`` takes positions ``o + k, o + k + world_size, ...`` up to
+    ``o + steps * G``, ``local_batch_size`` at a time; positions ``>= n`` (padding, only with
+    ``drop_last=False``) are left out, so a final batch may be short or empty while every rank
+    takes the same number of steps.
+
+    The stage owns the epoch and the offset; its state is ``{"epoch", "observation_offset",
+    "num_samples"}``, the offset counting every global batch emitted (padding included).
+    When the epoch runs out the state moves to ``(epoch + 1, 0)``. ``reset()`` without a state
+    after a partly consumed epoch restarts that epoch at offset 0 (GuideLoom's rule for an
+    iterator closed early); a fresh node starts at the epoch and offset it was built with.
+
+    Args:
+        num_samples: The dataset size ``n``.
+        local_batch_size: Positions per step on this rank.
+        rank: This rank, ``0 <= rank < world_size``.
+        world_size: Number of ranks sharing the dataset.
+        drop_last: Drop the incomplete final global batch (True) or pad it (False).
+        epoch: Epoch to start at.
+        observation_offset: Global position to start the epoch at.
+    """
+
+    EPOCH_KEY = "epoch"
+    OFFSET_KEY = "observation_offset"
+    NUM_SAMPLES_KEY = "num_samples"
+
+    def __init__(
+        self,
+        num_samples: int,
+        local_batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
+        epoch: int = 0,
+        observation_offset: int = 0,
+    ) -> None:
+        super().__init__()
+        self.num_samples = _check_int("num_samples", num_samples, 0)
+        self.local_batch_size = _check_int("local_batch_size", local_batch_size, 1)
+        self.world_size = _check_int("world_size", world_size, 1)
+        self.rank = _check_int("rank", rank, 0)
+        if self.rank >= self.world_size:
+            raise ValueError(
+                f"rank must be < world_size ({self.world_size}), got {self.rank}: "
+                "ranks count from 0 to world_size - 1"
+            )
+        self.drop_last = bool(drop_last)
+        self.global_batch_size = self.local_batch_size * self.world_size
+        self._epoch = _check_int("epoch", epoch, 0)
+        self._start = _check_int("observation_offset", observation_offset, 0)
+        # Position j of a step is base + lane[j]; only the last lane can reach past n.
+        self._lane = np.arange(self.local_batch_size, dtype=np.int64) * self.world_size
+        self._last_lane = int(self._lane[-1])
+        self._started = False
+        self._begin(self._epoch, self._start)
+
+    def _begin(self, epoch: int, offset: int) -> None:
+        self._epoch = epoch
+        self._start = offset
+        self._step = 0
+        self._steps = num_steps(self.num_samples, offset, self.global_batch_size, self.drop_last)
+        self._exhausted = False
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            epoch = _check_int("state epoch", initial_state[self.EPOCH_KEY], 0)
+            offset = _check_int("state observation_offset", initial_state[self.OFFSET_KEY], 0)
+            saved_n = initial_state.get(self.NUM_SAMPLES_KEY)
+            if saved_n is not None and saved_n != self.num_samples:
+                warnings.warn(
+                    f"resuming a state taken on a dataset of {saved_n} samples on one of "
+                    f"{self.num_samples}: the offset and the shuffled order refer to different "
+                    "samples now",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            self._begin(epoch, offset)
+        elif self._started:
+            self._begin(self._epoch, 0)
+        else:
+            self._begin(self._epoch, self._start)
+        self._started = False
+
+    def next(self) -> Positions:
+        step = self._step
+        if step >= self._steps or self._exhausted:
+            if not self._exhausted:
+                # The epoch is over: the state moves on to the start of the next one.
+                self._begin(self._epoch + 1, 0)
+                self._exhausted = True
+                self._started = False
+            raise StopIteration()
+        self._step = step + 1
+        self._started = True
+        n = self.num_samples
+        base = self._start + step * self.global_batch_size + self.rank
+        positions = self._lane + base
+        if base + self._last_lane >= n:
+            count = 0 if base >= n else (n - 1 - base) // self.world_size + 1
+            positions = positions[:count]
+        return Positions(self._epoch, n, positions, self.world_size)
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            self.EPOCH_KEY: self._epoch,
+            self.OFFSET_KEY: self._start + self._step * self.global_batch_size,
+            self.NUM_SAMPLES_KEY: self.num_samples,
+        }
