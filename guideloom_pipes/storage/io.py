@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Iterable
 from pathlib import PurePath
@@ -84,10 +86,68 @@ class _LocalBackend:
         return hash(type(self))
 
 
+def _load_libc() -> Any:
+    """libc's ``mmap``/``munmap`` through ctypes, or None where they are not available."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int64,
+        ]
+        libc.munmap.restype = ctypes.c_int
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+#: Python >= 3.13 can map a file without keeping a duplicate of its descriptor.
+_TRACKFD = sys.version_info >= (3, 13)
+_LIBC: Any = None if _TRACKFD or os.name != "posix" else _load_libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class _Unmapper:
+    """Owns one ``libc.mmap`` mapping; unmaps it when the last view of it is gone."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.address = address
+        self.size = size
+
+    def __del__(self) -> None:
+        _LIBC.munmap(self.address, self.size)
+
+
+def _map_file(fd: int, size: int) -> Any:
+    """A read-only mapping of the open file ``fd`` that keeps no file descriptor.
+
+    ``mmap.mmap`` duplicates the descriptor and holds the duplicate as long as the map lives
+    (before Python 3.13, always): a dataset of thousands of mapped shards would run out of
+    descriptors. So: ``trackfd=False`` where Python has it, else libc's ``mmap`` directly,
+    else (not POSIX) a plain ``mmap.mmap``.
+    """
+    if _TRACKFD:
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ, trackfd=False)  # type: ignore[call-arg,unused-ignore]
+    if _LIBC is None:
+        return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    address = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    if address is None or address == _MAP_FAILED:
+        error = ctypes.get_errno()
+        raise OSError(error, f"mmap failed: {os.strerror(error)}")
+    array = (ctypes.c_ubyte * size).from_address(address)
+    array._unmapper = _Unmapper(address, size)  # type: ignore[attr-defined]  # lives with views
+    return array
+
+
 class _MmapReader:
     def __init__(self, path: PurePath) -> None:
         self.path = path
-        self._map: mmap.mmap | None = None
+        self._map: Any = None  # an mmap.mmap, or a ctypes array over a libc mapping
         self._size = -1
 
     def open(self) -> None:
@@ -96,17 +156,17 @@ class _MmapReader:
         fd = os.open(os.fspath(self.path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
             size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+            self._map = _map_file(fd, size) if size else None
         finally:
             os.close(fd)  # the mapping keeps the file; no descriptor stays open
         self._size = size
 
     def close(self) -> None:
-        if self._map is not None:
+        if isinstance(self._map, mmap.mmap):
             # A view may still be alive somewhere; the map is then freed with it.
             with contextlib.suppress(BufferError):
                 self._map.close()
-        self._map = None
+        self._map = None  # a libc mapping is unmapped when its last view is gone
         self._size = -1
 
     def filesize(self) -> int:
@@ -115,17 +175,19 @@ class _MmapReader:
         return self._size
 
     def buffer(self) -> memoryview:
-        """The whole file as a read-only memoryview (valid until ``close``)."""
+        """The whole file as a read-only memoryview (stays valid while it is referenced)."""
         if self._size < 0:
             raise _not_open(self.path)
-        return memoryview(self._map) if self._map is not None else memoryview(b"")
+        if self._map is None:
+            return memoryview(b"")
+        return memoryview(self._map).cast("B").toreadonly()
 
     def read(self, offset: int, size: int) -> Buffer:
         if self._size < 0:
             raise _not_open(self.path)
         if self._map is None:
             return b""
-        return self._map[offset : offset + size]
+        return bytes(self.buffer()[offset : offset + size])
 
 
 class MmapIO(_LocalBackend):
