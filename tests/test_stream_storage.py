@@ -349,7 +349,7 @@ def test_pack_refuses_fields_of_unequal_lengths() -> None:
 
 
 def test_pack_refuses_something_that_is_not_a_mapping() -> None:
-    with pytest.raises(TypeError, match="mapping.*got list"):
+    with pytest.raises(TypeError, match=r"mapping.*got list"):
         StreamNumpyFormat(TOKENS).pack([1, 2, 3])  # type: ignore[arg-type]
 
 
@@ -393,7 +393,7 @@ def test_append_refuses_a_pack_result_that_is_not_one_dimensional(tmp_path: Path
 
 def test_append_refuses_a_pack_result_of_the_wrong_dtype(tmp_path: Path) -> None:
     storage = StreamStorage(tmp_path, ShapelessFormat(np.zeros(3, "<i8")))
-    with storage.sync_writer() as writer, pytest.raises(TypeError, match="int64.*int32"):
+    with storage.sync_writer() as writer, pytest.raises(TypeError, match=r"int64.*int32"):
         writer.append(0, None)
 
 
@@ -418,16 +418,20 @@ def test_a_refused_append_writes_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("shard", [-1, -100])
 def test_append_refuses_a_negative_shard_id(tmp_path: Path, shard: int) -> None:
-    with tokens_storage(tmp_path).sync_writer() as writer:
-        with pytest.raises(ValueError, match=f"shard id must be >= 0, got {shard}"):
-            writer.append(shard, record(0, 2))
+    with (
+        tokens_storage(tmp_path).sync_writer() as writer,
+        pytest.raises(ValueError, match=f"shard id must be >= 0, got {shard}"),
+    ):
+        writer.append(shard, record(0, 2))
 
 
 @pytest.mark.parametrize("shard", [1.0, "1", None, True])
 def test_append_refuses_a_shard_id_that_is_not_an_int(tmp_path: Path, shard: Any) -> None:
-    with tokens_storage(tmp_path).sync_writer() as writer:
-        with pytest.raises(TypeError, match="shard id must be an int"):
-            writer.append(shard, record(0, 2))
+    with (
+        tokens_storage(tmp_path).sync_writer() as writer,
+        pytest.raises(TypeError, match="shard id must be an int"),
+    ):
+        writer.append(shard, record(0, 2))
 
 
 def test_append_accepts_a_numpy_integer_shard_id(tmp_path: Path) -> None:
@@ -443,16 +447,20 @@ def test_read_refuses_a_global_index_outside_the_stream(
     three_shards: tuple[Path, np.ndarray], global_index: int
 ) -> None:
     directory, _ = three_shards
-    with tokens_storage(directory).sync_reader() as reader:
-        with pytest.raises(IndexError, match=f"global_index {global_index} out of range.*16"):
-            reader.read(global_index, 1)
+    with (
+        tokens_storage(directory).sync_reader() as reader,
+        pytest.raises(IndexError, match=rf"global_index {global_index} out of range.*16"),
+    ):
+        reader.read(global_index, 1)
 
 
 def test_read_refuses_a_negative_length(three_shards: tuple[Path, np.ndarray]) -> None:
     directory, _ = three_shards
-    with tokens_storage(directory).sync_reader() as reader:
-        with pytest.raises(IndexError, match="global_length must be >= 0, got -1"):
-            reader.read(0, -1)
+    with (
+        tokens_storage(directory).sync_reader() as reader,
+        pytest.raises(IndexError, match="global_length must be >= 0, got -1"),
+    ):
+        reader.read(0, -1)
 
 
 @pytest.mark.parametrize("bad", [1.5, "3", None])
@@ -478,9 +486,11 @@ def test_read_windows_refuses_a_window_past_the_end(
     three_shards: tuple[Path, np.ndarray],
 ) -> None:
     directory, _ = three_shards
-    with tokens_storage(directory).sync_reader() as reader:
-        with pytest.raises(IndexError, match=r"window \[14, 18\).*16 elements"):
-            reader.read_windows(np.array([0, 14]), 4)
+    with (
+        tokens_storage(directory).sync_reader() as reader,
+        pytest.raises(IndexError, match=r"window \[14, 18\).*16 elements"),
+    ):
+        reader.read_windows(np.array([0, 14]), 4)
 
 
 def test_reading_before_open_is_a_runtime_error(
@@ -523,10 +533,10 @@ def test_reader_length_refuses_a_shard_out_of_range(
     directory, _ = three_shards
     with tokens_storage(directory).sync_reader() as reader:
         for shard in (3, -1):
-            with pytest.raises(IndexError, match=f"shard {shard} out of range.*0..2"):
+            with pytest.raises(IndexError, match=rf"shard {shard} out of range.*0..2"):
                 reader.length(shard)
 
 
 def test_storage_refuses_a_format_without_the_stream_protocol(tmp_path: Path) -> None:
-    with pytest.raises(TypeError, match="not a stream format.*missing unpack"):
+    with pytest.raises(TypeError, match=r"not a stream format.*missing unpack"):
         StreamStorage(tmp_path, type("PackOnly", (), {"stream_dtype": TOKENS, "pack": len})())
