@@ -487,23 +487,29 @@ class StatefulDataLoader:
         if self.shuffle:
             node = Shuffle(node, self.shuffle_seed)
         collate = self.collate_fn if self.collate_fn is not None else default_collate
-        if self.num_workers == 0:
+        if self.num_workers == 0 and self.prefetch == 0:
+            # Everything inline in the training thread: the fewest steps per batch.
             node = Collate(ReadSamples(node, self.dataset, reader=self._reader), collate)
         else:
+            # Workers read and collate whole batches; finished batches wait in this stage
+            # (``prefetch`` of them beyond the workers' own), so no extra thread hop. With
+            # num_workers=0, prefetch uses one background thread (GuideLoom's prefetch thread).
+            workers = self.num_workers or 1
             node = ReadSamples(
                 node,
                 self.dataset,
-                num_workers=self.num_workers,
-                method=self.parallel_method,  # type: ignore[arg-type]
+                num_workers=workers,
+                method=self.parallel_method if self.num_workers else "thread",  # type: ignore[arg-type]
                 multiprocessing_context=self.multiprocessing_context,
                 collate_fn=collate,
+                max_in_flight=(2 * self.num_workers or 1) + self.prefetch,
                 timeout=self.timeout or None,
                 reader=self._reader,
             )
         if self.pin_memory:
             node = PinMemory(node)
-        if self.prefetch > 0:
-            node = Prefetcher(node, self.prefetch)
+            if self.prefetch > 0:
+                node = Prefetcher(node, self.prefetch)  # pin in the background
         if self.device.type != "cpu":
             node = ToDevice(node, self.device)
         return node

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
 import multiprocessing
 import multiprocessing.context
 import operator
-import threading
 from collections.abc import Callable
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes._reading import (
-    _batch_read_fn,
-    _init_process_worker,
-    _open_reader,
-    _process_read,
-    _ReadTask,
-)
+from guideloom_pipes._reading import _batch_read_fn, _open_reader, _ReadTask
+from guideloom_pipes.pipes._pool import _ProcessPool, _ThreadPool
 from guideloom_pipes.pipes.positions import Positions
 
 __all__ = ["ReadSamples"]
@@ -143,9 +135,8 @@ class ReadSamples(BaseNode[Any]):
         self._reader = reader
         self._owns_reader = False
         self._task: _ReadTask | None = None
-        self._executor: concurrent.futures.Executor | None = None
-        self._pending: collections.deque[tuple[concurrent.futures.Future[Any], _I64, Any]]
-        self._pending = collections.deque()
+        self._pool: _ThreadPool | _ProcessPool | None = None
+        self._pending: collections.deque[tuple[Any, Any]] = collections.deque()
         self._snapshot: Any = None
         self._end_snapshot: Any = None
         self._source_done = False
@@ -190,16 +181,11 @@ class ReadSamples(BaseNode[Any]):
         self._source_done = False
         self._source_error = None
         if self.method == "thread":
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                self.num_workers, thread_name_prefix="guideloom-read"
-            )
+            assert self._task is not None
+            self._pool = _ThreadPool(self._task, self.num_workers)
         else:
-            self._executor = concurrent.futures.ProcessPoolExecutor(
-                self.num_workers,
-                mp_context=self._mp,
-                initializer=_init_process_worker,
-                initargs=(self.dataset, self.collate_fn),
-            )
+            assert self._mp is not None
+            self._pool = _ProcessPool(self.dataset, self.collate_fn, self.num_workers, self._mp)
         self._fill()
 
     def next(self) -> Any:
@@ -215,13 +201,9 @@ class ReadSamples(BaseNode[Any]):
             if self._end_snapshot is not None:
                 self._snapshot = self._end_snapshot
             raise StopIteration()
-        future, ids, snapshot = self._pending.popleft()
-        if self.method == "thread" and future.cancel():
-            # No worker has started it: read it here rather than wait for one to.
-            assert self._task is not None
-            result = self._task(ids)
-        else:
-            result = self._result(future)
+        handle, snapshot = self._pending.popleft()
+        assert self._pool is not None
+        result = self._pool.result(handle, self.timeout)
         self._snapshot = snapshot
         return result
 
@@ -234,50 +216,27 @@ class ReadSamples(BaseNode[Any]):
 
     def _fill(self) -> None:
         """Submit batches from the source until ``max_in_flight`` are pending."""
-        executor = self._executor
-        if executor is None:
+        pool = self._pool
+        if pool is None:
             return
         pending = self._pending
-        fn: Callable[[_I64], Any] = self._task if self.method == "thread" else _process_read  # type: ignore[assignment]
+        source = self.source
         while not self._source_done and len(pending) < self.max_in_flight:
             try:
-                ids = _to_ids(next(self.source))
+                ids = _to_ids(next(source))
             except StopIteration:
                 self._source_done = True
-                self._end_snapshot = self.source.state_dict()
+                self._end_snapshot = source.state_dict()
                 break
             except Exception as error:
                 # Raised once the batches before it are delivered.
                 self._source_done = True
                 self._source_error = error
                 break
-            pending.append((executor.submit(fn, ids), ids, self.source.state_dict()))
-
-    def _result(self, future: concurrent.futures.Future[Any]) -> Any:
-        try:
-            return future.result(timeout=self.timeout)
-        except BrokenProcessPool as error:
-            raise BrokenProcessPool(
-                "a worker process of the loader exited unexpectedly (killed by a signal such "
-                "as SIGKILL, or by the out-of-memory killer?) while reading; the batches "
-                "delivered so far are intact, so resume from the last state_dict()"
-            ) from error
-        except TimeoutError:
-            if future.done():
-                raise  # the read itself raised TimeoutError
-            raise RuntimeError(
-                f"no batch came from the {self.method} workers within timeout={self.timeout} "
-                "seconds; raise the timeout or find what blocks the dataset's reads"
-            ) from None
+            pending.append((pool.submit(ids), source.state_dict()))
 
     def _stop_workers(self) -> None:
-        executor, self._executor = self._executor, None
+        pool, self._pool = self._pool, None
         self._pending.clear()
-        if executor is None:
-            return
-        if self.method == "thread" and threading.current_thread().name.startswith(
-            "guideloom-read"
-        ):  # pragma: no cover - only if garbage collection runs on one of our workers
-            executor.shutdown(wait=False, cancel_futures=True)
-            return
-        executor.shutdown(wait=True, cancel_futures=True)
+        if pool is not None:
+            pool.close()
