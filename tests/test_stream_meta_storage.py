@@ -1,0 +1,376 @@
+"""Stream with metadata: round trip, file layout, the pack protocol's refusals, and payloads
+decoded for any window (across shards and the wrap-around)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from storage_formats import ChunkMetaFormat, ScriptedMetaFormat
+
+from guideloom_pipes import StreamDataset, StreamWithMetaStorage
+from guideloom_pipes.storage import stream_meta
+
+RECORD = np.dtype([("index", "<i4"), ("user", "<i4")])
+
+
+def scripted(directory: Path) -> StreamWithMetaStorage:
+    return StreamWithMetaStorage(directory, ScriptedMetaFormat())
+
+
+def runs_record(runs: list[tuple[Any, bytes, int]], first_value: int = 0) -> tuple[Any, ...]:
+    """A ScriptedMetaFormat record: ``runs`` of (key, payload, length); values count up."""
+    pairs: list[tuple[Any, Any]] = []
+    for key, payload, length in runs:
+        pairs += [(key, payload)] + [(key, None)] * (length - 1)
+    stream = np.arange(first_value, first_value + len(pairs), dtype="<i4")
+    return pairs, stream
+
+
+class Reference:
+    """What every element of a written stream-with-metadata dataset should decode to."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.payloads: list[tuple[int, int, bytes]] = []  # (shard, local id, payload)
+        self.element_payload: list[int] = []  # index into self.payloads
+        self._per_shard: dict[int, int] = {}
+
+    def add(self, shard: int, runs: list[tuple[Any, bytes, int]]) -> None:
+        for _, payload, length in runs:
+            local = self._per_shard.get(shard, 0)
+            self._per_shard[shard] = local + 1
+            self.payloads.append((shard, local, payload))
+            for _ in range(length):
+                self.element_payload.append(len(self.payloads) - 1)
+                self.values.append(len(self.values))
+
+    def window(self, start: int, length: int) -> dict[str, Any]:
+        total = len(self.values)
+        positions = [(start + t) % total for t in range(length)]
+        first_use: dict[int, int] = {}
+        for p in positions:
+            first_use.setdefault(self.element_payload[p], len(first_use))
+        used = sorted(first_use, key=first_use.__getitem__)
+        return {
+            "stream": [self.values[p] for p in positions],
+            "document_shard": [self.payloads[j][0] for j in used],
+            "document_index": [first_use[self.element_payload[p]] for p in positions],
+            "document_data": [self.payloads[j][2] for j in used],
+        }
+
+
+def as_plain(sample: dict[str, Any]) -> dict[str, Any]:
+    return {**sample, "document_index": [int(i) for i in sample["document_index"]]}
+
+
+def write_runs(
+    directory: Path, appends: list[tuple[int, list[tuple[Any, bytes, int]]]]
+) -> Reference:
+    """Write appends shard by shard in id order (so values count up through the stream)."""
+    reference = Reference()
+    by_shard: dict[int, list[list[tuple[Any, bytes, int]]]] = {}
+    for shard, runs in appends:
+        by_shard.setdefault(shard, []).append(runs)
+    with scripted(directory).sync_writer() as writer:
+        for shard in sorted(by_shard):
+            for runs in by_shard[shard]:
+                writer.append(shard, runs_record(runs, len(reference.values)))
+                reference.add(shard, runs)
+    return reference
+
+
+APPENDS = [
+    (0, [("a", b"p0", 2), ("b", b"p1", 3)]),
+    (0, [("a", b"p2", 1)]),  # key "a" again, in a new append: a new payload
+    (1, [(7, b"q0", 4)]),
+    (2, [(0, b"r0", 1), (1, b"r1", 2), (2, b"", 1)]),
+]
+
+
+@pytest.fixture
+def written(tmp_path: Path) -> tuple[Path, Reference]:
+    return tmp_path, write_runs(tmp_path, APPENDS)
+
+
+# round trip and layout ---------------------------------------------------------------------
+
+
+def test_round_trip_of_every_window(written: tuple[Path, Reference]) -> None:
+    directory, reference = written
+    total = len(reference.values)
+    with scripted(directory).sync_reader() as reader:
+        assert reader.total_length == total == 14
+        assert [reader.length(k) for k in range(3)] == [6, 4, 4]
+        for start in range(total):
+            for length in (0, 1, 3, total, total + 5):
+                got = as_plain(reader.read(start, length))
+                assert got == reference.window(start, length), (start, length)
+
+
+def test_files_use_guideloom_names_and_layout(written: tuple[Path, Reference]) -> None:
+    directory, _ = written
+    records = np.fromfile(directory / "0000000.in_band.bin", dtype=RECORD)
+    assert records["index"].tolist() == [0, 0, 1, 1, 1, 2]
+    assert records["user"].tolist() == list(range(6))
+    assert (directory / "0000000.out_of_band.bin").read_bytes() == b"p0p1p2"
+    index = np.fromfile(directory / "0000000.out_of_band.index", dtype="<i8")
+    assert index.tolist() == [0, 2, 4, 6]
+    assert np.fromfile(directory / "0000002.out_of_band.index", dtype="<i8").tolist() == [
+        0,
+        2,
+        4,
+        4,
+    ]
+    names = sorted(p.name for p in directory.iterdir() if p.name.startswith("0000001"))
+    assert [n for n in names if not n.endswith(".json")] == [
+        "0000001.in_band.bin",
+        "0000001.out_of_band.bin",
+        "0000001.out_of_band.index",
+    ]
+
+
+def test_runs_do_not_continue_across_appends(tmp_path: Path) -> None:
+    with scripted(tmp_path).sync_writer() as writer:
+        writer.append(0, runs_record([("k", b"one", 2)]))
+        writer.append(0, runs_record([("k", b"two", 2)], 2))
+    with scripted(tmp_path).sync_reader() as reader:
+        got = reader.read(0, 4)
+    assert got["document_data"] == [b"one", b"two"]
+    assert got["document_index"].tolist() == [0, 0, 1, 1]
+
+
+def test_equal_payloads_of_different_runs_stay_distinct(tmp_path: Path) -> None:
+    write_runs(tmp_path, [(0, [("a", b"same", 1), ("b", b"same", 2)])])
+    with scripted(tmp_path).sync_reader() as reader:
+        got = reader.read(0, 3)
+    assert got["document_data"] == [b"same", b"same"]
+    assert got["document_index"].tolist() == [0, 1, 1]
+
+
+def test_unpack_gets_int32_document_index_and_owned_arrays(
+    written: tuple[Path, Reference],
+) -> None:
+    directory, _ = written
+    with scripted(directory).sync_reader() as reader:
+        got = reader.read(4, 5)
+    assert got["document_index"].dtype == np.int32
+    assert len(got["document_index"]) == 5
+    assert all(isinstance(d, bytes) for d in got["document_data"])
+
+
+def test_payloads_are_decoded_for_windows_crossing_shards(
+    written: tuple[Path, Reference],
+) -> None:
+    directory, _ = written
+    with scripted(directory).sync_reader() as reader:
+        got = as_plain(reader.read(5, 6))
+    assert got == {
+        "stream": [5, 6, 7, 8, 9, 10],
+        "document_shard": [0, 1, 2],
+        "document_index": [0, 1, 1, 1, 1, 2],
+        "document_data": [b"p2", b"q0", b"r0"],
+    }
+
+
+def test_dataset_windows_decode_their_payloads(written: tuple[Path, Reference]) -> None:
+    directory, reference = written
+    with StreamDataset(scripted(directory), 4).sync_reader() as reader:
+        assert len(reader) == 3
+        batch = reader.read_batch(np.array([2, 0, 1, 2]))
+        single = reader[1]
+    assert [as_plain(s) for s in batch] == [reference.window(4 * i, 4) for i in (2, 0, 1, 2)]
+    assert as_plain(single) == reference.window(4, 4)
+
+
+def test_payloads_may_be_memoryviews_or_bytearrays(tmp_path: Path) -> None:
+    pairs = [(0, memoryview(b"mv")), (0, None), (1, bytearray(b"ba"))]
+    with scripted(tmp_path).sync_writer() as writer:
+        writer.append(0, (pairs, np.arange(3, dtype="<i4")))
+    with scripted(tmp_path).sync_reader() as reader:
+        assert reader.read(0, 3)["document_data"] == [b"mv", b"ba"]
+
+
+def test_writer_length_counts_elements_appended_in_this_session(tmp_path: Path) -> None:
+    with scripted(tmp_path).sync_writer() as writer:
+        writer.append(3, runs_record([("a", b"x", 3)]))
+        writer.append(3, runs_record([("a", b"y", 2)]))
+        assert writer.length(3) == 5
+        with pytest.raises(KeyError, match="shard 0"):
+            writer.length(0)
+
+
+def test_a_writer_replaces_a_shard_instead_of_appending_to_it(
+    written: tuple[Path, Reference],
+) -> None:
+    directory, _ = written
+    with scripted(directory).sync_writer() as writer:
+        writer.append(1, runs_record([("z", b"new", 2)], 100))
+    with scripted(directory).sync_reader() as reader:
+        assert reader.length(1) == 2
+        got = reader.read(6, 2)
+    assert got["stream"] == [100, 101]
+    assert got["document_data"] == [b"new"]
+
+
+# hypothesis: any window --------------------------------------------------------------------
+
+runs_strategy = st.lists(
+    st.tuples(st.binary(max_size=4), st.integers(1, 4)), min_size=1, max_size=4
+).map(lambda runs: [(i, payload, n) for i, (payload, n) in enumerate(runs)])
+appends_strategy = st.lists(st.tuples(st.integers(0, 3), runs_strategy), min_size=1, max_size=6)
+
+
+@settings(deadline=None, max_examples=40)
+@given(appends=appends_strategy, data=st.data())
+def test_any_window_decodes_to_the_reference(
+    appends: list[tuple[int, list[tuple[Any, bytes, int]]]], data: st.DataObject
+) -> None:
+    shards = sorted({shard for shard, _ in appends})
+    renumber = {shard: i for i, shard in enumerate(shards)}  # no gaps
+    appends = [(renumber[shard], runs) for shard, runs in appends]
+    directory = Path(tempfile.mkdtemp(prefix="meta-prop-"))
+    reference = write_runs(directory, appends)
+    total = len(reference.values)
+    with scripted(directory).sync_reader() as reader:
+        for _ in range(4):
+            start = data.draw(st.integers(0, total - 1), label="start")
+            length = data.draw(st.integers(0, 2 * total + 1), label="length")
+            assert as_plain(reader.read(start, length)) == reference.window(start, length)
+
+
+# refusals ----------------------------------------------------------------------------------
+
+
+def test_a_key_repeating_after_another_key_is_refused(tmp_path: Path) -> None:
+    pairs = [(0, b"a"), (1, b"b"), (0, b"c")]
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(ValueError, match=r"key 0 repeats after another key at element 2"),
+    ):
+        writer.append(0, (pairs, np.arange(3, dtype="<i4")))
+
+
+@pytest.mark.parametrize("payload", [None, "text", 5])
+def test_the_first_pair_of_a_run_must_carry_bytes(tmp_path: Path, payload: Any) -> None:
+    pairs = [(0, b"a"), (1, payload), (1, None)]
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(ValueError, match=rf"run of key 1 \(element 1\).*{type(payload).__name__}"),
+    ):
+        writer.append(0, (pairs, np.arange(3, dtype="<i4")))
+
+
+def test_pack_yielding_fewer_pairs_than_size_is_refused(tmp_path: Path) -> None:
+    pairs, stream = runs_record([(0, b"a", 2)])
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(ValueError, match="yielded 2 pairs but size"),
+    ):
+        writer.append(0, (pairs, stream, 3))
+
+
+def test_pack_yielding_more_pairs_than_size_is_refused(tmp_path: Path) -> None:
+    pairs, stream = runs_record([(0, b"a", 3)])
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(ValueError, match="more than size"),
+    ):
+        writer.append(0, (pairs, stream, 2))
+
+
+def test_pack_returning_a_stream_of_another_length_is_refused(tmp_path: Path) -> None:
+    pairs, _ = runs_record([(0, b"a", 3)])
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(ValueError, match="stream of 2 elements but size"),
+    ):
+        writer.append(0, (pairs, np.arange(2, dtype="<i4")))
+
+
+def test_pack_returning_a_stream_of_the_wrong_dtype_is_refused(tmp_path: Path) -> None:
+    pairs, _ = runs_record([(0, b"a", 3)])
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(TypeError, match=r"float64.*int32"),
+    ):
+        writer.append(0, (pairs, np.zeros(3)))
+
+
+def test_pack_that_is_not_a_generator_is_refused(tmp_path: Path) -> None:
+    class ListFormat(ScriptedMetaFormat):
+        def pack(self, data: Any) -> Any:  # type: ignore[override]
+            return list(data[0])
+
+    storage = StreamWithMetaStorage(tmp_path, ListFormat())
+    with (
+        storage.sync_writer() as writer,
+        pytest.raises(TypeError, match=r"must be a generator.*got list"),
+    ):
+        writer.append(0, runs_record([(0, b"a", 1)]))
+
+
+def test_too_many_payloads_in_a_shard_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(stream_meta, "MAX_PAYLOADS", 3)
+    with scripted(tmp_path).sync_writer() as writer:
+        writer.append(0, runs_record([(0, b"a", 1), (1, b"b", 1)]))
+        with pytest.raises(ValueError, match="shard 0 would hold 4 payloads, more than 3"):
+            writer.append(0, runs_record([(0, b"c", 1), (1, b"d", 1)]))
+        writer.append(0, runs_record([(0, b"e", 2)], 2))
+    with scripted(tmp_path).sync_reader() as reader:
+        assert reader.read(0, 4)["document_data"] == [b"a", b"b", b"e"]
+
+
+BAD_RECORDS = {
+    "non-contiguous key": ([(0, b"a"), (1, b"b"), (0, None)], np.arange(3, dtype="<i4")),
+    "run without payload": ([(0, None)], np.arange(1, dtype="<i4")),
+    "short stream": ([(0, b"a"), (0, None)], np.arange(1, dtype="<i4")),
+    "size mismatch": ([(0, b"a")], np.arange(1, dtype="<i4"), 2),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_RECORDS))
+def test_a_refused_append_leaves_the_shard_as_it_was(
+    written: tuple[Path, Reference], bad: str
+) -> None:
+    directory, reference = written
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    with scripted(directory).sync_writer() as writer:
+        with pytest.raises(ValueError):
+            writer.append(1, BAD_RECORDS[bad])
+        with pytest.raises(KeyError):
+            writer.length(1)  # the shard was never started
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    with scripted(directory).sync_reader() as reader:
+        assert as_plain(reader.read(0, 14)) == reference.window(0, 14)
+
+
+def test_a_refused_append_keeps_the_earlier_appends_of_the_session(tmp_path: Path) -> None:
+    with scripted(tmp_path).sync_writer() as writer:
+        writer.append(0, runs_record([("a", b"first", 2)]))
+        with pytest.raises(ValueError):
+            writer.append(0, BAD_RECORDS["non-contiguous key"])
+        writer.append(0, runs_record([("a", b"second", 1)], 2))
+        assert writer.length(0) == 3
+    with scripted(tmp_path).sync_reader() as reader:
+        got = reader.read(0, 3)
+    assert got["stream"] == [0, 1, 2]
+    assert got["document_data"] == [b"first", b"second"]
+    assert got["document_index"].tolist() == [0, 0, 1]
+
+
+def test_storage_refuses_a_format_without_size(tmp_path: Path) -> None:
+    class NoSize:
+        stream_dtype = np.dtype("<i4")
+        pack = ChunkMetaFormat.pack
+        unpack = ChunkMetaFormat.unpack
+
+    with pytest.raises(TypeError, match=r"not a stream format.*missing size"):
+        StreamWithMetaStorage(tmp_path, NoSize())
