@@ -344,11 +344,12 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
         )
     count = max(ids) + 1
     if len(ids) != count:
-        missing = sorted(set(range(count)) - ids)
-        found = ", ".join(str(i) for i in sorted(ids)[:20]) + (", ..." if len(ids) > 20 else "")
+        ordered = sorted(ids)  # O(shards found), however large the ids
+        first_missing = next(i for i, shard in enumerate(ordered) if shard != i)
+        found = ", ".join(str(i) for i in ordered[:20]) + (", ..." if len(ids) > 20 else "")
         raise FileNotFoundError(
-            f"shard {shard_name(missing[0])} is missing from {where} (found {found}); "
-            f"{len(missing)} missing in all. Rewrite the missing shard(s), or renumber the "
+            f"shard {shard_name(first_missing)} is missing from {where} (found {found}); "
+            f"{count - len(ids)} missing in all. Rewrite the missing shard(s), or renumber the "
             f"shards so that ids run 0..N-1"
         )
     records = {
@@ -918,6 +919,8 @@ class ShardFiles:
         self.suffix = suffix
         self.num_shards = num_shards
         self.bounded = getattr(backend, "holds_fd", True)
+        #: whether readers may offer ``buffer()`` (only tried where no descriptor is held)
+        self._mappable = not self.bounded
         self.max_open = max(1, max_open)
         self._readers: list[Any] = [None] * num_shards
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
@@ -939,7 +942,7 @@ class ShardFiles:
         found = self._arrays.get(key)
         if found is not None:
             return found
-        if self.bounded:
+        if not self._mappable:
             return None
         with self._lock:
             if self._closed:
@@ -949,7 +952,7 @@ class ShardFiles:
                 reader = self._readers[shard] = self._open_reader(shard)
             buffer = getattr(reader, "buffer", None)
             if buffer is None:
-                self.bounded = True  # a custom unbounded backend without buffers: use read()
+                self._mappable = False  # a custom backend without buffers: use read()
                 return None
             view = buffer()
             usable = len(view) - len(view) % dtype.itemsize
