@@ -238,3 +238,10 @@ def test_decreasing_offsets_are_refused(tmp_path: Path) -> None:
     reader = DocumentStorage(tmp_path, BytesFormat()).sync_reader()
     with reader, pytest.raises(CorruptShardError, match="decreasing offsets at document 1"):
         reader.read(1)
+
+
+def test_an_offset_past_the_end_of_the_data_file_is_refused(tmp_path: Path) -> None:
+    write_raw(tmp_path, 0, [b"abc", b"de"], offsets=[0, 9, 2, 5])  # first and last look fine
+    reader = DocumentStorage(tmp_path, BytesFormat()).sync_reader()
+    with reader, pytest.raises(CorruptShardError, match=r"outside the 5-byte data file.*\[0, 9\)"):
+        reader.read(0)

@@ -110,10 +110,15 @@ class OffsetIndex:
                 f"index). Rewrite shard {shard}"
             )
         start, end = self.span(shard, local)
-        if end < start:
+        if not 0 <= start <= end <= self._bin_sizes[shard]:
+            problem = (
+                "decreasing offsets"
+                if end < start
+                else f"offsets outside the {self._bin_sizes[shard]}-byte data file"
+            )
             raise CorruptShardError(
-                f"{self._reader._shard_path(shard, INDEX)} has decreasing offsets at document "
-                f"{local}; rewrite shard {shard}"
+                f"{self._reader._shard_path(shard, INDEX)} has {problem} at document {local} "
+                f"([{start}, {end})); rewrite shard {shard}"
             )
         mapped = self._data.array(shard, np.dtype("u1"))
         if mapped is not None:
