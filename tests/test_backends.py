@@ -86,11 +86,11 @@ def write_meta(directory: Path) -> None:
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("backends")
+    write_meta(root / "meta")
     return {
         "root": root,
         "stream": write_stream(root / "stream"),
         "document": write_documents(root / "document"),
-        "meta": write_meta(root / "meta"),
     }
 
 

@@ -28,7 +28,7 @@ from guideloom_pipes.io import PosixPreadIO, SeekIO
 TOKENS = np.dtype([("tokens", "<i4"), ("loss_mask", "u1")])
 SHARD_LENGTHS = [10, 3, 0, 14]  # 27 elements
 TOTAL = sum(SHARD_LENGTHS)
-DOCUMENTS = {0: ["a", "b"], 1: [{"c": 3}], 2: [None, 4.5, "f"]}
+DOCUMENTS: dict[int, list[Any]] = {0: ["a", "b"], 1: [{"c": 3}], 2: [None, 4.5, "f"]}
 ALL_DOCUMENTS = [d for k in sorted(DOCUMENTS) for d in DOCUMENTS[k]]
 
 

@@ -104,7 +104,7 @@ def test_pack_may_return_bytes_bytearray_or_memoryview(tmp_path: Path) -> None:
 
 def test_pack_may_return_a_memoryview_of_a_non_byte_array(tmp_path: Path) -> None:
     values = np.arange(3, dtype="<i4")
-    write(tmp_path, {0: [memoryview(values)]}, BytesFormat())
+    write(tmp_path, {0: [values.data]}, BytesFormat())
     with DocumentStorage(tmp_path, BytesFormat()).sync_reader() as reader:
         assert bytes(reader.read(0)[0]) == values.tobytes()
 
@@ -176,7 +176,7 @@ def test_read_many_refuses_an_index_out_of_range_and_names_it(written: Path) -> 
 def test_read_refuses_an_index_that_is_not_an_int(written: Path) -> None:
     with pickled(written).sync_reader() as reader:
         with pytest.raises(TypeError, match=r"global_index must be an int, got 1\.5"):
-            reader.read(1.5)  # type: ignore[arg-type]
+            reader.read(1.5)
         with pytest.raises(TypeError, match=r"must be integers.*float64"):
             reader.read_many([0, 1.5])
 

@@ -85,7 +85,7 @@ def write_runs(
     return reference
 
 
-APPENDS = [
+APPENDS: list[tuple[int, list[tuple[Any, bytes, int]]]] = [
     (0, [("a", b"p0", 2), ("b", b"p1", 3)]),
     (0, [("a", b"p2", 1)]),  # key "a" again, in a new append: a new payload
     (1, [(7, b"q0", 4)]),
@@ -304,7 +304,7 @@ def test_pack_returning_a_stream_of_the_wrong_dtype_is_refused(tmp_path: Path) -
 
 def test_pack_that_is_not_a_generator_is_refused(tmp_path: Path) -> None:
     class ListFormat(ScriptedMetaFormat):
-        def pack(self, data: Any) -> Any:  # type: ignore[override]
+        def pack(self, data: Any) -> Any:
             return list(data[0])
 
     storage = StreamWithMetaStorage(tmp_path, ListFormat())
