@@ -118,9 +118,10 @@ class _Unmapper:
     def __init__(self, address: int, size: int) -> None:
         self.address = address
         self.size = size
+        self._munmap = _LIBC.munmap  # bound now: module globals may be gone at shutdown
 
     def __del__(self) -> None:
-        _LIBC.munmap(self.address, self.size)
+        self._munmap(self.address, self.size)
 
 
 def _map_file(fd: int, size: int) -> Any:
