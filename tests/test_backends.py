@@ -4,6 +4,7 @@ async readers work, and descriptor-holding backends do not keep one descriptor p
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import pickle
@@ -444,3 +445,32 @@ def test_fd_holding_backends_do_not_keep_a_descriptor_per_shard(tmp_path: Path) 
         assert result[name + "_after_close"] <= result["baseline"]
     assert result["docs_ok"]
     assert result["docs_open_fds"] < 2 * limit
+
+
+def test_the_local_backends_satisfy_the_read_protocols(datasets: dict[str, Any]) -> None:
+    from guideloom_pipes.types import (
+        AsyncByteReader,
+        ListingReadInterface,
+        ReadInterface,
+        SyncByteReader,
+    )
+
+    path = datasets["root"] / "stream" / "0000000.in_band.bin"
+    for backend in (MmapIO(), PosixPreadIO(), SeekIO()):
+        assert isinstance(backend, ReadInterface)
+        assert isinstance(backend, ListingReadInterface)
+        assert isinstance(backend.sync_reader(path), SyncByteReader)
+        assert isinstance(backend.async_reader(path), AsyncByteReader)
+    assert isinstance(ListingMemoryBackend({}), ListingReadInterface)
+    assert not isinstance(ProbingMemoryBackend({}), ListingReadInterface)
+
+
+def test_a_mapping_outlives_its_reader_while_an_array_uses_it(datasets: dict[str, Any]) -> None:
+    path = datasets["root"] / "stream" / "0000002.in_band.bin"
+    reader = MmapIO().sync_reader(path)
+    reader.open()
+    array = np.frombuffer(reader.buffer(), dtype=TOKENS)
+    reader.close()
+    gc.collect()
+    assert array.tobytes() == path.read_bytes()
+    assert not array.flags.writeable  # the mapping is read-only

@@ -540,3 +540,31 @@ def test_reader_length_refuses_a_shard_out_of_range(
 def test_storage_refuses_a_format_without_the_stream_protocol(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"not a stream format.*missing unpack"):
         StreamStorage(tmp_path, type("PackOnly", (), {"stream_dtype": TOKENS, "pack": len})())
+
+
+def test_the_builtin_formats_satisfy_the_format_protocols() -> None:
+    from storage_formats import ChunkMetaFormat
+
+    from guideloom_pipes import DocumentPickleFormat
+    from guideloom_pipes.types import (
+        BatchStreamFormat,
+        DocumentStorageFormat,
+        StreamStorageFormat,
+        StreamWithMetaStorageFormat,
+    )
+
+    assert isinstance(StreamNumpyFormat(TOKENS), StreamStorageFormat)
+    assert isinstance(StreamNumpyFormat(TOKENS), BatchStreamFormat)
+    assert isinstance(RecordingStreamFormat(), StreamStorageFormat)
+    assert isinstance(DocumentPickleFormat(), DocumentStorageFormat)
+    assert isinstance(ChunkMetaFormat(), StreamWithMetaStorageFormat)
+
+
+def test_stream_numpy_format_pickles_and_compares_by_dtype() -> None:
+    import pickle
+
+    format = StreamNumpyFormat(TOKENS)
+    copy = pickle.loads(pickle.dumps(format))
+    assert copy == format and hash(copy) == hash(format)
+    assert copy != StreamNumpyFormat(WIDE)
+    assert copy.fields == ("tokens", "loss_mask")
