@@ -9,7 +9,7 @@ then shard 1's, ...
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -248,6 +248,8 @@ class DocumentReader(ReaderBase):
     def read_many(self, indexes: Iterable[int] | np.ndarray) -> list[Any]:
         """Documents at ``indexes``, in that order."""
         self._check_open()
+        if not isinstance(indexes, (np.ndarray, Sequence)):
+            indexes = list(indexes)  # any iterable of ints, e.g. a generator
         ids = np.asarray(indexes)
         if ids.size and ids.dtype.kind not in "iu":
             raise TypeError(f"document indexes must be integers, got an array of {ids.dtype}")

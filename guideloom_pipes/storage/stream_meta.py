@@ -26,10 +26,20 @@ from guideloom_pipes.storage.shards import (
     ShardListing,
     ShardWriterBase,
 )
-from guideloom_pipes.storage.stream import StreamReader, check_packed, check_stream_format
+from guideloom_pipes.storage.stream import (
+    StreamReader,
+    as_int,
+    check_packed,
+    check_stream_format,
+)
 
 #: Most payloads one shard can hold (the ``index`` field is an int32).
 MAX_PAYLOADS = 2**31
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def record_dtype(stream_dtype: np.dtype[Any]) -> np.dtype[Any]:
@@ -88,7 +98,9 @@ class StreamWithMetaWriter(ShardWriterBase):
         """
         self._check_open()
         name = type(self.format).__name__
-        size = int(self.format.size(data))
+        size = as_int(self.format.size(data), f"{name}.size(data)")
+        if size < 0:
+            raise ValueError(f"{name}.size(data) must be >= 0, got {size}")
         generator = self.format.pack(data)
         if not hasattr(generator, "send"):
             raise TypeError(
@@ -102,14 +114,27 @@ class StreamWithMetaWriter(ShardWriterBase):
         count = 0
         while True:
             try:
-                key, payload = next(generator)
+                pair = next(generator)
             except StopIteration as stop:
                 stream = stop.value
                 break
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise TypeError(
+                    f"{name}.pack must yield (key, payload) pairs; element {count} is "
+                    f"{_short(pair)}"
+                )
+            key, payload = pair
             if count >= size:
                 raise ValueError(f"{name}.pack yielded more than size(data) = {size} pairs")
             if count == 0 or key != last:
-                if key in seen:
+                try:
+                    repeated = key in seen
+                except TypeError:
+                    raise TypeError(
+                        f"{name}.pack: keys must be hashable, got {_short(key)} "
+                        f"({type(key).__name__}) at element {count}"
+                    ) from None
+                if repeated:
                     raise ValueError(
                         f"{name}.pack: key {key!r} repeats after another key at element "
                         f"{count}; a key may repeat only in one contiguous run"
