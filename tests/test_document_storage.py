@@ -245,3 +245,9 @@ def test_an_offset_past_the_end_of_the_data_file_is_refused(tmp_path: Path) -> N
     reader = DocumentStorage(tmp_path, BytesFormat()).sync_reader()
     with reader, pytest.raises(CorruptShardError, match=r"outside the 5-byte data file.*\[0, 9\)"):
         reader.read(0)
+
+
+def test_read_many_accepts_any_iterable_of_ints(written: Path) -> None:
+    with pickled(written).sync_reader() as reader:
+        assert reader.read_many(i for i in (2, 0)) == [ALL[2], ALL[0]]
+        assert reader.read_many(range(3)) == ALL[:3]

@@ -374,3 +374,38 @@ def test_storage_refuses_a_format_without_size(tmp_path: Path) -> None:
 
     with pytest.raises(TypeError, match=r"not a stream format.*missing size"):
         StreamWithMetaStorage(tmp_path, NoSize())
+
+
+@pytest.mark.parametrize("item", [b"payload", (0, b"a", 1), 5])
+def test_pack_yielding_something_other_than_pairs_is_a_type_error(
+    tmp_path: Path, item: Any
+) -> None:
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(TypeError, match=r"must yield \(key, payload\) pairs; element 0 is"),
+    ):
+        writer.append(0, ([item], np.arange(1, dtype="<i4")))
+
+
+def test_an_unhashable_key_is_a_type_error(tmp_path: Path) -> None:
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(TypeError, match=r"keys must be hashable, got \[1\] \(list\) at element 0"),
+    ):
+        writer.append(0, ([([1], b"a")], np.arange(1, dtype="<i4")))
+
+
+@pytest.mark.parametrize(("size", "error"), [(-1, ValueError), (1.0, TypeError)])
+def test_size_must_be_a_non_negative_int(tmp_path: Path, size: Any, error: type) -> None:
+    with scripted(tmp_path).sync_writer() as writer, pytest.raises(error, match="size"):
+        writer.append(0, ([], np.arange(0, dtype="<i4"), size))
+
+
+def test_an_append_of_no_elements_writes_an_empty_shard(tmp_path: Path) -> None:
+    with scripted(tmp_path).sync_writer() as writer:
+        writer.append(0, runs_record([("a", b"x", 2)]))
+        writer.append(1, ([], np.arange(0, dtype="<i4")))
+        writer.append(2, runs_record([("b", b"y", 1)], 2))
+    with scripted(tmp_path).sync_reader() as reader:
+        assert [reader.length(k) for k in range(3)] == [2, 0, 1]
+        assert reader.read(1, 3)["document_data"] == [b"x", b"y"]
