@@ -386,7 +386,7 @@ FD_SCRIPT = textwrap.dedent(
     root, limit = Path(sys.argv[1]), int(sys.argv[2])
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
-    fds = lambda: len(os.listdir("/proc/self/fd"))
+    fds = lambda: len(os.listdir("/dev/fd"))
     result = {"baseline": fds()}
     dtype = np.dtype([("tokens", "<i4")])
     backends = [("mmap", MmapIO()), ("pread", PosixPreadIO(advice=True)), ("seek", SeekIO())]

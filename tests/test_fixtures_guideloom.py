@@ -218,3 +218,18 @@ def test_fixture_datasets_read_the_same_through_every_backend(name: str | None) 
     meta = StreamWithMetaStorage(FIXTURES / "stream_meta", ChunkMetaFormat(), backend(name))
     with StreamDataset(meta, 3).sync_reader() as reader:
         assert reader[:] == META["windows"]["3"]
+
+
+def test_fixture_windows_through_async_dataset_readers() -> None:
+    import asyncio
+
+    async def main() -> tuple[list[Any], list[Any]]:
+        async with StreamDataset(meta_storage(), 4).async_reader() as reader:
+            meta = await reader.read_batch(np.arange(len(reader)))
+        async with StreamDataset(stream_storage(), 16).async_reader() as reader:
+            stream = [await reader.read(i) for i in range(len(reader))]
+        return meta, stream
+
+    meta, stream = asyncio.run(main())
+    assert meta == META["windows"]["4"]
+    assert [as_lists(s) for s in stream] == STREAM["windows"]["16"]
