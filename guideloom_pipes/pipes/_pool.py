@@ -40,6 +40,16 @@ def _timed_out(what: str, timeout: float) -> RuntimeError:
     )
 
 
+def _broken() -> BrokenProcessPool:
+    return BrokenProcessPool(
+        "a worker process of the loader exited unexpectedly: killed by a signal (such as "
+        "SIGKILL, or the out-of-memory killer), or it failed to start (see its error above; "
+        "with spawn, the main module must be importable and guarded by "
+        "`if __name__ == '__main__':`). The batches delivered so far are intact: resume "
+        "from the last state_dict()"
+    )
+
+
 class _ThreadPool:
     """Threads that run ``fn`` on submitted jobs; the caller collects results in order.
 
@@ -138,21 +148,33 @@ class _ProcessPool:
         )
 
     def submit(self, arg: Any) -> concurrent.futures.Future[Any]:
-        return self._executor.submit(_process_read, arg)
+        try:
+            return self._executor.submit(_process_read, arg)
+        except BrokenProcessPool as error:
+            raise _broken() from error
 
     def result(self, future: concurrent.futures.Future[Any], timeout: float | None) -> Any:
         try:
             return future.result(timeout=timeout)
         except BrokenProcessPool as error:
-            raise BrokenProcessPool(
-                "a worker process of the loader exited unexpectedly (killed by a signal such "
-                "as SIGKILL, or by the out-of-memory killer?) while reading; the batches "
-                "delivered so far are intact, so resume from the last state_dict()"
-            ) from error
+            raise _broken() from error
         except TimeoutError:
             if future.done():
                 raise  # the read itself raised TimeoutError
             raise _timed_out("process", timeout) from None  # type: ignore[arg-type]
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        # Reads have no side effects, so workers still busy (a hung read, an early close)
+        # are terminated rather than waited for: no process outlives its iterator.
+        executor = self._executor
+        # shutdown() forgets both, so take them first (CPython 3.10-3.13 attribute names).
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        manager = getattr(executor, "_executor_manager_thread", None)
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join()
+        if manager is not None and manager is not threading.current_thread():
+            manager.join()
