@@ -1,0 +1,532 @@
+"""The ``guideloom_pipes.pipes`` stages: each alone, mixed with torchdata's nodes, checkpointed."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import traceback
+from typing import Any, NamedTuple
+
+import pytest
+
+pytest.importorskip("torch")
+
+import numpy as np
+import torch
+import torchdata.nodes as tn
+from loader_helpers import FailsAt, Ids, ReadError, expected_batches, ids_collate
+
+from guideloom_pipes import pipes
+from guideloom_pipes.pipes import (
+    Collate,
+    PinMemory,
+    Positions,
+    Prefetcher,
+    RankPositions,
+    ReadSamples,
+    Shuffle,
+    ToDevice,
+    close_pipeline,
+)
+from guideloom_pipes.shuffle import FeistelPermutation
+
+
+def _our_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
+
+
+def _positions(node: Any) -> list[list[int]]:
+    return [item.positions.tolist() for item in node]
+
+
+def _pipeline(n: int = 22, *, seed: int | None = 7, workers: int = 0, prefetch: int = 0, **kw):
+    node: Any = RankPositions(n, kw.pop("local_batch_size", 3), **{"world_size": 2, **kw})
+    if seed is not None:
+        node = Shuffle(node, seed)
+    node = ReadSamples(node, Ids(n), num_workers=workers, collate_fn=ids_collate)
+    if prefetch:
+        node = Prefetcher(node, prefetch)
+    return node
+
+
+# -- RankPositions ----------------------------------------------------------------------------
+
+
+def test_rank_positions_stride_by_world_size_a_local_batch_at_a_time():
+    node = RankPositions(22, 3, rank=1, world_size=2)
+    assert _positions(node) == [[1, 3, 5], [7, 9, 11], [13, 15, 17]]
+
+
+def test_rank_positions_emit_int64_arrays_with_their_epoch_size_and_stride():
+    item = next(RankPositions(22, 3, rank=1, world_size=2, epoch=4))
+    assert isinstance(item, Positions)
+    assert item.positions.dtype == np.int64
+    assert (item.epoch, item.num_samples, item.stride) == (4, 22, 2)
+
+
+def test_rank_positions_drop_padding_so_last_batches_are_short_or_empty():
+    per_rank = [
+        _positions(RankPositions(22, 2, rank=r, world_size=3, drop_last=False)) for r in (0, 1, 2)
+    ]
+    assert [len(batches) for batches in per_rank] == [4, 4, 4]
+    assert [batches[-1] for batches in per_rank] == [[18, 21], [19], [20]]
+    per_rank = [
+        _positions(RankPositions(22, 4, rank=r, world_size=3, drop_last=False)) for r in (0, 1, 2)
+    ]
+    assert [batches[-1] for batches in per_rank] == [[12, 15, 18, 21], [13, 16, 19], [14, 17, 20]]
+    assert (
+        _positions(
+            RankPositions(22, 1, rank=2, world_size=3, drop_last=False, observation_offset=12)
+        )[-1]
+        == []
+    )
+
+
+def test_rank_positions_state_counts_global_batches_including_padding():
+    node = RankPositions(22, 4, rank=0, world_size=3, drop_last=False)
+    offsets = []
+    for _ in node:
+        offsets.append(node.state_dict()["observation_offset"])
+    assert offsets == [12, 24]
+
+
+def test_rank_positions_exhausted_epoch_moves_state_to_next_epoch_and_stays_stopped():
+    node = RankPositions(10, 2)
+    assert len(list(node)) == 5
+    assert node.state_dict() == {"epoch": 1, "observation_offset": 0, "num_samples": 10}
+    with pytest.raises(StopIteration):
+        next(node)  # does not run into the next epoch without a reset
+    node.reset()
+    first = next(node)
+    assert first.epoch == 1 and first.positions.tolist() == [0, 1]
+
+
+def test_rank_positions_reset_without_state_restarts_a_partly_consumed_epoch():
+    node = RankPositions(10, 2, epoch=3, observation_offset=4)
+    assert next(node).positions.tolist() == [4, 5]  # a fresh node starts where it was built
+    node.reset()
+    assert node.state_dict()["epoch"] == 3
+    assert next(node).positions.tolist() == [0, 1]  # GuideLoom: closing early zeroes the offset
+
+
+def test_rank_positions_reset_to_a_state_resumes_there():
+    node = RankPositions(22, 3, rank=0, world_size=2)
+    node.reset({"epoch": 2, "observation_offset": 12})
+    item = next(node)
+    assert (item.epoch, item.positions.tolist()) == (2, [12, 14, 16])
+
+
+def test_rank_positions_offset_past_the_end_gives_an_empty_epoch():
+    node = RankPositions(22, 4, drop_last=False)
+    node.reset({"epoch": 0, "observation_offset": 24})
+    assert list(node) == []
+    assert node.state_dict()["epoch"] == 1
+
+
+def test_rank_positions_warn_on_a_state_from_another_dataset_size():
+    node = RankPositions(22, 3)
+    with pytest.warns(UserWarning, match="30 samples"):
+        node.reset({"epoch": 0, "observation_offset": 0, "num_samples": 30})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"local_batch_size": 0}, ValueError, "local_batch_size must be >= 1, got 0"),
+        ({"world_size": 0}, ValueError, "world_size must be >= 1, got 0"),
+        ({"rank": 2, "world_size": 2}, ValueError, "rank must be < world_size"),
+        ({"rank": -1}, ValueError, "rank must be >= 0, got -1"),
+        ({"observation_offset": -3}, ValueError, "-3"),
+        ({"local_batch_size": 2.5}, TypeError, "2.5"),
+    ],
+)
+def test_rank_positions_reject_bad_arguments(kwargs, error, match):
+    args = {"num_samples": 10, "local_batch_size": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        RankPositions(**args)
+
+
+def test_num_steps_follows_the_spec():
+    assert pipes.num_steps(22, 0, 6, True) == 3
+    assert pipes.num_steps(22, 0, 6, False) == 4
+    assert pipes.num_steps(22, 12, 4, False) == 3
+    assert pipes.num_steps(22, 24, 4, False) == 0
+
+
+# -- Shuffle ----------------------------------------------------------------------------------
+
+
+def test_shuffle_maps_positions_through_the_epoch_permutation():
+    node = Shuffle(RankPositions(22, 3, rank=1, world_size=2, epoch=1), seed=7)
+    perm = FeistelPermutation.for_epoch(22, 7, 1)
+    expected = [perm(np.array(p)).tolist() for p in [[1, 3, 5], [7, 9, 11], [13, 15, 17]]]
+    assert [ids.tolist() for ids in node] == expected
+
+
+def test_shuffle_computes_blocks_ahead_not_one_call_per_batch(monkeypatch):
+    sizes: list[int] = []
+    call = FeistelPermutation.__call__
+
+    def counting(self, positions):
+        sizes.append(np.size(positions))
+        return call(self, positions)
+
+    monkeypatch.setattr(FeistelPermutation, "__call__", counting)
+    node = Shuffle(RankPositions(100_000, 8, rank=1, world_size=4), seed=3, block_size=1000)
+    batches = [next(node) for _ in range(300)]
+    assert sizes == [1000, 1000, 1000]  # 2400 positions of this rank in three calls
+    perm = FeistelPermutation.for_epoch(100_000, 3, 0)
+    assert np.array_equal(np.concatenate(batches), call(perm, 1 + 4 * np.arange(2400)))
+
+
+def test_shuffle_batches_are_read_only_views():
+    ids = next(Shuffle(RankPositions(50, 4), seed=1))
+    with pytest.raises(ValueError, match="read-only"):
+        ids[0] = 3
+
+
+def test_shuffle_accepts_positions_that_are_not_evenly_spaced():
+    class Odd(tn.BaseNode):
+        def reset(self, initial_state=None):
+            super().reset(initial_state)
+
+        def next(self):
+            return Positions(0, 22, np.array([5, 1, 9], dtype=np.int64), 1)
+
+        def get_state(self):
+            return {}
+
+    perm = FeistelPermutation.for_epoch(22, 7, 0)
+    assert next(Shuffle(Odd(), seed=7)).tolist() == perm(np.array([5, 1, 9])).tolist()
+
+
+def test_shuffle_without_a_seed_draws_one_and_adopts_a_saved_one():
+    first, second = Shuffle(RankPositions(22, 3)), Shuffle(RankPositions(22, 3))
+    assert isinstance(first.seed, int) and first.seed != second.seed
+    first.reset({"source": {"epoch": 0, "observation_offset": 0}, "shuffle_seed": 7})
+    assert first.seed == 7
+    assert (
+        next(first).tolist()
+        == expected_batches(
+            22, world_size=1, local_batch_size=3, rank=0, drop_last=True, shuffle_seed=7
+        )[0]
+    )
+
+
+def test_shuffle_with_a_seed_warns_on_a_state_with_another():
+    node = Shuffle(RankPositions(22, 3), seed=1)
+    with pytest.warns(UserWarning, match="shuffle_seed=7"):
+        node.reset({"source": {"epoch": 0, "observation_offset": 0}, "shuffle_seed": 7})
+    assert node.seed == 1
+
+
+@pytest.mark.parametrize(("seed", "error"), [(-1, ValueError), (1.5, TypeError), (True, TypeError)])
+def test_shuffle_rejects_bad_seeds(seed, error):
+    with pytest.raises(error, match="shuffle_seed"):
+        Shuffle(RankPositions(22, 3), seed)
+
+
+# -- ReadSamples and Collate ------------------------------------------------------------------
+
+
+class _BatchReader:
+    """A dataset with a reader of its own, recording what it is asked for."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.events: list[str] = []
+        self.requests: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def sync_reader(self) -> _BatchReader:
+        return self
+
+    def open(self) -> None:
+        self.events.append("open")
+
+    def close(self) -> None:
+        self.events.append("close")
+
+    def read_batch(self, ids: np.ndarray) -> list[int]:
+        self.requests.append(ids)
+        return [int(i) * 10 for i in ids]
+
+
+def test_read_samples_uses_read_batch_once_per_batch_with_an_int64_array():
+    dataset = _BatchReader(12)
+    node = ReadSamples(RankPositions(12, 4), dataset)
+    assert list(node) == [[0, 10, 20, 30], [40, 50, 60, 70], [80, 90, 100, 110]]
+    assert all(r.dtype == np.int64 and len(r) == 4 for r in dataset.requests)
+    assert dataset.events == ["open"]
+    node.close()
+    assert dataset.events == ["open", "close"]
+
+
+def test_read_samples_leaves_a_reader_it_was_given_open():
+    dataset = _BatchReader(12)
+    node = ReadSamples(RankPositions(12, 4), dataset, reader=dataset)
+    list(node)
+    node.close()
+    assert dataset.events == []
+
+
+def test_read_samples_uses_getitems_when_the_dataset_has_it():
+    class Batched(Ids):
+        def __getitems__(self, indices: list[int]) -> list[str]:
+            assert isinstance(indices, list)
+            return [f"s{i}" for i in indices]
+
+    assert next(ReadSamples(RankPositions(6, 3), Batched(6))) == ["s0", "s1", "s2"]
+
+
+def test_read_samples_takes_id_arrays_positions_and_lists():
+    source = tn.IterableWrapper([np.array([4, 2]), [1, 3], (5,)])
+    assert list(ReadSamples(source, list("abcdef"))) == [["e", "c"], ["b", "d"], ["f"]]
+
+
+def test_read_samples_never_reads_an_empty_batch():
+    dataset = _BatchReader(22)
+    node = ReadSamples(RankPositions(22, 1, rank=2, world_size=3, drop_last=False), dataset)
+    assert list(node)[-1] == []
+    assert all(len(r) for r in dataset.requests)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_read_samples_with_thread_workers_keeps_the_order(workers):
+    node = _pipeline(
+        101, workers=workers, local_batch_size=2, world_size=3, rank=1, drop_last=False
+    )
+    assert list(node) == expected_batches(
+        101, world_size=3, local_batch_size=2, rank=1, drop_last=False, shuffle_seed=7
+    )
+    close_pipeline(node)
+    assert _our_threads() == []
+
+
+def test_read_samples_state_counts_only_delivered_batches():
+    parallel, reference = _pipeline(60, workers=2), _pipeline(60)
+    for _ in range(4):
+        next(reference)
+        next(parallel)  # the workers have read further ahead
+        assert parallel.state_dict() == reference.state_dict()
+    close_pipeline(parallel)
+
+
+def test_read_samples_reraises_a_worker_exception_with_its_type_and_traceback():
+    node = ReadSamples(RankPositions(20, 2), FailsAt(20, 5), num_workers=2)
+    assert next(node) == [0, 1]
+    assert next(node) == [2, 3]
+    with pytest.raises(ReadError, match="cannot read sample 5") as info:
+        next(node)
+    assert "__getitem__" in "".join(traceback.format_tb(info.value.__traceback__))
+    node.close()
+    assert _our_threads() == []
+
+
+def test_read_samples_close_stops_its_threads_and_reset_restarts_them():
+    node = _pipeline(200, workers=3)
+    next(node)
+    assert _our_threads()
+    close_pipeline(node)
+    assert _our_threads() == []
+    node.reset()
+    assert (
+        next(node)
+        == expected_batches(
+            200, world_size=2, local_batch_size=3, rank=0, drop_last=True, shuffle_seed=7
+        )[0]
+    )
+    close_pipeline(node)
+    assert _our_threads() == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"num_workers": -1}, ValueError, "num_workers must be >= 0, got -1"),
+        ({"method": "fiber"}, ValueError, "'fiber'"),
+        ({"max_in_flight": 0}, ValueError, "max_in_flight must be >= 1, got 0"),
+        ({"timeout": 0}, ValueError, "timeout"),
+        ({"collate_fn": 3}, TypeError, "collate_fn must be callable"),
+        ({"method": "process", "multiprocessing_context": "clone"}, ValueError, "'clone'"),
+    ],
+)
+def test_read_samples_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ReadSamples(RankPositions(10, 2), Ids(10), **kwargs)
+
+
+def test_collate_defaults_to_torch_default_collate_and_keeps_empty_batches_empty():
+    node = Collate(
+        ReadSamples(RankPositions(22, 4, rank=2, world_size=3, drop_last=False), Ids(22))
+    )
+    batches = list(node)
+    assert torch.equal(batches[0], torch.tensor([2, 5, 8, 11]))
+    assert batches[-1] == [] or torch.equal(batches[-1], torch.tensor([14, 17, 20]))
+    node = Collate(
+        ReadSamples(
+            RankPositions(22, 1, rank=2, world_size=3, drop_last=False, observation_offset=12),
+            Ids(22),
+        )
+    )
+    assert list(node)[-1] == []
+
+
+def test_collate_hands_empty_batches_to_a_given_collate_fn():
+    seen = []
+    node = Collate(
+        ReadSamples(
+            RankPositions(22, 1, rank=2, world_size=3, drop_last=False, observation_offset=12),
+            Ids(22),
+        ),
+        lambda samples: seen.append(list(samples)) or len(samples),
+    )
+    assert list(node) == [1, 1, 1, 0]
+    assert seen[-1] == []
+
+
+# -- Prefetcher, PinMemory, ToDevice ----------------------------------------------------------
+
+
+def test_prefetcher_keeps_order_and_counts_only_delivered_batches():
+    node, reference = _pipeline(60, prefetch=3), _pipeline(60)
+    for _ in range(3):
+        assert next(node) == next(reference)
+        assert node.state_dict()["source"] == reference.state_dict()
+    assert list(node) == list(reference)
+    assert node.state_dict()["source"] == reference.state_dict()  # the next epoch's start
+    close_pipeline(node)
+    assert _our_threads() == []
+
+
+def test_prefetcher_reraises_source_exceptions_with_their_type():
+    node = Prefetcher(ReadSamples(RankPositions(20, 2), FailsAt(20, 2)), 2)
+    assert next(node) == [0, 1]
+    with pytest.raises(ReadError) as info:
+        next(node)
+    assert "__getitem__" in "".join(traceback.format_tb(info.value.__traceback__))
+    with pytest.raises(StopIteration):
+        next(node)
+    assert _our_threads() == []
+
+
+def test_prefetcher_close_joins_its_thread_even_when_blocked_on_a_full_queue():
+    node = Prefetcher(ReadSamples(RankPositions(1000, 2), Ids(1000)), 1)
+    next(node)
+    node.close()
+    assert _our_threads() == []
+
+
+def test_prefetcher_rejects_zero():
+    with pytest.raises(ValueError, match="prefetch must be >= 1"):
+        Prefetcher(RankPositions(10, 2), 0)
+
+
+@dataclasses.dataclass
+class _Pair:
+    x: torch.Tensor
+    label: str
+
+
+class _Named(NamedTuple):
+    a: torch.Tensor
+    b: list
+
+
+def test_apply_to_tensors_walks_dicts_lists_tuples_named_tuples_and_dataclasses():
+    batch = {
+        "p": _Pair(torch.ones(2), "k"),
+        "n": _Named(torch.zeros(1), [torch.ones(1), 3]),
+        "t": (torch.ones(3),),
+    }
+    out = pipes.apply_to_tensors(batch, lambda t: t * 2)
+    assert isinstance(out["p"], _Pair) and out["p"].label == "k"
+    assert torch.equal(out["p"].x, torch.full((2,), 2.0))
+    assert isinstance(out["n"], _Named) and out["n"].b[1] == 3
+    assert torch.equal(out["n"].b[0], torch.full((1,), 2.0))
+    assert isinstance(out["t"], tuple) and torch.equal(out["t"][0], torch.full((3,), 2.0))
+
+
+def test_to_device_moves_nested_tensors():
+    source = tn.IterableWrapper([{"x": torch.ones(2), "y": [_Pair(torch.zeros(1), "a")]}])
+    batch = next(ToDevice(source, "meta"))
+    assert batch["x"].device.type == "meta"
+    assert batch["y"][0].x.device.type == "meta"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pin_memory_then_to_device_on_cuda():
+    source = tn.IterableWrapper([{"x": torch.arange(4)}])
+    pinned = next(PinMemory(source))
+    assert pinned["x"].is_pinned()
+    moved = next(ToDevice(PinMemory(tn.IterableWrapper([{"x": torch.arange(4)}])), "cuda"))
+    assert moved["x"].device.type == "cuda" and moved["x"].tolist() == [0, 1, 2, 3]
+
+
+# -- with torchdata's own nodes ---------------------------------------------------------------
+
+
+def _custom(n: int = 50) -> Any:
+    node: Any = Shuffle(RankPositions(n, 4, rank=1, world_size=2), seed=11)
+    node = ReadSamples(node, Ids(n), num_workers=2)
+    node = tn.Mapper(node, lambda samples: [s * 100 for s in samples])
+    return tn.Prefetcher(node, 2)
+
+
+def test_a_pipeline_mixed_with_torchdata_nodes_resumes_at_the_identical_next_batch():
+    loader = tn.Loader(_custom())
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    rest = list(it)
+    resumed = tn.Loader(_custom())
+    resumed.load_state_dict(state)
+    assert list(resumed) == rest
+    expected = [
+        [s * 100 for s in b]
+        for b in expected_batches(
+            50, world_size=2, local_batch_size=4, rank=1, drop_last=True, shuffle_seed=11
+        )
+    ]
+    assert head + rest == expected
+    close_pipeline(loader.root)
+    close_pipeline(resumed.root)
+
+
+def test_a_torchdata_loader_runs_epoch_after_epoch():
+    loader = tn.Loader(_custom(40))
+    epochs = [list(loader) for _ in range(3)]
+    assert epochs == [
+        [
+            [s * 100 for s in b]
+            for b in expected_batches(
+                40,
+                world_size=2,
+                local_batch_size=4,
+                rank=1,
+                drop_last=True,
+                shuffle_seed=11,
+                epoch=e,
+            )
+        ]
+        for e in range(3)
+    ]
+    assert epochs[0] != epochs[1]
+    close_pipeline(loader.root)
+
+
+def test_close_pipeline_calls_close_down_the_source_chain():
+    closed = []
+
+    class Closing(tn.BaseNode):
+        def __init__(self, source, name):
+            super().__init__()
+            self.source, self.name = source, name
+
+        def close(self):
+            closed.append(self.name)
+
+    close_pipeline(Closing(tn.Mapper(Closing(None, "inner"), str), "outer"))
+    assert closed == ["outer", "inner"]
