@@ -407,3 +407,50 @@ def test_our_document_files_hold_guideloom_bytes(tmp_path: Path) -> None:
     offsets = np.cumsum([0] + [len(b) for b in blobs]).astype("<i8")
     assert (tmp_path / "0000000.out_of_band.bin").read_bytes() == b"".join(blobs)
     assert (tmp_path / "0000000.out_of_band.index").read_bytes() == offsets.tobytes()
+
+
+class RawFormat:
+    """A stream format whose records are already arrays of its dtype (any dtype at all)."""
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.stream_dtype = dtype
+
+    def pack(self, data: np.ndarray) -> np.ndarray:
+        return data
+
+    def unpack(self, stream: np.ndarray, shard_lengths: object, shards: object) -> np.ndarray:
+        return stream
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        np.dtype([("tokens", "<i4")]),
+        np.dtype([("tokens", ">u2"), ("mask", "?")]),
+        np.dtype([("window", "<i4", (3,))]),
+        np.dtype([("pos", [("x", "<f8"), ("tag", "S3")]), ("n", "<i8")]),
+        np.dtype([(("the title", "t"), "<i4"), ("u", [("q", "<u2", (2,))], (2,))]),
+        np.dtype({"names": ["a", "b"], "formats": ["<i4", "<i2"], "offsets": [0, 8]}),
+        np.dtype([("when", "<M8[s]"), ("name", "<U4")]),
+        np.dtype("<f2"),
+    ],
+    ids=str,
+)
+def test_any_dtype_is_recorded_so_that_the_dataset_reopens_with_it(
+    tmp_path: Path, dtype: np.dtype
+) -> None:
+    values = np.zeros(4, dtype=dtype)
+    with StreamStorage(tmp_path, RawFormat(dtype)).sync_writer() as writer:
+        writer.append(0, values)
+    with StreamStorage(tmp_path, RawFormat(dtype)).sync_reader() as reader:
+        assert reader.read(0, 4).dtype == dtype
+        assert (reader.read(0, 4) == values).all()
+    assert (tmp_path / "0000000.in_band.bin").read_bytes() == values.tobytes()
+
+
+def test_an_array_of_python_objects_is_refused(tmp_path: Path) -> None:
+    dtype = np.dtype([("o", "O")])
+    writer = StreamStorage(tmp_path, RawFormat(dtype)).sync_writer()
+    with pytest.raises(TypeError, match="holds Python objects"), writer:
+        writer.append(0, np.zeros(2, dtype=dtype))
+    assert list(tmp_path.iterdir()) == []
