@@ -282,7 +282,19 @@ def test_verify_passes_on_intact_data_and_counts_what_it_checked(tmp_path: Path,
     write(kind, tmp_path, SHARDS)
     counts = storage(kind, tmp_path).verify()
     size = sum((tmp_path / f"{k:07d}{s}").stat().st_size for k in SHARDS for s in SUFFIXES[kind])
-    assert counts == {"shards": 3, "files": 3 * len(SUFFIXES[kind]), "bytes": size}
+    assert counts == {
+        "shards": 3,
+        "files": 3 * len(SUFFIXES[kind]),
+        "bytes": size,
+        "unrecorded": 0,
+    }
+
+
+def test_verify_warns_that_a_dataset_without_records_cannot_be_verified(tmp_path: Path) -> None:
+    path = guideloom_copy(tmp_path, "stream")
+    with pytest.warns(UserWarning, match="3 of the 3 shards .* have no commit record"):
+        counts = guideloom_storage("stream", path).verify()
+    assert counts == {"shards": 0, "files": 0, "bytes": 0, "unrecorded": 3}
 
 
 @pytest.mark.parametrize(("kind", "suffix"), ALL_FILES)

@@ -256,3 +256,16 @@ def test_a_dataset_served_by_a_listing_backend_reads_back(tmp_path: Path) -> Non
     store.dir, store.read_interface = PurePath("/bucket/data"), backend
     with store.sync_reader() as reader:
         assert reader.read(0, 6)["tokens"].tolist() == expected("stream", shards_written)
+
+
+# Shard numbers given to readers ----------------------------------------------------------
+
+
+def test_reader_length_refuses_a_shard_that_is_not_an_int_and_names_it(tmp_path: Path) -> None:
+    write("stream", tmp_path, {0: [1], 1: [2, 3]})
+    with storage("stream", tmp_path).sync_reader() as reader:
+        assert reader.length(np.int64(1)) == 2
+        with pytest.raises(TypeError, match=r"shard must be an int, got '1' \(str\)"):
+            reader.length("1")
+        with pytest.raises(IndexError, match=r"shard -1 out of range: .* has shards 0\.\.1"):
+            reader.length(-1)

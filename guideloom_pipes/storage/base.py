@@ -143,6 +143,9 @@ class ReaderBase:
 
     def _check_shard(self, shard: int) -> int:
         self._check_open()
+        if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)):
+            raise TypeError(f"shard must be an int, got {shard!r} ({type(shard).__name__})")
+        shard = int(shard)
         if not 0 <= shard < self.num_shards:
             raise IndexError(
                 f"shard {shard} out of range: {os.fspath(self.storage.dir)} has shards "

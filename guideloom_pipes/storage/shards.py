@@ -559,13 +559,16 @@ def verify_checksums(
 ) -> dict[str, int]:
     """Recompute each recorded file's CRC-32; raise :class:`CorruptShardError` on a mismatch.
 
-    Returns counts: ``{"shards": ..., "files": ..., "bytes": ...}`` checked.
+    Returns counts: ``{"shards": ..., "files": ..., "bytes": ...}`` checked, and
+    ``"unrecorded"``: shards without a commit record (written by GuideLoom), which have no
+    checksum to verify (a :class:`UserWarning` says so).
     """
-    checked = {"shards": 0, "files": 0, "bytes": 0}
+    checked = {"shards": 0, "files": 0, "bytes": 0, "unrecorded": 0}
     problems: list[str] = []
     for shard in range(listing.num_shards):
         record = listing.records.get(shard)
         if record is None:
+            checked["unrecorded"] += 1
             continue
         checked["shards"] += 1
         for suffix in suffixes:
@@ -587,6 +590,14 @@ def verify_checksums(
                     f"{name}: crc32 {crc:#010x} over {size} bytes, committed "
                     f"{expected.crc32:#010x} over {expected.size} bytes"
                 )
+    if checked["unrecorded"]:
+        warnings.warn(
+            f"{checked['unrecorded']} of the {listing.num_shards} shards of "
+            f"{_display(listing.directory)} have no commit record (written by GuideLoom or "
+            f"another tool), so there is no checksum to verify them against",
+            UserWarning,
+            stacklevel=3,
+        )
     if problems:
         raise CorruptShardError(
             f"checksum mismatch in {_display(listing.directory)} (the files changed after "
