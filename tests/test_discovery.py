@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from shard_kinds import KINDS, SUFFIXES, expected, read, storage, write
 
+from guideloom_pipes.storage import StaleWriteWarning
 from guideloom_pipes.storage.io import MmapIO
 from guideloom_pipes.storage.shards import _NAME, discover, shard_name
 
@@ -269,3 +270,18 @@ def test_reader_length_refuses_a_shard_that_is_not_an_int_and_names_it(tmp_path:
             reader.length("1")
         with pytest.raises(IndexError, match=r"shard -1 out of range: .* has shards 0\.\.1"):
             reader.length(-1)
+
+
+# Leftovers -------------------------------------------------------------------------------
+
+
+def test_a_leftover_pending_record_is_named_as_stale_and_ignored(tmp_path: Path) -> None:
+    write("stream", tmp_path, {0: [1, 2]})
+    (tmp_path / "0000000.shard.json.pending").write_text("{}")
+    with pytest.warns(StaleWriteWarning, match=r"0000000\.shard\.json\.pending"):
+        assert read("stream", tmp_path) == [1, 2]
+    write("stream", tmp_path, {0: [3]})  # the next writer of shard 0 clears it
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "0000000.in_band.bin",
+        "0000000.shard.json",
+    ]
