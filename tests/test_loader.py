@@ -1,0 +1,734 @@
+"""StatefulDataLoader: GuideLoom's API and rules (SPEC §5/§6), torch drop-in, workers, errors."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import multiprocessing
+import pickle
+import threading
+import traceback
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+import numpy as np
+import torch
+from loader_helpers import (
+    FailsAt,
+    HangsInWorker,
+    Ids,
+    KillsItsWorker,
+    ReadError,
+    expected_batches,
+    ids_collate,
+)
+from storage_formats import ChunkMetaFormat
+
+from guideloom_pipes import (
+    DocumentDataset,
+    DocumentPickleFormat,
+    DocumentStorage,
+    StatefulDataLoader,
+    StreamDataset,
+    StreamNumpyFormat,
+    StreamStorage,
+    StreamWithMetaStorage,
+)
+from guideloom_pipes.shuffle import FeistelPermutation
+
+TOKENS = np.dtype([("tokens", "<i4")])
+
+
+def _loader(dataset: Any = None, collate_fn: Any = ids_collate, **kw: Any) -> StatefulDataLoader:
+    kw.setdefault("device", "cpu")
+    return StatefulDataLoader(Ids(22) if dataset is None else dataset, collate_fn, **kw)
+
+
+def _our_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
+
+
+def _state(epoch: int, offset: int, **kw: Any) -> dict[str, Any]:
+    return {
+        "epoch": epoch,
+        "observation_offset": offset,
+        "shuffle": kw.get("shuffle", False),
+        "shuffle_seed": kw.get("shuffle_seed"),
+        "drop_last": kw.get("drop_last", True),
+    }
+
+
+class _Recording:
+    """A dataset with its own reader that records open/close and each batch of ids."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.events: list[str] = []
+        self.requests: list[np.ndarray] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+    def sync_reader(self) -> _Recording:
+        return self
+
+    def open(self) -> None:
+        self.events.append("open")
+
+    def close(self) -> None:
+        self.events.append("close")
+
+    def read_batch(self, ids: np.ndarray) -> list[int]:
+        self.requests.append(ids)
+        return ids.tolist()
+
+
+# -- constructor ------------------------------------------------------------------------------
+
+
+def test_constructor_has_guideloom_signature_and_defaults():
+    parameters = inspect.signature(StatefulDataLoader).parameters
+    guideloom = {
+        "local_batch_size": 1,
+        "rank": 0,
+        "world_size": 1,
+        "num_workers": 0,
+        "parallel_method": "thread",
+        "shuffle": False,
+        "shuffle_seed": None,
+        "pin_memory": False,
+        "drop_last": True,
+        "prefetch": 0,
+    }
+    assert list(parameters)[:2] == ["dataset", "collate_fn"]
+    for name, default in guideloom.items():
+        assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+        assert parameters[name].default == default
+    assert parameters["device"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only default")
+def test_device_defaults_to_the_cpu_without_cuda():
+    assert StatefulDataLoader(Ids(4)).device == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"world_size": 0}, ValueError, "world_size must be >= 1, got 0"),
+        ({"rank": -1}, ValueError, "rank must be >= 0, got -1"),
+        ({"rank": 2, "world_size": 2}, ValueError, r"rank must be < world_size \(2\), got 2"),
+        ({"local_batch_size": 0}, ValueError, "local_batch_size must be >= 1, got 0"),
+        ({"local_batch_size": 2.0}, TypeError, "local_batch_size must be an int, got 2.0"),
+        ({"num_workers": -1}, ValueError, "num_workers must be >= 0, got -1"),
+        ({"prefetch": -2}, ValueError, "prefetch must be >= 0, got -2"),
+        ({"parallel_method": "fork"}, ValueError, "parallel_method must be .* got 'fork'"),
+        ({"shuffle": "yes"}, TypeError, "shuffle must be True or False, got 'yes'"),
+        ({"drop_last": None}, TypeError, "drop_last must be True or False, got None"),
+        ({"pin_memory": 1}, TypeError, "pin_memory must be True or False, got 1"),
+        ({"shuffle_seed": -5}, ValueError, "shuffle_seed must be >= 0, got -5"),
+        ({"timeout": -1}, ValueError, "timeout must be .* got -1"),
+    ],
+)
+def test_constructor_rejects_bad_values_naming_them(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        _loader(**kwargs)
+
+
+def test_pin_memory_with_a_cpu_device_warns_and_is_ignored():
+    with pytest.warns(UserWarning, match="pin_memory=True has no effect"):
+        loader = _loader(pin_memory=True)
+    assert loader.pin_memory is False
+    assert next(iter(loader)) == [0]
+
+
+def test_a_cuda_device_without_pin_memory_warns():
+    with pytest.warns(UserWarning, match="without pin_memory=True"):
+        _loader(device="cuda")
+
+
+def test_too_little_prefetch_for_the_workers_warns_like_guideloom():
+    with pytest.warns(UserWarning, match=r"prefetch \* local_batch_size = 2 < num_workers = 3"):
+        _loader(num_workers=3, prefetch=1, local_batch_size=2)
+
+
+def test_an_unpicklable_collate_fn_with_process_workers_says_so():
+    with pytest.raises(
+        TypeError, match=r"collate_fn .* cannot be pickled.*parallel_method='thread'"
+    ):
+        _loader(
+            collate_fn=lambda samples: samples, num_workers=1, parallel_method="process", prefetch=1
+        )
+
+
+def test_an_unpicklable_dataset_with_process_workers_says_so():
+    dataset = Ids(22)
+    dataset.lock = threading.Lock()  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"dataset .* cannot be pickled"):
+        _loader(dataset, num_workers=1, parallel_method="process", prefetch=1)
+
+
+def test_an_iterable_dataset_is_refused():
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(3))
+
+    with pytest.raises(TypeError, match="iterable-style dataset"):
+        _loader(Stream())
+
+
+# -- torch DataLoader drop-in -----------------------------------------------------------------
+
+
+def test_a_batch_size_in_collate_fns_place_says_to_pass_batch_size():
+    with pytest.raises(TypeError, match="pass batch_size=32"):
+        StatefulDataLoader(Ids(64), 32)  # type: ignore[arg-type]
+
+
+def test_a_non_callable_collate_fn_is_refused():
+    with pytest.raises(TypeError, match="collate_fn must be callable or None, got 'x'"):
+        StatefulDataLoader(Ids(64), "x")  # type: ignore[arg-type]
+
+
+def test_torch_keywords_work():
+    loader = StatefulDataLoader(
+        np.arange(20).reshape(10, 2),
+        batch_size=4,
+        shuffle=None,
+        num_workers=2,
+        collate_fn=None,
+        pin_memory=False,
+        drop_last=False,
+        prefetch_factor=2,
+        timeout=30,
+        sampler=None,
+        batch_sampler=None,
+        worker_init_fn=None,
+        persistent_workers=False,
+        pin_memory_device="",
+        in_order=True,
+        device="cpu",
+    )
+    assert (loader.batch_size, loader.local_batch_size, loader.prefetch) == (4, 4, 4)
+    batches = list(loader)
+    assert [tuple(b.shape) for b in batches] == [(4, 2), (4, 2), (2, 2)]
+    assert torch.equal(torch.cat(batches), torch.arange(20).reshape(10, 2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"sampler": [0, 1]}, "sampler=.* not supported.*shuffle=True.*rank=/world_size="),
+        ({"batch_sampler": [[0, 1]]}, "batch_sampler=.* not supported: pass batch_size="),
+        ({"worker_init_fn": print}, "worker_init_fn=.* not supported"),
+        ({"persistent_workers": True}, "persistent_workers=True is not supported"),
+        ({"pin_memory_device": "cuda"}, "pin_memory_device='cuda' is not supported: pass device="),
+        ({"in_order": False}, "in_order=False is not supported"),
+        ({"batch_size": None}, r"batch_size=None .* not supported"),
+        ({"batch_size": 4, "local_batch_size": 2}, "batch_size=4 and local_batch_size=2 disagree"),
+        ({"prefetch_factor": 2}, "prefetch_factor=2 applies only with num_workers > 0"),
+        ({"prefetch_factor": 2, "num_workers": 1, "prefetch": 1}, "not both"),
+        ({"multiprocessing_context": "spawn"}, "parallel_method='process'"),
+        ({"shuffle_seed": 3, "generator": torch.Generator()}, "shuffle_seed or generator"),
+    ],
+)
+def test_torch_keywords_we_cannot_honour_say_what_to_use_instead(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _loader(**kwargs)
+
+
+def test_a_torch_generator_seeds_the_shuffle_reproducibly():
+    seeds = [
+        _loader(shuffle=True, generator=torch.Generator().manual_seed(5)).shuffle_seed
+        for _ in range(2)
+    ]
+    assert seeds[0] == seeds[1] and isinstance(seeds[0], int)
+
+
+def test_any_map_style_dataset_works():
+    assert list(_loader(list(range(6)), local_batch_size=3)) == [[0, 1, 2], [3, 4, 5]]
+    assert list(_loader(range(4), local_batch_size=2)) == [[0, 1], [2, 3]]
+    tensors = torch.utils.data.TensorDataset(torch.arange(6), torch.arange(6) * 2)
+    batches = list(_loader(tensors, None, local_batch_size=3))
+    assert torch.equal(batches[1][1], torch.tensor([6, 8, 10]))
+
+
+def test_read_batch_gets_each_batch_as_one_int64_array():
+    dataset = _Recording(12)
+    list(_loader(dataset, local_batch_size=4, shuffle=True, shuffle_seed=1))
+    assert [len(r) for r in dataset.requests] == [4, 4, 4]
+    assert all(r.dtype == np.int64 for r in dataset.requests)
+
+
+def test_default_collate_stacks_and_keeps_empty_rank_batches_empty():
+    dataset = [{"x": np.full(2, i)} for i in range(22)]
+    batches = list(
+        _loader(dataset, None, world_size=3, rank=2, drop_last=False, local_batch_size=1)
+    )
+    assert torch.equal(batches[0]["x"], torch.tensor([[2, 2]]))
+    loader = _loader(dataset, None, world_size=3, rank=2, drop_last=False)
+    loader.load_state_dict(_state(0, 12, drop_last=False))
+    assert list(loader)[-1] == []
+
+
+def test_a_given_collate_fn_receives_empty_rank_batches():
+    seen: list[list[int]] = []
+    loader = _loader(
+        collate_fn=lambda s: seen.append(list(s)), world_size=3, rank=1, drop_last=False
+    )
+    loader.load_state_dict(_state(0, 12, drop_last=False))
+    list(loader)
+    assert seen[-1] == []
+
+
+def test_one_rank_never_collates_an_empty_batch():
+    seen: list[int] = []
+    for size in range(1, 8):
+        list(
+            _loader(
+                collate_fn=lambda s: seen.append(len(s)), local_batch_size=size, drop_last=False
+            )
+        )
+    assert min(seen) >= 1
+
+
+# -- storages ---------------------------------------------------------------------------------
+
+
+def _write_stream(path: Path, kind: type = StreamStorage) -> Any:
+    storage = kind(path, StreamNumpyFormat(TOKENS))
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(40, dtype="<i4")})
+    return storage
+
+
+def test_from_storage_reads_a_stream_storage_with_sequence_length(tmp_path):
+    storage = _write_stream(tmp_path / "s")
+    loader = StatefulDataLoader.from_storage(
+        storage, sequence_length=4, local_batch_size=2, device="cpu"
+    )
+    assert isinstance(loader.dataset, StreamDataset)
+    with loader:
+        batches = list(loader)
+    assert len(batches) == 5
+    assert batches[1]["tokens"].tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_from_storage_needs_sequence_length_for_a_stream(tmp_path):
+    with pytest.raises(ValueError, match="needs sequence_length="):
+        StatefulDataLoader.from_storage(_write_stream(tmp_path / "s"))
+
+
+def test_from_storage_refuses_sequence_length_for_documents(tmp_path):
+    storage = DocumentStorage(tmp_path / "d", DocumentPickleFormat())
+    with storage.sync_writer() as writer:
+        for i in range(4):
+            writer.append(0, {"doc": i})
+    with pytest.raises(TypeError, match="takes no sequence_length"):
+        StatefulDataLoader.from_storage(storage, sequence_length=4)
+    loader = StatefulDataLoader.from_storage(storage, list, local_batch_size=2, device="cpu")
+    assert isinstance(loader.dataset, DocumentDataset)
+    assert list(loader) == [[{"doc": 0}, {"doc": 1}], [{"doc": 2}, {"doc": 3}]]
+
+
+def test_from_storage_refuses_other_objects():
+    with pytest.raises(TypeError, match="storage must be a StreamStorage"):
+        StatefulDataLoader.from_storage(Ids(3), sequence_length=1)
+
+
+def test_from_storage_reads_a_stream_with_metadata(tmp_path):
+    storage = StreamWithMetaStorage(tmp_path / "m", ChunkMetaFormat())
+    with storage.sync_writer() as writer:
+        writer.append(
+            0, {"doc": 0, "tokens": list(range(8)), "chunk_ids": [0, 0, 0, 1, 1, 1, 1, 2]}
+        )
+    with pytest.raises(ValueError, match="needs sequence_length="):
+        StatefulDataLoader.from_storage(storage)
+    loader = StatefulDataLoader.from_storage(storage, list, sequence_length=4, device="cpu")
+    assert [batch[0]["stream"] for batch in loader] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+# -- len, open, close -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "length"),
+    [
+        ({"local_batch_size": 4}, 5),
+        ({"local_batch_size": 4, "drop_last": False}, 6),
+        ({"local_batch_size": 2, "world_size": 3}, 3),
+        ({"local_batch_size": 2, "world_size": 3, "drop_last": False}, 4),
+    ],
+)
+def test_len_is_steps_per_epoch(kwargs, length):
+    loader = _loader(**kwargs)
+    assert len(loader) == length == len(list(loader))
+
+
+def test_context_manager_opens_and_closes_the_reader():
+    dataset = _Recording(8)
+    with _loader(dataset, local_batch_size=2) as loader:
+        assert dataset.events == ["open"]
+        list(loader)
+        list(loader)
+    assert dataset.events == ["open", "close"]
+
+
+def test_without_with_it_opens_on_first_use_and_can_be_closed():
+    dataset = _Recording(8)
+    loader = _loader(dataset, local_batch_size=2)
+    assert dataset.events == []
+    assert len(list(loader)) == 4
+    assert dataset.events == ["open"]
+    loader.close()
+    assert dataset.events == ["open", "close"]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_opening_with_fewer_samples_than_a_global_batch_fails(drop_last):
+    loader = _loader(Ids(5), local_batch_size=3, world_size=2, drop_last=drop_last)
+    with pytest.raises(ValueError, match=r"has 5 samples, fewer than one global batch .* = 6"):
+        loader.open()
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        iter(loader)
+
+
+# -- epochs, order, device --------------------------------------------------------------------
+
+
+def test_each_drained_iterator_is_the_next_epoch():
+    loader = _loader(local_batch_size=4, shuffle=True, shuffle_seed=3)
+    epochs = [list(loader) for _ in range(3)]
+    for epoch, batches in enumerate(epochs):
+        assert batches == expected_batches(
+            22,
+            world_size=1,
+            local_batch_size=4,
+            rank=0,
+            drop_last=True,
+            shuffle_seed=3,
+            epoch=epoch,
+        )
+    assert epochs[0] != epochs[1]
+    assert loader.state_dict()["epoch"] == 3
+
+
+def test_cpu_batches_are_not_copied():
+    made: list[torch.Tensor] = []
+
+    def collate(samples):
+        made.append(torch.tensor(samples))
+        return made[-1]
+
+    for kw in ({}, {"num_workers": 2, "prefetch": 2}):
+        batch = next(iter(_loader(collate_fn=collate, **kw)))
+        assert batch is made[0]
+        made.clear()
+
+
+def test_batches_are_moved_to_the_device_nested():
+    loader = _loader(collate_fn=lambda s: {"ids": [torch.tensor(s)]}, device="meta", prefetch=1)
+    batch = next(iter(loader))
+    assert batch["ids"][0].device.type == "meta"
+
+
+# -- iterators --------------------------------------------------------------------------------
+
+
+def test_iter_while_an_iterator_is_active_raises():
+    loader = _loader()
+    it = iter(loader)
+    next(it)
+    with pytest.raises(RuntimeError, match="still active: drain it or call its close"):
+        iter(loader)
+    with pytest.raises(RuntimeError, match=r"load_state_dict.* active"):
+        loader.load_state_dict(_state(0, 0))
+    it.close()
+    assert len(list(loader)) == 22
+
+
+def test_breaking_out_of_a_for_loop_frees_the_iterator():
+    loader = _loader(num_workers=2, prefetch=2)
+    for batch in loader:
+        assert batch == [0]
+        break
+    assert _our_threads() == []
+    assert loader.state_dict()["observation_offset"] == 0
+    assert next(iter(loader)) == [0]
+
+
+@pytest.mark.filterwarnings("ignore:prefetch \\* local_batch_size")
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_workers": 2},
+        {"prefetch": 2},
+        {"num_workers": 2, "prefetch": 3},
+    ],
+)
+def test_no_thread_outlives_its_iterator(kw):
+    loader = _loader(**kw)
+    list(loader)  # drained
+    assert _our_threads() == []
+    it = iter(loader)
+    next(it)
+    it.close()  # closed
+    assert _our_threads() == []
+    it = iter(loader)
+    next(it)
+    del it  # abandoned
+    gc.collect()
+    assert _our_threads() == []
+    it = iter(loader)
+    next(it)
+    loader.close()  # the loader closed
+    assert _our_threads() == []
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+def test_a_read_exception_reaches_the_loop_with_its_type_and_traceback():
+    loader = _loader(FailsAt(22, 9), local_batch_size=2, num_workers=2, prefetch=2)
+    it = iter(loader)
+    assert [next(it) for _ in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ReadError, match="cannot read sample 9") as info:
+        next(it)
+    assert "__getitem__" in "".join(traceback.format_tb(info.value.__traceback__))
+    assert _our_threads() == []
+    assert loader.state_dict()["observation_offset"] == 8  # what was delivered
+    with pytest.raises(ReadError):
+        next(iter(loader))  # the next iterator retries the failed batch
+
+
+def test_a_collate_exception_reaches_the_loop_with_its_type():
+    def collate(samples):
+        if 5 in samples:
+            raise KeyError("no five")
+        return samples
+
+    loader = _loader(collate_fn=collate, local_batch_size=2, num_workers=1, prefetch=1)
+    with pytest.raises(KeyError, match="no five"):
+        list(loader)
+
+
+# -- checkpoints ------------------------------------------------------------------------------
+
+
+def test_state_dict_has_guideloom_keys_plus_the_dataset_size():
+    state = _loader(shuffle=True, shuffle_seed=9, drop_last=False).state_dict()
+    assert state == {
+        **_state(0, 0, shuffle=True, shuffle_seed=9, drop_last=False),
+        "num_samples": 22,
+    }
+
+
+def test_each_delivered_batch_adds_the_global_batch_size():
+    loader = _loader(local_batch_size=2, world_size=3, rank=1, drop_last=False)
+    offsets = []
+    for _ in loader:
+        offsets.append(loader.state_dict()["observation_offset"])
+    assert offsets == [6, 12, 18, 24]
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["observation_offset"] == 0
+
+
+def test_prefetched_batches_never_count():
+    read = threading.Event()
+    counts = {"samples": 0}
+
+    class Counting(Ids):
+        def __getitem__(self, index):
+            counts["samples"] += 1
+            if counts["samples"] >= 8:
+                read.set()
+            return super().__getitem__(index)
+
+    loader = _loader(Counting(100), local_batch_size=2, num_workers=2, prefetch=4)
+    it = iter(loader)
+    next(it)
+    assert read.wait(60)  # the workers have read at least four batches
+    assert loader.state_dict()["observation_offset"] == 2
+    it.close()
+
+
+def test_closing_early_zeroes_the_offset_but_keeps_the_epoch():
+    loader = _loader()
+    list(loader)
+    it = iter(loader)
+    next(it)
+    next(it)
+    assert loader.state_dict()["observation_offset"] == 2
+    it.close()
+    assert (loader.state_dict()["epoch"], loader.state_dict()["observation_offset"]) == (1, 0)
+
+
+def test_resume_continues_exactly_where_the_state_was_taken():
+    config = {
+        "local_batch_size": 3,
+        "shuffle": True,
+        "shuffle_seed": 4,
+        "num_workers": 2,
+        "prefetch": 2,
+    }
+    loader = _loader(**config)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    rest = list(it)
+    resumed = _loader(**config)
+    resumed.load_state_dict(pickle.loads(pickle.dumps(state)))
+    assert list(resumed) == rest
+    assert head + rest == expected_batches(
+        22, world_size=1, local_batch_size=3, rank=0, drop_last=True, shuffle_seed=4
+    )
+
+
+def test_an_unseeded_shuffle_reports_its_seed_and_resumes_exactly():
+    first, other = _loader(shuffle=True), _loader(shuffle=True)
+    assert isinstance(first.shuffle_seed, int) and first.shuffle_seed != other.shuffle_seed
+    it = iter(first)
+    next(it)
+    state = first.state_dict()
+    assert state["shuffle_seed"] == first.shuffle_seed
+    rest = list(it) + list(first)
+    resumed = _loader(shuffle=True)
+    resumed.load_state_dict(state)
+    assert resumed.shuffle_seed == first.shuffle_seed
+    assert list(resumed) + list(resumed) == rest
+
+
+def test_an_offset_past_the_end_left_by_padding_finishes_the_epoch():
+    loader = _loader(local_batch_size=4, drop_last=False)
+    loader.load_state_dict(_state(2, 24, drop_last=False))
+    assert list(loader) == []
+    assert loader.state_dict()["epoch"] == 3
+    assert next(iter(loader)) == [0, 1, 2, 3]
+
+
+def test_resuming_is_constant_time_not_a_replay(monkeypatch):
+    permuted: list[int] = []
+    call = FeistelPermutation.__call__
+
+    def counting(self, positions):
+        permuted.append(int(np.size(positions)))
+        return call(self, positions)
+
+    monkeypatch.setattr(FeistelPermutation, "__call__", counting)
+    n = 2**40
+
+    class Huge:
+        def __len__(self):
+            return n
+
+        def __getitem__(self, index):
+            return index
+
+    loader = _loader(Huge(), local_batch_size=4, world_size=2, rank=1, shuffle=True, shuffle_seed=8)
+    loader.load_state_dict(_state(5, n - 16, shuffle=True, shuffle_seed=8))
+    batches = [batch for batch in loader]  # list(loader) would preallocate len(loader)
+    assert sum(permuted) <= 8  # only this rank's last eight positions were ever permuted
+    perm = FeistelPermutation.for_epoch(n, 8, 5)
+    expected = [[int(call(perm, n - 16 + 8 * s + 1 + 2 * j)) for j in range(4)] for s in range(2)]
+    assert batches == expected
+
+
+def test_a_guideloom_state_with_five_keys_loads_without_warnings(recwarn):
+    loader = _loader(local_batch_size=2)
+    loader.load_state_dict(_state(1, 4))
+    assert recwarn.list == []
+    assert next(iter(loader)) == [4, 5]
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        (
+            {"epoch": 0, "observation_offset": 0},
+            ValueError,
+            r"missing \['shuffle', 'shuffle_seed', 'drop_last'\]",
+        ),
+        ({**_state(0, 0), "epoch": -1}, ValueError, r"state_dict\['epoch'\] must be >= 0, got -1"),
+        ({**_state(0, 0), "observation_offset": -6}, ValueError, "must be >= 0, got -6"),
+        ({**_state(0, 0), "observation_offset": "6"}, TypeError, "must be an int, got '6'"),
+        ([("epoch", 0)], TypeError, "state_dict must be a dict"),
+    ],
+)
+def test_load_state_dict_rejects_bad_states_naming_the_value(state, error, match):
+    with pytest.raises(error, match=match):
+        _loader().load_state_dict(state)
+
+
+@pytest.mark.parametrize(
+    ("loader_kw", "state_kw", "match"),
+    [
+        ({"shuffle": True, "shuffle_seed": 1}, {}, "shuffle=False"),
+        (
+            {"shuffle": True, "shuffle_seed": 1},
+            {"shuffle": True, "shuffle_seed": 2},
+            "shuffle_seed=2",
+        ),
+        ({"shuffle": True}, {"shuffle": True, "shuffle_seed": None}, "unseeded GuideLoom run"),
+        ({}, {"drop_last": False}, "drop_last=False"),
+    ],
+)
+def test_load_state_dict_mismatches_only_warn(loader_kw, state_kw, match):
+    loader = _loader(**loader_kw)
+    seed = loader.shuffle_seed
+    with pytest.warns(UserWarning, match=match):
+        loader.load_state_dict(_state(0, 3, **state_kw))
+    assert loader.shuffle_seed == seed
+    assert loader.state_dict()["observation_offset"] == 3
+
+
+def test_loading_a_state_from_a_dataset_of_another_size_warns():
+    state = _loader(Ids(30)).state_dict()
+    with pytest.warns(UserWarning, match="dataset of 30 samples, this loader's has 22"):
+        _loader().load_state_dict(state)
+
+
+# -- process workers --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_process_worker_exception_keeps_its_type_and_remote_traceback():
+    loader = _loader(
+        FailsAt(22, 3), local_batch_size=2, num_workers=1, parallel_method="process", prefetch=1
+    )
+    with pytest.raises(ReadError, match="cannot read sample 3") as info:
+        list(loader)
+    assert "__getitem__" in str(info.value.__cause__)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_sigkilled_process_worker_raises_instead_of_hanging():
+    loader = _loader(
+        KillsItsWorker(22, 6),
+        local_batch_size=2,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=1,
+    )
+    it = iter(loader)
+    with pytest.raises(BrokenProcessPool, match="exited unexpectedly"):
+        for _ in it:
+            pass
+    assert loader.state_dict()["observation_offset"] <= 6
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_process_worker_times_out_and_is_stopped():
+    loader = _loader(
+        HangsInWorker(22, 0), num_workers=1, parallel_method="process", prefetch=1, timeout=0.5
+    )
+    with pytest.raises(RuntimeError, match=r"within timeout=0\.5 seconds"):
+        next(iter(loader))
+    assert multiprocessing.active_children() == []
