@@ -14,6 +14,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import warnings
 from pathlib import Path
@@ -21,6 +22,8 @@ from typing import Any
 
 import pytest
 import shard_kinds
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from shard_kinds import KINDS, SUFFIXES, append, expected, leftovers, read, storage, write
 
 from guideloom_pipes.storage import StaleWriteWarning, UncommittedShardError
@@ -110,6 +113,49 @@ def test_a_writer_dropped_without_close_leaves_nothing_behind(tmp_path: Path) ->
     del writer
     assert read("stream", tmp_path) == expected("stream", OLD)
     assert leftovers(tmp_path) == []
+
+
+class Abandon(Exception):
+    """Raised inside a writer's ``with`` block to abandon the session."""
+
+
+SESSIONS = st.lists(
+    st.tuples(
+        st.dictionaries(
+            st.integers(0, 3), st.lists(st.integers(0, 999), max_size=4), min_size=1, max_size=3
+        ),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=4,
+)
+
+
+@settings(deadline=None, max_examples=40)
+@given(kind=st.sampled_from(KINDS), sessions=SESSIONS)
+def test_readers_see_the_last_committed_content_of_every_shard(
+    kind: str, sessions: list[tuple[dict[int, list[int]], bool]]
+) -> None:
+    committed: dict[int, list[int]] = {}
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory)
+        for shards, completes in sessions:
+            try:
+                with storage(kind, path).sync_writer() as writer:
+                    for shard, values in shards.items():
+                        append(kind, writer, shard, values)
+                    if not completes:
+                        raise Abandon
+            except Abandon:
+                continue
+            # (no document appended: a document shard was not touched, so not replaced)
+            committed.update({k: v for k, v in shards.items() if v or kind != "document"})
+        assert leftovers(path) == []
+        if committed and sorted(committed) == list(range(len(committed))):
+            assert read(kind, path) == expected(kind, committed)
+        else:
+            with pytest.raises(FileNotFoundError):
+                read(kind, path)
 
 
 # SIGKILL mid-write ----------------------------------------------------------------------------

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path, PurePath
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from shard_kinds import KINDS, SUFFIXES, expected, read, storage, write
 
 from guideloom_pipes.storage import StaleWriteWarning
@@ -39,6 +42,22 @@ def test_a_gap_in_the_shard_ids_names_the_missing_shard_and_the_found_ones(
     assert "shard 0000002 is missing" in str(error.value)
     assert "(found 0, 1, 3)" in str(error.value)
     assert os.fspath(tmp_path) in str(error.value)
+
+
+@settings(deadline=None, max_examples=60)
+@given(ids=st.sets(st.integers(0, 40), min_size=1, max_size=12))
+def test_discovery_accepts_exactly_the_ids_0_to_n_minus_1(ids: set[int]) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        for shard in ids:
+            (Path(directory) / f"{shard_name(shard)}.in_band.bin").touch()
+        if ids == set(range(len(ids))):
+            assert discover(MmapIO(), Path(directory), ".in_band.bin").num_shards == len(ids)
+        else:
+            first_missing = min(set(range(max(ids))) - ids)
+            with pytest.raises(FileNotFoundError) as error:
+                discover(MmapIO(), Path(directory), ".in_band.bin")
+            assert f"shard {shard_name(first_missing)} is missing" in str(error.value)
+            assert f"{max(ids) + 1 - len(ids)} missing in all" in str(error.value)
 
 
 def test_a_gap_in_a_guideloom_dataset_is_found(tmp_path: Path) -> None:
