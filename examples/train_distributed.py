@@ -14,7 +14,9 @@ def collate(samples):
 def main():
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    storage = StreamStorage(Path("data/sharded-tokens"), StreamNumpyFormat(np.dtype([("tokens", "<i4")])))
+    storage = StreamStorage(
+        Path("data/sharded-tokens"), StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
+    )
     with StatefulDataLoader.from_storage(
         storage,
         collate,

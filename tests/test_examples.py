@@ -1,0 +1,105 @@
+"""The examples run as written: GuideLoom's distributed example (one rank and torchrun) and ours."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+_BATCH_LINE = re.compile(r"^rank=(\d+): (\[\[.*\]\])$")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("GUIDELOOM_PIPES_TORCH_FREE", None)
+    return env
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    done = subprocess.run(
+        args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _batches(stdout: str) -> dict[int, list[list[list[int]]]]:
+    by_rank: dict[int, list[list[list[int]]]] = {}
+    for line in stdout.splitlines():
+        match = _BATCH_LINE.match(line.strip())
+        if match:
+            by_rank.setdefault(int(match[1]), []).append(ast.literal_eval(match[2]))
+    return by_rank
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    workdir = tmp_path_factory.mktemp("example")
+    _run([sys.executable, str(EXAMPLES / "write_shards.py")], workdir)
+    return workdir
+
+
+def _all_samples() -> list[list[int]]:
+    return [list(range(4 * i, 4 * i + 4)) for i in range(16)]
+
+
+def test_write_shards_writes_four_shards_of_sixteen_4_token_samples(shards):
+    files = sorted(p.name for p in (shards / "data" / "sharded-tokens").glob("*.in_band.bin"))
+    assert files == [f"{shard:07d}.in_band.bin" for shard in range(4)]
+    tokens = np.concatenate(
+        [np.fromfile(shards / "data" / "sharded-tokens" / name, dtype="<i4") for name in files]
+    )
+    assert tokens.tolist() == list(range(64))
+
+
+@pytest.mark.timeout(240)
+def test_train_distributed_runs_as_one_rank(shards):
+    batches = _batches(_run([sys.executable, str(EXAMPLES / "train_distributed.py")], shards))
+    assert list(batches) == [0]
+    assert len(batches[0]) == 8
+    assert sorted(s for batch in batches[0] for s in batch) == _all_samples()
+
+
+def _torchrun() -> str | None:
+    beside = Path(sys.executable).parent / "torchrun"  # the venv's, even if not on PATH
+    return str(beside) if beside.exists() else shutil.which("torchrun")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(_torchrun() is None, reason="torchrun is not installed")
+def test_train_distributed_under_torchrun_splits_the_samples_between_two_ranks(shards):
+    stdout = _run(
+        [
+            _torchrun() or "torchrun",
+            "--standalone",
+            "--nproc-per-node=2",
+            str(EXAMPLES / "train_distributed.py"),
+        ],
+        shards,
+    )
+    batches = _batches(stdout)
+    assert sorted(batches) == [0, 1]
+    for rank_batches in batches.values():
+        assert len(rank_batches) == 4
+        assert all(np.array(batch).shape == (2, 4) for batch in rank_batches)
+    samples = [s for rank_batches in batches.values() for batch in rank_batches for s in batch]
+    assert sorted(samples) == _all_samples()
+
+
+@pytest.mark.timeout(240)
+def test_custom_pipeline_example_resumes_at_the_identical_next_batch(tmp_path):
+    stdout = _run([sys.executable, str(EXAMPLES / "custom_pipeline.py")], tmp_path)
+    assert "resumed batch matches: True" in stdout
