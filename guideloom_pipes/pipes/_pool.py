@@ -109,7 +109,14 @@ class _ThreadPool:
                             raise _timed_out("thread", timeout)  # type: ignore[arg-type]
                         self._finished.wait(left)
                     break
-            _run(self._fn, mine)  # the caller's own share of the work
+            try:  # the caller's own share of the work
+                mine.result = self._fn(mine.arg)
+            except Exception as error:
+                mine.error = error
+            except BaseException as error:  # KeyboardInterrupt: out now, the job fails later
+                mine.error = error
+                mine.done = True
+                raise
             if mine is job:
                 break
             with self._lock:
