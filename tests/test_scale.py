@@ -212,4 +212,6 @@ def test_a_writer_past_the_descriptor_limit_says_how_many_shards_fit(tmp_path: P
     assert "keeps 2 file descriptors open per shard" in message
     assert "the limit is 64 descriptors" in message
     assert "close it and open a new one" in message
+    open_shards = int(message.split(" shards open")[0].rsplit(" ", 1)[1])
+    assert f"at most about {open_shards - open_shards // 10} shards per writer" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the with block aborted it all

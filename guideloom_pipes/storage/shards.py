@@ -66,6 +66,12 @@ _NAME = re.compile(
     r"(\.in_band\.bin|\.out_of_band\.bin|\.out_of_band\.index|\.shard\.json)"
     r"(\.tmp|\.pending)?$"
 )
+#: The storage class whose shards are exactly these files.
+_CLASS_OF_SUFFIXES = {
+    frozenset({IN_BAND}): "StreamStorage",
+    frozenset({INDEX, OUT_OF_BAND}): "DocumentStorage",
+    frozenset({IN_BAND, INDEX, OUT_OF_BAND}): "StreamWithMetaStorage",
+}
 #: The data-file suffixes GuideLoom writes, and the storage classes that use each.
 _DATA_SUFFIXES = {
     IN_BAND: "StreamStorage or StreamWithMetaStorage",
@@ -368,10 +374,11 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
         # storages never mix these, and reading one as another returns garbage.
         kinds = " and ".join(sorted(f"*{s}" for s in foreign))
         owners = sorted({_DATA_SUFFIXES[s] for s in foreign})
+        opener = _CLASS_OF_SUFFIXES.get(frozenset(ours), "this storage class's")
         raise ValueError(
-            f"{where} holds {kinds} files, which a dataset with only {', '.join(ours)} files "
-            f"does not have: it looks like a {' / '.join(owners)} dataset. Open it with the "
-            f"storage class it was written with"
+            f"{where} holds {kinds} files, which a {opener} dataset does not have (its "
+            f"shards are {' and '.join(ours)} files only): it looks like a "
+            f"{' / '.join(owners)} dataset. Open it with the storage class it was written with"
         )
     if not ids:
         raise FileNotFoundError(
@@ -496,10 +503,10 @@ def check_listing(
                     f"rewrite shard {shard}"
                 )
             if expected.size != size:
-                change = "truncated" if size < expected.size else "grown"
+                change = "was truncated" if size < expected.size else "grew"
                 raise CorruptShardError(
                     f"{name}{suffix} in {where} is {size} bytes but was committed with "
-                    f"{expected.size} bytes: the file was {change} after it was written. "
+                    f"{expected.size} bytes: the file {change} after it was written. "
                     f"Restore it or rewrite shard {shard}"
                 )
         result.append(sizes)
@@ -866,8 +873,8 @@ def _too_many_files(error: OSError, shard: int, open_shards: int, per_shard: int
         f"too many open files while starting shard {shard_name(shard)}: a writer keeps "
         f"{per_shard} file descriptors open per shard it writes until it closes, and this one "
         f"has {open_shards} shards open (the limit is {limit} descriptors per process). Write "
-        f"at most about {max(1, (limit - 64) // per_shard)} shards per writer (close it and "
-        f"open a new one for the next shards), or raise the limit (ulimit -n)",
+        f"at most about {max(1, open_shards - open_shards // 10)} shards per writer (close it "
+        f"and open a new one for the next shards), or raise the limit (ulimit -n)",
     )
 
 
