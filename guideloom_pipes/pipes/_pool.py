@@ -122,8 +122,8 @@ class _ThreadPool:
             with self._lock:
                 mine.done = True
         if job.error is not None:
-            error, job.error = job.error, None
-            raise error
+            failure, job.error = job.error, None
+            raise failure
         return job.result
 
     def close(self) -> None:
