@@ -80,7 +80,7 @@ class StreamNumpyFormat:
         if len(set(lengths.values())) > 1:
             raise ValueError(f"fields must have equal lengths, got {lengths}")
         length = next(iter(lengths.values()))
-        out = np.empty(length, dtype=self.stream_dtype)
+        out = np.zeros(length, dtype=self.stream_dtype)  # zeroed: no stray padding bytes
         for name, column in columns.items():
             _check_fits(name, column, self.stream_dtype[name])
             out[name] = column

@@ -328,6 +328,24 @@ def test_too_many_payloads_in_a_shard_are_refused(
         assert reader.read(0, 4)["document_data"] == [b"a", b"b", b"e"]
 
 
+def test_a_shard_whose_only_append_was_refused_keeps_its_old_content(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with scripted(tmp_path).sync_writer() as writer:
+        writer.append(0, runs_record([(0, b"old", 2)]))
+    monkeypatch.setattr(stream_meta, "MAX_PAYLOADS", 1)
+    with (
+        scripted(tmp_path).sync_writer() as writer,
+        pytest.raises(ValueError, match="more than 1"),
+    ):
+        writer.append(0, runs_record([(0, b"a", 1), (1, b"b", 1)]))
+    # close() committed nothing for shard 0: it is not replaced by an empty shard
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")) == []
+    with scripted(tmp_path).sync_reader() as reader:
+        assert reader.total_length == 2
+        assert reader.read(0, 2)["document_data"] == [b"old"]
+
+
 BAD_RECORDS = {
     "non-contiguous key": ([(0, b"a"), (1, b"b"), (0, None)], np.arange(3, dtype="<i4")),
     "run without payload": ([(0, None)], np.arange(1, dtype="<i4")),

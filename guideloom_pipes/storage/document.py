@@ -190,6 +190,7 @@ class DocumentWriter(ShardWriterBase):
         if log is None:
             log = self._logs[transaction.shard] = PayloadLog(transaction.files[OUT_OF_BAND])
         log.append(payload)
+        self._written(transaction.shard)
 
     def length(self, shard: int) -> int:
         """Documents appended to ``shard`` in this writer session (``KeyError`` if none)."""

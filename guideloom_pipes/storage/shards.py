@@ -881,7 +881,9 @@ def _too_many_files(error: OSError, shard: int, open_shards: int, per_shard: int
 class ShardWriterBase:
     """Bookkeeping shared by the writers: one transaction per touched shard, commit on close.
 
-    Subclasses implement ``append`` and call :meth:`_transaction` for the shard.
+    Subclasses implement ``append``: they check the record, call :meth:`_transaction` for
+    the shard, write, and call :meth:`_written` once the append succeeded. A shard whose
+    appends were all refused is not committed (it keeps its previous content).
     """
 
     kind = ""
@@ -890,6 +892,7 @@ class ShardWriterBase:
     def __init__(self, directory: PurePath) -> None:
         self.directory = os.fspath(directory)
         self._transactions: dict[int, ShardTransaction] = {}
+        self._appended: set[int] = set()
         self._closed = False
         self._lock = threading.Lock()
 
@@ -931,6 +934,10 @@ class ShardWriterBase:
             self._transactions[shard] = transaction
         return transaction
 
+    def _written(self, shard: int) -> None:
+        """Record that an append to ``shard`` succeeded (its transaction will commit)."""
+        self._appended.add(shard)
+
     def _commit_args(self, shard: int) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -944,7 +951,10 @@ class ShardWriterBase:
         if self._closed:
             return
         self._closed = True
-        transactions = [t for _, t in sorted(self._transactions.items())]
+        for shard, transaction in self._transactions.items():
+            if shard not in self._appended and not transaction.done:
+                transaction.abort()  # every append to it was refused: keep the old shard
+        transactions = [t for s, t in sorted(self._transactions.items()) if s in self._appended]
         commit_transactions(self.directory, transactions, lambda t: self._commit_args(t.shard))
 
     def abort(self) -> None:

@@ -112,6 +112,7 @@ class StreamWriter(ShardWriterBase):
         transaction = self._transaction(shard)
         transaction.files[IN_BAND].write(array)
         self._lengths[transaction.shard] = self._lengths.get(transaction.shard, 0) + len(array)
+        self._written(transaction.shard)
 
     def length(self, shard: int) -> int:
         """Elements appended to ``shard`` in this writer session (``KeyError`` if none)."""

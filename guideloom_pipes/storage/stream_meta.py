@@ -173,6 +173,7 @@ class StreamWithMetaWriter(ShardWriterBase):
             log.append(memoryview(payload))
         transaction.files[IN_BAND].write(records)
         self._lengths[shard] = self._lengths.get(shard, 0) + size
+        self._written(shard)
 
     def length(self, shard: int) -> int:
         """Elements appended to ``shard`` in this writer session (``KeyError`` if none)."""
