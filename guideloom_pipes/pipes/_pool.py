@@ -51,12 +51,12 @@ def _broken() -> BrokenProcessPool:
 
 
 class _ThreadPool:
-    """Threads that run ``fn`` on submitted jobs; the caller collects results in order.
+    """Threads that run ``fn`` on submitted jobs, oldest first; the caller collects in order.
 
-    Workers take the newest unclaimed job, the caller the oldest: when the caller needs a job
-    no worker has started, it runs it itself, and while it waits for one a worker is running
-    it runs the next unclaimed job. So the caller never sits idle while work is queued, and
-    workers read ahead while the caller is away (training).
+    The caller waits for the job it needs, except when no worker has started it yet (all are
+    busy, or none has woken up since it was submitted): then the caller runs it itself
+    rather than wait for a worker to come free. So ``N`` workers read like ``N`` readers,
+    and the caller adds itself only when they are all busy.
     """
 
     def __init__(self, fn: Callable[[Any], Any], num_workers: int) -> None:
@@ -81,7 +81,7 @@ class _ThreadPool:
                     self._work.wait()
                 if self._stopping:
                     return
-                job = self._queue.pop()
+                job = self._queue.popleft()
             _run(fn, job)
             with self._lock:
                 job.done = True
@@ -96,31 +96,18 @@ class _ThreadPool:
 
     def result(self, job: _Job, timeout: float | None) -> Any:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                if job.done:
-                    break
-                if self._queue:
-                    mine = self._queue.popleft()
-                else:
-                    while not job.done:
-                        left = None if deadline is None else deadline - time.monotonic()
-                        if left is not None and left <= 0:
-                            raise _timed_out("thread", timeout)  # type: ignore[arg-type]
-                        self._finished.wait(left)
-                    break
-            try:  # the caller's own share of the work
-                mine.result = self._fn(mine.arg)
-            except Exception as error:
-                mine.error = error
-            except BaseException as error:  # KeyboardInterrupt: out now, the job fails later
-                mine.error = error
-                mine.done = True
-                raise
-            if mine is job:
-                break
-            with self._lock:
-                mine.done = True
+        with self._lock:
+            mine = bool(self._queue) and self._queue[0] is job
+            if mine:
+                self._queue.popleft()
+            else:
+                while not job.done:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise _timed_out("thread", timeout)  # type: ignore[arg-type]
+                    self._finished.wait(left)
+        if mine:
+            return self._fn(job.arg)  # no worker has started it: run it here
         if job.error is not None:
             failure, job.error = job.error, None
             raise failure
