@@ -430,7 +430,7 @@ def test_cpu_batches_are_not_copied():
 
     for kw in ({}, {"num_workers": 2, "prefetch": 2}):
         batch = next(iter(_loader(collate_fn=collate, **kw)))
-        assert batch is made[0]
+        assert any(batch is tensor for tensor in made)  # workers collate ahead, in any order
         made.clear()
 
 
