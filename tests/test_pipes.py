@@ -305,6 +305,21 @@ def test_read_samples_with_thread_workers_keeps_the_order(workers):
     assert _our_threads() == []
 
 
+@pytest.mark.timeout(60)
+def test_read_samples_reads_several_batches_at_once():
+    together = threading.Barrier(4, timeout=30)  # breaks, failing the test, if reads serialise
+
+    class Meets(Ids):
+        def __getitem__(self, index):
+            if index < 4:
+                together.wait()
+            return super().__getitem__(index)
+
+    node = ReadSamples(RankPositions(40, 1), Meets(40), num_workers=4)
+    assert list(node) == [[i] for i in range(40)]
+    node.close()
+
+
 def test_read_samples_state_counts_only_delivered_batches():
     parallel, reference = _pipeline(60, workers=2), _pipeline(60)
     for _ in range(4):
