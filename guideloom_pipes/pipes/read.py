@@ -65,10 +65,10 @@ class ReadSamples(BaseNode[Any]):
     With ``num_workers > 0`` whole batches are read in parallel, in worker threads (one
     shared reader, whose ``read_batch`` must be thread-safe) or in worker processes (each
     opens its own reader of the pickled ``dataset``), at most ``max_in_flight`` ahead, and
-    delivered in order. With threads, a batch no worker has started yet when it is needed is
-    read by the calling thread itself, so adding workers never leaves the caller waiting on
-    an idle queue. Workers start on ``reset()`` and stop on :meth:`close` or the next
-    ``reset()``. An exception raised by a read or ``collate_fn`` reaches the caller with its
+    delivered in order. Workers take batches oldest first; with threads, a batch that no
+    worker has started when it is needed (all busy) is read by the calling thread itself
+    rather than waited for. Workers start on ``reset()`` and stop on :meth:`close` or the
+    next ``reset()``. An exception raised by a read or ``collate_fn`` reaches the caller with its
     type (and, for threads, its traceback; processes attach the remote traceback as the
     cause); a worker process that dies raises ``BrokenProcessPool``.
 
