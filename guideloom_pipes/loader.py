@@ -402,12 +402,12 @@ class StatefulDataLoader:
 
     def __len__(self) -> int:
         """Steps in a full epoch: ``n // G`` with ``drop_last``, else ``ceil(n / G)``."""
-        n, g = len(self.dataset), self.global_batch_size
+        n, g = self._num_samples(), self.global_batch_size
         return n // g if self.drop_last else -(-n // g)
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}({type(self.dataset).__name__} of {len(self.dataset)}, "
+            f"{type(self).__name__}({type(self.dataset).__name__} of {self._num_samples()}, "
             f"local_batch_size={self.local_batch_size}, rank={self.rank}, "
             f"world_size={self.world_size}, shuffle={self.shuffle}, "
             f"drop_last={self.drop_last}, num_workers={self.num_workers}, "
@@ -418,19 +418,29 @@ class StatefulDataLoader:
     # -- open / close -----------------------------------------------------------------------
 
     def open(self) -> None:
-        """Check the dataset holds a global batch and open its reader (idempotent)."""
+        """Open the dataset's reader and check it holds a global batch (idempotent)."""
         if self._is_open:
             return
-        n = len(self.dataset)
+        reader, owns_reader = _open_reader(self.dataset)
+        n = len(reader) if hasattr(reader, "__len__") else len(self.dataset)
         if n < self.global_batch_size:
+            if owns_reader:
+                reader.close()
             raise ValueError(
                 f"the dataset has {n} samples, fewer than one global batch of "
                 f"local_batch_size * world_size = {self.local_batch_size} * {self.world_size} "
                 f"= {self.global_batch_size} (also required with drop_last=False): use a "
                 "smaller batch or world size, or more data"
             )
-        self._reader, self._owns_reader = _open_reader(self.dataset)
+        self._reader, self._owns_reader = reader, owns_reader
         self._is_open = True
+
+    def _num_samples(self) -> int:
+        # An open reader knows the size without opening the storage again.
+        reader = self._reader
+        if self._is_open and hasattr(reader, "__len__"):
+            return len(reader)
+        return len(self.dataset)
 
     def close(self) -> None:
         """Close the active iterator (stopping its workers) and the dataset's reader."""
@@ -476,7 +486,7 @@ class StatefulDataLoader:
 
     def _build_pipeline(self, epoch: int, offset: int) -> BaseNode[Any]:
         node: BaseNode[Any] = RankPositions(
-            len(self.dataset),
+            self._num_samples(),
             self.local_batch_size,
             rank=self.rank,
             world_size=self.world_size,
@@ -534,7 +544,7 @@ class StatefulDataLoader:
             "shuffle": self.shuffle,
             "shuffle_seed": self.shuffle_seed,
             "drop_last": self.drop_last,
-            _NUM_SAMPLES_KEY: len(self.dataset),
+            _NUM_SAMPLES_KEY: self._num_samples(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -599,11 +609,11 @@ class StatefulDataLoader:
                 stacklevel=2,
             )
         saved_n = state_dict.get(_NUM_SAMPLES_KEY)
-        if saved_n is not None and saved_n != len(self.dataset):
+        n = self._num_samples() if saved_n is not None else None
+        if saved_n is not None and saved_n != n:
             warnings.warn(
                 f"the state was taken on a dataset of {saved_n} samples, this loader's has "
-                f"{len(self.dataset)}: the offset and the shuffled order now refer to other "
-                "samples",
+                f"{n}: the offset and the shuffled order now refer to other samples",
                 UserWarning,
                 stacklevel=2,
             )

@@ -401,6 +401,13 @@ def test_opening_with_fewer_samples_than_a_global_batch_fails(drop_last):
         iter(loader)
 
 
+def test_a_failed_open_closes_the_reader_it_opened():
+    dataset = _Recording(5)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        _loader(dataset, local_batch_size=6).open()
+    assert dataset.events == ["open", "close"]
+
+
 # -- epochs, order, device --------------------------------------------------------------------
 
 
