@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import traceback
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -545,3 +549,13 @@ def test_close_pipeline_calls_close_down_the_source_chain():
 
     close_pipeline(Closing(tn.Mapper(Closing(None, "inner"), str), "outer"))
     assert closed == ["outer", "inner"]
+
+
+def test_process_workers_import_no_torch_unless_the_dataset_or_collate_fn_does():
+    code = (
+        "import sys, guideloom_pipes, guideloom_pipes._reading, loader_helpers; "
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    )
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
