@@ -1,0 +1,161 @@
+"""The benchmark runs end to end on tiny data and reports every scenario (no timed assertions)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from guideloom_pipes import bench
+
+# Even smaller than --quick: the test checks that everything runs, not how fast.
+TINY = [
+    "--quick",
+    "--tokens",
+    "300000",
+    "--meta-tokens",
+    "60000",
+    "--documents",
+    "400",
+    "--slow-tokens",
+    "300000",
+    "--rounds",
+    "1",
+    "--round-seconds",
+    "0.03",
+    "--warmup-seconds",
+    "0.02",
+    "--train-steps",
+    "6",
+    "--resume-rounds",
+    "1",
+]
+
+THROUGHPUT = ("tokens-2048", "tokens-128", "meta", "documents", "slow-storage", "shuffle")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "guideloom_pipes.bench", *TINY, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "| scenario" in result.stdout and "PASS" in result.stdout + "MISS"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(300)
+def test_json_holds_every_scenario(report: dict[str, Any]) -> None:
+    assert set(report["scenarios"]) == set(bench.SCENARIOS)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("scenario", THROUGHPUT)
+def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> None:
+    entry = report["scenarios"][scenario]
+    rows = entry["rows"]
+    assert rows[0]["baseline"] and entry["baseline"] == rows[0]["contender"]
+    assert len(rows) >= 3
+    for row in rows:
+        assert _positive(row["samples_per_s"]), row
+        assert _positive(row["cpu_s_per_1m_samples"]), row
+        assert _positive(row["ratio_to_baseline"]), row
+        assert _positive(row["first_batch_s"]), row
+        if scenario != "shuffle":  # the shuffle produces ids, not tokens
+            assert _positive(row["tokens_per_s"]), row
+
+
+@pytest.mark.timeout(300)
+def test_scale_resume_and_train_loop_figures_are_positive(report: dict[str, Any]) -> None:
+    scenarios = report["scenarios"]
+    scale, resume = scenarios["scale"], scenarios["resume"]
+    assert scale["tokens"] == 2**40 and scale["shards"] == 1000
+    for key in ("first_batch_s", "open_s", "post_import_rss_mb"):
+        assert _positive(scale[key]), key
+    assert scale["peak_rss_above_import_mb"] >= 0
+    for key in ("resume_offset0_s", "resume_near_end_s", "resume_ratio"):
+        assert _positive(resume[key]), key
+    loop = scenarios["train-loop"]["rows"]
+    assert [row["contender"].split()[0] for row in loop] == ["ours", "ours", "torch"]
+    for row in loop:
+        for key in ("wait_fraction", "next_cpu_ms_per_batch", "wall_s"):
+            assert _positive(row[key]) or row[key] == 0, (key, row)
+
+
+@pytest.mark.timeout(300)
+def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
+    names = [target["name"] for target in report["targets"]]
+    for prefix in (
+        "tokens-2048: ours workers=0 prefetch=4 / hand loop",
+        "tokens-2048: ours workers=2 threads prefetch=4 / ours workers=0",
+        "tokens-128: ours workers=0 prefetch=4 / hand loop",
+        "tokens-128: ours workers=2 threads prefetch=4 / ours workers=0",
+        "documents: processes / threads",
+        "slow-storage: 8 workers",
+        "slow-storage: 32 workers",
+        "shuffle: blocks",
+        "scale: first batch",
+        "scale: peak RSS",
+        "resume: near end",
+        "train-loop: ours workers=0",
+        "train-loop: ours workers=2",
+    ):
+        assert any(name.startswith(prefix) for name in names), prefix
+    for target in report["targets"]:
+        assert isinstance(target["passed"], bool)
+        assert math.isfinite(target["measured"])
+
+
+def test_hand_loop_crosses_shard_boundaries(tmp_path: Path) -> None:
+    storage = bench.build_tokens(tmp_path / "t", 1000, 3)
+    loop = bench.HandLoop(storage, 7, 4, seed=0)
+    stream = np.concatenate(
+        [np.fromfile(p, dtype="<i4") for p in sorted((tmp_path / "t").glob("*.in_band.bin"))]
+    )
+    batches = list(loop)
+    assert len(batches) == (1000 // 7) // 4
+    for step, batch in enumerate(batches):
+        ids = loop.permutation[step * 4 : (step + 1) * 4]
+        for row, sample in enumerate(ids.tolist()):
+            assert batch[row].tolist() == stream[sample * 7 : sample * 7 + 7].tolist()
+
+
+def test_memmap_meta_baseline_matches_our_reader(tmp_path: Path) -> None:
+    from guideloom_pipes import StreamDataset
+
+    storage = bench.build_meta(tmp_path / "m", 5000, 3, chunk=100)
+    baseline = bench.MemmapMetaWindows(storage, 300)
+    with StreamDataset(storage, 300).sync_reader() as reader:
+        assert len(reader) == len(baseline)
+        for index in range(len(baseline)):
+            ours, theirs = reader[index], baseline[index]
+            assert ours["tokens"].tolist() == theirs["tokens"].tolist()
+            assert ours["payload_index"].tolist() == theirs["payload_index"].tolist()
+            assert ours["payloads"] == theirs["payloads"]
+
+
+def test_memmap_documents_baseline_matches_our_reader(tmp_path: Path) -> None:
+    from guideloom_pipes import DocumentDataset
+
+    storage, _ = bench.build_documents(tmp_path / "d", 50, 3)
+    baseline = bench.MemmapDocuments(storage)
+    with DocumentDataset(storage).sync_reader() as reader:
+        assert [reader[i] for i in range(50)] == [baseline[i] for i in range(50)]
