@@ -163,6 +163,8 @@ class StreamReader(ReaderBase):
         np.cumsum(lengths, out=self._starts[1:])
         self._total = int(self._starts[-1])
         self._in_band = self._files[IN_BAND]
+        # per shard: its mapped array, False for a byte-range backend, None until first use
+        self._mapped: list[np.ndarray | bool | None] = [None] * listing.num_shards
 
     @property
     def total_length(self) -> int:
@@ -181,8 +183,21 @@ class StreamReader(ReaderBase):
         self._check_open()
         return self._starts
 
+    def _mapped_array(self, shard: int) -> np.ndarray | None:
+        """Shard ``shard``'s elements as a mapped array, or None for a byte-range backend."""
+        mapped = self._mapped[shard]
+        if mapped is None:
+            array = self._in_band.array(shard, self.dtype)
+            mapped = self._mapped[shard] = array if array is not None else False
+        return mapped if isinstance(mapped, np.ndarray) else None
+
+    def close(self) -> None:
+        """Release every mapping and descriptor. Samples already returned stay valid."""
+        self._mapped = []
+        super().close()
+
     def _copy(self, shard: int, local: int, count: int, out: np.ndarray) -> None:
-        mapped = self._in_band.array(shard, self.dtype)
+        mapped = self._mapped_array(shard)
         if mapped is not None:
             out[:] = mapped[local : local + count]
             return
@@ -257,7 +272,7 @@ class StreamReader(ReaderBase):
             zip(first.tolist(), last.tolist(), local.tolist())
         ):
             if shard == end_shard:
-                mapped = self._in_band.array(shard, self.dtype)
+                mapped = self._mapped_array(shard)
                 if mapped is not None:
                     out[row] = mapped[offset : offset + length]
                 else:
