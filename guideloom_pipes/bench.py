@@ -108,7 +108,7 @@ class Sizes:
     round_seconds: float = 1.0
     warmup_seconds: float = 0.5
     train_steps: int = 300
-    resume_rounds: int = 3
+    resume_rounds: int = 5
 
     @classmethod
     def quick(cls) -> Sizes:
