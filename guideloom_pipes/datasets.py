@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import operator
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,14 @@ import numpy as np
 from guideloom_pipes.storage.document import DocumentReader, DocumentStorage
 from guideloom_pipes.storage.stream import StreamReader, StreamStorage
 from guideloom_pipes.storage.stream_meta import StreamWithMetaReader, StreamWithMetaStorage
-from guideloom_pipes.types import Dataset
+from guideloom_pipes.types import (
+    DatasetAbstract,
+    DatasetAsyncReaderAbstract,
+    DatasetSyncReaderAbstract,
+)
+
+#: Samples that iterating a reader decodes at a time (one ``read_batch`` each).
+_ITER_BATCH = 64
 
 
 def _check_sequence_length(sequence_length: Any) -> int:
@@ -49,8 +56,12 @@ def _as_ids(ids: Any, length: int) -> np.ndarray:
     return array
 
 
-class _DatasetReaderBase:
-    """Shared ``len`` / ``[i]`` / slice / lifecycle of the dataset readers."""
+class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
+    """Shared ``len`` / ``[i]`` / slice / lifecycle of the dataset readers.
+
+    A reader is a ``collections.abc.Sequence``: ``iter``, ``reversed``, ``in``, ``index``
+    and ``count`` work as on a list (iteration decodes a batch of samples at a time).
+    """
 
     def __init__(self, storage_reader: Any) -> None:
         self._storage_reader = storage_reader
@@ -91,10 +102,11 @@ class _DatasetReaderBase:
         """The underlying storage reader."""
         return self._storage_reader
 
-    def __getitem__(self, index: int | slice) -> Any:
+    def _resolve(self, index: int | slice) -> int | np.ndarray:
+        """Sample ``index`` checked (an ``int``), or a slice's sample ids (an int64 array)."""
         self._check_open()
         if isinstance(index, slice):
-            return self.read_batch(np.arange(*index.indices(self._length), dtype=np.int64))
+            return np.arange(*index.indices(self._length), dtype=np.int64)
         try:
             position = operator.index(index)
         except TypeError:
@@ -105,7 +117,22 @@ class _DatasetReaderBase:
             raise IndexError(
                 f"sample index {position} out of range for a dataset of {self._length} samples"
             )
-        return self._read_one(position)
+        return position
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """Sample ``index`` (``0 <= index < len``), or a list of samples for a slice."""
+        resolved = self._resolve(index)
+        if isinstance(resolved, np.ndarray):
+            return self.read_batch(resolved)
+        return self._read_one(resolved)
+
+    def __iter__(self) -> Iterator[Any]:
+        self._check_open()
+        start = 0
+        while start < len(self):
+            stop = min(start + _ITER_BATCH, len(self))
+            yield from self.read_batch(np.arange(start, stop, dtype=np.int64))
+            start = stop
 
     def _read_one(self, index: int) -> Any:
         return self.read_batch(np.array([index], dtype=np.int64))[0]
@@ -174,8 +201,13 @@ class DocumentDatasetReader(_DatasetReaderBase):
         return self._storage_reader.read_many(_as_ids(ids, self._length))
 
 
-class _AsyncDatasetReader:
-    """``async`` facade of a dataset reader: blocking reads run in a worker thread."""
+class _AsyncDatasetReader(DatasetAsyncReaderAbstract[Any]):
+    """``async`` facade of a dataset reader: blocking reads run in a worker thread.
+
+    ``await reader[i]`` and ``await reader[a:b]`` as in GuideLoom (an index out of range
+    raises at once, before anything is awaited), ``len(reader)``, and ``read`` /
+    ``read_batch``.
+    """
 
     def __init__(self, reader: _DatasetReaderBase) -> None:
         self._sync = reader
@@ -198,6 +230,13 @@ class _AsyncDatasetReader:
     def __len__(self) -> int:
         return len(self._sync)
 
+    def __getitem__(self, index: int | slice) -> Awaitable[Any]:
+        """An awaitable of sample ``index``, or of a list of samples for a slice."""
+        resolved = self._sync._resolve(index)
+        if isinstance(resolved, np.ndarray):
+            return asyncio.to_thread(self._sync.read_batch, resolved)
+        return asyncio.to_thread(self._sync._read_one, resolved)
+
     async def read(self, index: int | slice) -> Any:
         """Sample ``index`` (or a list for a slice)."""
         return await asyncio.to_thread(self._sync.__getitem__, index)
@@ -207,7 +246,7 @@ class _AsyncDatasetReader:
         return await asyncio.to_thread(self._sync.read_batch, ids)
 
 
-class StreamDataset(Dataset):
+class StreamDataset(DatasetAbstract[Any]):
     """Fixed-length windows of a stream storage: sample ``i`` is ``[i*L, (i+1)*L)``.
 
     Args:
@@ -244,7 +283,7 @@ class StreamDataset(Dataset):
         return f"StreamDataset({self.storage!r}, sequence_length={self.sequence_length})"
 
 
-class DocumentDataset(Dataset):
+class DocumentDataset(DatasetAbstract[Any]):
     """The documents of a document storage: sample ``i`` is document ``i``.
 
     Args:

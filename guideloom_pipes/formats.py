@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.types import Buffer
+from guideloom_pipes.types import Buffer, DocumentStorageFormat, StreamStorageFormat
 
 
 def _check_fits(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
@@ -28,7 +28,7 @@ def _check_fits(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
         )
 
 
-class StreamNumpyFormat:
+class StreamNumpyFormat(StreamStorageFormat[Mapping[str, Any], dict[str, np.ndarray], Any]):
     """Stream records described by a numpy structured dtype.
 
     ``pack`` takes a mapping of equal-length 1-D arrays, one per field; ``unpack`` returns
@@ -36,18 +36,24 @@ class StreamNumpyFormat:
     straight through ``torch.from_numpy`` and stays valid after the reader closes.
 
     Args:
-        structured_dtype: a numpy dtype with named fields, e.g.
+        stream_dtype: a numpy dtype with named fields, e.g.
             ``np.dtype([("tokens", "<i4"), ("loss_mask", "u1")])``.
+        data_type: for type checkers only, as in GuideLoom: the mapping type ``pack`` takes
+            and ``unpack`` returns (e.g. a ``TypedDict`` of the fields). It changes nothing
+            at run time: ``unpack`` returns a ``dict`` whatever it is.
     """
 
-    def __init__(self, structured_dtype: np.dtype[Any] | Any) -> None:
-        dtype = np.dtype(structured_dtype)
+    def __init__(
+        self, stream_dtype: np.dtype[Any] | Any, data_type: type[Any] | None = None
+    ) -> None:
+        dtype = np.dtype(stream_dtype)
         if dtype.names is None:
             raise ValueError(
                 f"StreamNumpyFormat needs a structured dtype with named fields, got {dtype!r}; "
                 'wrap it, e.g. np.dtype([("tokens", "<i4")])'
             )
         self.stream_dtype: np.dtype[Any] = dtype
+        self.data_type = data_type
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -87,7 +93,10 @@ class StreamNumpyFormat:
         return out
 
     def unpack(
-        self, stream: np.ndarray, shard_lengths: Sequence[int], shards: Sequence[int]
+        self,
+        stream: np.ndarray,
+        shard_lengths: np.ndarray | Sequence[int],
+        shards: np.ndarray | Sequence[int],
     ) -> dict[str, np.ndarray]:
         """Split a window into ``{field: contiguous array}``."""
         return {name: np.array(stream[name], copy=True) for name in self.fields}
@@ -107,7 +116,7 @@ class StreamNumpyFormat:
         return hash(("StreamNumpyFormat", self.stream_dtype))
 
 
-class DocumentPickleFormat:
+class DocumentPickleFormat(DocumentStorageFormat[Any, Any]):
     """Documents stored as pickles (any picklable object).
 
     Args:
@@ -117,13 +126,13 @@ class DocumentPickleFormat:
     def __init__(self, protocol: int | None = None) -> None:
         self.protocol = pickle.DEFAULT_PROTOCOL if protocol is None else protocol
 
-    def pack(self, document: Any) -> bytes:
+    def pack(self, data: Any) -> bytes:
         """Pickle one document."""
-        return pickle.dumps(document, protocol=self.protocol)
+        return pickle.dumps(data, protocol=self.protocol)
 
-    def unpack(self, buffer: Buffer, shard: int) -> Any:
+    def unpack(self, encoded_data: Buffer, shard: int) -> Any:
         """Unpickle one document."""
-        return pickle.loads(buffer)
+        return pickle.loads(encoded_data)
 
     def __repr__(self) -> str:
         return f"DocumentPickleFormat(protocol={self.protocol})"
