@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.io import resolve_backend
+from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.shards import (
     ShardFiles,
     ShardListing,
@@ -25,34 +25,58 @@ class StorageBase(Storage):
     """A dataset directory, the format its records use, and the backend that reads it.
 
     Args:
-        dir: the dataset directory; any ``pathlib.PurePath`` (a custom backend may serve
-            paths that are not local files; writers need a local directory).
-        format: the storage format.
-        read_interface: the read backend (default :class:`~guideloom_pipes.io.MmapIO`).
+        storage_dir: the dataset directory; any ``pathlib.PurePath`` (a custom backend may
+            serve paths that are not local files; writers need a local directory). A ``str``
+            is taken as a local ``Path``.
+        storage_format: the storage format.
+        read_interface: the read backend (default :class:`~guideloom_pipes.io.MmapIO`), in
+            GuideLoom's convention (:class:`~guideloom_pipes.types.IOReaderAbstract`) or with
+            a path-taking ``sync_reader(path)``.
+
+    The directory and format are also ``storage.dir`` and ``storage.format``.
     """
 
     kind = ""
     #: files per shard, the first marking the shard's presence
     suffixes: tuple[str, ...] = ()
 
-    def __init__(self, dir: PurePath | str, format: Any, read_interface: Any = None) -> None:
-        if isinstance(dir, str):
+    def __init__(
+        self, storage_dir: PurePath | str, storage_format: Any, read_interface: Any = None
+    ) -> None:
+        if isinstance(storage_dir, str):
             from pathlib import Path
 
-            dir = Path(dir)
-        if not isinstance(dir, PurePath):
-            raise TypeError(f"dir must be a pathlib path (e.g. Path('data/tokens')), got {dir!r}")
-        self.dir = dir
-        self.format = format
+            storage_dir = Path(storage_dir)
+        if not isinstance(storage_dir, PurePath):
+            raise TypeError(
+                f"storage_dir must be a pathlib path (e.g. Path('data/tokens')), got "
+                f"{storage_dir!r}"
+            )
+        self.dir = storage_dir
+        self.format = storage_format
         self.read_interface = read_interface
-        self._check_format(format)
+        self._check_format(storage_format)
+
+    @property
+    def storage_dir(self) -> PurePath:
+        """The dataset directory (also ``dir``)."""
+        return self.dir
+
+    @property
+    def storage_format(self) -> Any:
+        """The storage format (also ``format``)."""
+        return self.format
 
     def _check_format(self, format: Any) -> None:
         """Raise ``TypeError`` if ``format`` does not fit this storage."""
 
     @property
     def backend(self) -> Any:
-        """The resolved read backend."""
+        """The read backend object (``read_interface``, or the default ``MmapIO()``)."""
+        return self._resolve_io().backend
+
+    def _resolve_io(self) -> ResolvedBackend:
+        """The read backend behind the one calling convention the readers use."""
         return resolve_backend(self.read_interface)
 
     def verify(self) -> dict[str, int]:
@@ -72,7 +96,7 @@ class ReaderBase:
 
     def __init__(self, storage: StorageBase) -> None:
         self.storage = storage
-        self.backend = storage.backend
+        self._io = storage._resolve_io()
         self._open = False
         self.listing: ShardListing | None = None
         self._files: dict[str, ShardFiles] = {}
@@ -87,10 +111,10 @@ class ReaderBase:
         if self._open:
             return
         storage = self.storage
-        listing = discover(self.backend, storage.dir, storage.suffixes)
+        listing = discover(self._io, storage.dir, storage.suffixes)
         sizes = check_listing(
             listing,
-            self.backend,
+            self._io,
             storage.kind,
             storage.suffixes,
             self._record_dtype(),
@@ -98,7 +122,7 @@ class ReaderBase:
         )
         self.listing = listing
         self._files = {
-            suffix: ShardFiles(self.backend, storage.dir, suffix, listing.num_shards)
+            suffix: ShardFiles(self._io, storage.dir, suffix, listing.num_shards)
             for suffix in storage.suffixes
         }
         self._setup(listing, sizes)
@@ -157,7 +181,7 @@ class ReaderBase:
         """Recompute the checksums of every committed shard; raise on a mismatch."""
         self._check_open()
         assert self.listing is not None
-        return verify_checksums(self.listing, self.backend, self.storage.suffixes)
+        return verify_checksums(self.listing, self._io, self.storage.suffixes)
 
     def _shard_path(self, shard: int, suffix: str) -> str:
         return os.fspath(self.storage.dir / (shard_name(shard) + suffix))
@@ -184,6 +208,20 @@ class AsyncReaderBase:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def num_shards(self) -> int:
+        """How many shards the dataset has."""
+        return int(self._sync.num_shards)
+
+    @property
+    def total_length(self) -> int:
+        """Elements (stream) or documents in the whole dataset."""
+        return int(self._sync.total_length)
+
+    def length(self, shard: int) -> int:
+        """Elements (stream) or documents in shard ``shard``."""
+        return int(self._sync.length(shard))
+
     def __getattr__(self, name: str) -> Any:
-        # Cheap attributes (num_shards, total_length, ...) come straight from the sync reader.
+        # Other cheap attributes (shard_starts, ...) come straight from the sync reader.
         return getattr(self._sync, name)

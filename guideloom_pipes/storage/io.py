@@ -1,9 +1,14 @@
 """Read backends: byte-range readers for one file each.
 
-A backend is a factory: ``backend.sync_reader(path)`` / ``backend.async_reader(path)``
-return readers with ``open()``, ``close()``, ``filesize()`` and ``read(offset, size)``.
-The local backends also implement ``list_dir(path)`` so that shard discovery can list a
-directory (and so detect a missing shard) instead of probing ids.
+A backend follows GuideLoom's convention (:class:`~guideloom_pipes.types.IOReaderAbstract`):
+``backend.sync_reader()`` / ``backend.async_reader()`` return *factories*, which are called
+with a path and give readers with ``open()``, ``close()``, ``filesize()`` and
+``read(offset, size)``. The built-in backends also accept the path directly
+(``backend.sync_reader(path)``, our older form) and implement ``list_dir(path)`` so that
+shard discovery can list a directory (and so detect a missing shard) instead of probing ids.
+
+The storages reach every backend through :func:`resolve_backend`, which accepts both
+conventions: GuideLoom's, and backends whose ``sync_reader(path)`` takes the path.
 
 - :class:`MmapIO` (our default): maps the file and closes its descriptor at once, so any
   number of open shards cost no file descriptors; reads are memory slices, no syscall.
@@ -16,15 +21,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
+import inspect
 import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import PurePath
-from typing import Any
+from typing import Any, overload
 
-from guideloom_pipes.types import Buffer, SyncByteReader
+from guideloom_pipes.types import (
+    AsyncByteReader,
+    IOAsyncReaderAbstract,
+    IOReaderAbstract,
+    IOSyncReaderAbstract,
+    SyncByteReader,
+)
 
 
 def _not_open(path: PurePath) -> RuntimeError:
@@ -33,7 +46,7 @@ def _not_open(path: PurePath) -> RuntimeError:
     )
 
 
-class _AsyncAdapter:
+class _AsyncAdapter(IOAsyncReaderAbstract):
     """Runs a sync byte reader's calls in a worker thread so an event loop never blocks."""
 
     def __init__(self, reader: SyncByteReader) -> None:
@@ -45,10 +58,13 @@ class _AsyncAdapter:
     async def close(self) -> None:
         self._reader.close()
 
+    def close_sync(self) -> None:
+        self._reader.close()
+
     async def filesize(self) -> int:
         return self._reader.filesize()
 
-    async def read(self, offset: int, size: int) -> Buffer:
+    async def read(self, offset: int, size: int) -> Any:
         return await asyncio.to_thread(self._reader.read, offset, size)
 
     async def __aenter__(self) -> _AsyncAdapter:
@@ -59,18 +75,54 @@ class _AsyncAdapter:
         await self.close()
 
 
-class _LocalBackend:
-    """Shared parts of the local-file backends: listing, async adapters, equality."""
+class _LocalBackend(IOReaderAbstract[PurePath]):
+    """Shared parts of the local-file backends: factories, listing, async adapters, equality."""
 
     #: Whether an open reader holds a file descriptor (the storage bounds how many stay open).
     holds_fd = True
 
-    def sync_reader(self, path: PurePath) -> SyncByteReader:  # pragma: no cover - abstract
+    @staticmethod
+    def is_supported() -> bool:
+        """Whether this backend works here."""
+        return True
+
+    def _make(self, path: PurePath) -> IOSyncReaderAbstract:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def async_reader(self, path: PurePath) -> _AsyncAdapter:
-        """An ``async`` reader of ``path`` (calls run in a worker thread)."""
-        return _AsyncAdapter(self.sync_reader(path))
+    def _make_async(self, path: PurePath) -> _AsyncAdapter:
+        return _AsyncAdapter(self._make(path))
+
+    @overload
+    def sync_reader(self) -> Callable[[PurePath], IOSyncReaderAbstract]: ...
+
+    @overload
+    def sync_reader(self, path: PurePath) -> IOSyncReaderAbstract: ...
+
+    def sync_reader(
+        self, path: PurePath | None = None
+    ) -> Callable[[PurePath], IOSyncReaderAbstract] | IOSyncReaderAbstract:
+        """A factory of readers (``backend.sync_reader()(path)``, GuideLoom's convention).
+
+        Given a path (our older form), the reader of that path.
+        """
+        if path is None:
+            return self._make
+        return self._make(path)
+
+    @overload
+    def async_reader(self) -> Callable[[PurePath], IOAsyncReaderAbstract]: ...
+
+    @overload
+    def async_reader(self, path: PurePath) -> IOAsyncReaderAbstract: ...
+
+    def async_reader(
+        self, path: PurePath | None = None
+    ) -> Callable[[PurePath], IOAsyncReaderAbstract] | IOAsyncReaderAbstract:
+        """A factory of ``async`` readers (calls run in a worker thread); given a path, the
+        reader of that path."""
+        if path is None:
+            return self._make_async
+        return self._make_async(path)
 
     def list_dir(self, path: PurePath) -> Iterable[str]:
         """Names of the entries in directory ``path``."""
@@ -145,7 +197,7 @@ def _map_file(fd: int, size: int) -> Any:
     return array
 
 
-class _MmapReader:
+class _MmapReader(IOSyncReaderAbstract):
     def __init__(self, path: PurePath) -> None:
         self.path = path
         self._map: Any = None  # an mmap.mmap, or a ctypes array over a libc mapping
@@ -183,12 +235,12 @@ class _MmapReader:
             return memoryview(b"")
         return memoryview(self._map).cast("B").toreadonly()
 
-    def read(self, offset: int, size: int) -> Buffer:
+    def read(self, offset: int, size: int) -> bytearray:
         if self._size < 0:
             raise _not_open(self.path)
         if self._map is None:
-            return b""
-        return bytes(self.buffer()[offset : offset + size])
+            return bytearray()
+        return bytearray(self.buffer()[offset : offset + size])
 
 
 class MmapIO(_LocalBackend):
@@ -200,13 +252,17 @@ class MmapIO(_LocalBackend):
 
     holds_fd = False
 
-    def sync_reader(self, path: PurePath) -> _MmapReader:
-        """A reader of ``path``."""
+    @staticmethod
+    def is_supported() -> bool:
+        """Whether files can be memory-mapped here."""
+        return hasattr(mmap, "mmap")
+
+    def _make(self, path: PurePath) -> _MmapReader:
         return _MmapReader(path)
 
 
-class _PreadReader:
-    def __init__(self, path: PurePath, advice: bool) -> None:
+class _PreadReader(IOSyncReaderAbstract):
+    def __init__(self, path: PurePath, advice: bool = False) -> None:
         self.path = path
         self.advice = advice
         self._fd = -1
@@ -231,16 +287,30 @@ class _PreadReader:
             raise _not_open(self.path)
         return self._size
 
-    def read(self, offset: int, size: int) -> Buffer:
+    def read(self, offset: int, size: int) -> bytearray:
         if self._fd < 0:
             raise _not_open(self.path)
-        data = os.pread(self._fd, size, offset)
-        while len(data) < size:  # pread may return short reads on some file systems
-            more = os.pread(self._fd, size - len(data), offset + len(data))
-            if not more:
-                break
-            data += more
-        return data
+        if not _HAS_PREADV:  # pragma: no cover - platforms without preadv
+            data = os.pread(self._fd, size, offset)
+            while 0 < len(data) < size:  # pread may return short reads on some file systems
+                more = os.pread(self._fd, size - len(data), offset + len(data))
+                if not more:
+                    break
+                data += more
+            return bytearray(data)
+        out = bytearray(size)
+        with memoryview(out) as view:
+            got = 0
+            while got < size:  # preadv may return short reads on some file systems
+                count = os.preadv(self._fd, [view[got:]], offset + got)
+                if count <= 0:
+                    break
+                got += count
+        del out[got:]  # past the end of the file: what there was
+        return out
+
+
+_HAS_PREADV = hasattr(os, "preadv")
 
 
 class PosixPreadIO(_LocalBackend):
@@ -254,15 +324,19 @@ class PosixPreadIO(_LocalBackend):
     def __init__(self, advice: bool = False) -> None:
         self.advice = advice
 
-    def sync_reader(self, path: PurePath) -> _PreadReader:
-        """A reader of ``path``."""
+    @staticmethod
+    def is_supported(*, advice: bool = False) -> bool:
+        """Whether ``os.pread`` (and, with ``advice``, ``posix_fadvise``) exists here."""
+        return hasattr(os, "pread") and (not advice or hasattr(os, "posix_fadvise"))
+
+    def _make(self, path: PurePath) -> _PreadReader:
         return _PreadReader(path, self.advice)
 
     def __repr__(self) -> str:
         return f"PosixPreadIO(advice={self.advice})"
 
 
-class _SeekReader:
+class _SeekReader(IOSyncReaderAbstract):
     def __init__(self, path: PurePath) -> None:
         self.path = path
         self._file: Any = None
@@ -285,38 +359,136 @@ class _SeekReader:
             raise _not_open(self.path)
         return self._size
 
-    def read(self, offset: int, size: int) -> Buffer:
+    def read(self, offset: int, size: int) -> bytearray:
         if self._file is None:
             raise _not_open(self.path)
-        with self._lock:
+        out = bytearray(size)
+        with self._lock, memoryview(out) as view:
             self._file.seek(offset)
-            return self._file.read(size)
+            got = 0
+            while got < size:
+                count = self._file.readinto(view[got:])
+                if not count:
+                    break
+                got += count
+        del out[got:]  # past the end of the file: what there was
+        return out
 
 
 class SeekIO(_LocalBackend):
     """``seek`` + ``read`` on a buffered file object (serialised by a lock per file)."""
 
-    def sync_reader(self, path: PurePath) -> _SeekReader:
-        """A reader of ``path``."""
+    def _make(self, path: PurePath) -> _SeekReader:
         return _SeekReader(path)
 
 
-def resolve_backend(read_interface: Any) -> Any:
-    """The backend object for a storage's ``read_interface`` argument.
+def _takes_path(method: Callable[..., Any], backend: Any) -> bool:
+    """Whether a backend's ``sync_reader``/``async_reader`` takes the path itself.
+
+    GuideLoom's ``sync_reader()`` takes nothing and returns a factory; a path-style one
+    (ours, and custom backends written for it) requires the path. Decided by the signature:
+    a required positional parameter means the path-style form.
+    """
+    try:
+        signature = inspect.signature(method)
+    except (TypeError, ValueError):  # no signature (a builtin, say): go by the class
+        return not isinstance(backend, IOReaderAbstract)
+    return any(
+        parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
+        and parameter.default is parameter.empty
+        for parameter in signature.parameters.values()
+    )
+
+
+def _call_factory(method: Callable[[], Any], backend: Any, name: str) -> Callable[[Any], Any]:
+    factory = method()
+    if not callable(factory):
+        raise TypeError(
+            f"{type(backend).__name__}.{name}() must return a factory of readers (a callable "
+            f"taking the path), got {factory!r}"
+        )
+    return factory
+
+
+class ResolvedBackend:
+    """A read backend behind one calling convention (what the storages use internally).
+
+    Attributes:
+        backend: the backend object itself.
+        holds_fd: whether its open readers hold a file descriptor (``holds_fd`` attribute
+            of the backend, default True: the storage bounds how many stay open).
+        list_dir: the backend's ``list_dir(path)``, or None (discovery then probes ids).
+        local: whether it is one of the built-in local-file backends (discovery may then
+            list the directory with ``os.scandir`` and check write locks).
+    """
+
+    __slots__ = ("_async_factory", "_sync_factory", "backend", "holds_fd", "list_dir", "local")
+
+    def __init__(self, backend: Any) -> None:
+        sync_reader = getattr(backend, "sync_reader", None)
+        if not callable(sync_reader):
+            raise TypeError(
+                f"read_interface must be a read backend with sync_reader() (e.g. MmapIO(), "
+                f"PosixPreadIO(), SeekIO(), or a subclass of "
+                f"guideloom_pipes.types.IOReaderAbstract), got {backend!r}"
+            )
+        self.backend = backend
+        self.local = isinstance(backend, _LocalBackend)
+        self.holds_fd = bool(getattr(backend, "holds_fd", True))
+        list_dir = getattr(backend, "list_dir", None)
+        self.list_dir: Callable[[PurePath], Iterable[str]] | None = (
+            list_dir if callable(list_dir) else None
+        )
+        self._sync_factory: Callable[[Any], SyncByteReader] = (
+            sync_reader
+            if _takes_path(sync_reader, backend)
+            else _call_factory(sync_reader, backend, "sync_reader")
+        )
+        async_reader = getattr(backend, "async_reader", None)
+        self._async_factory: Callable[[Any], AsyncByteReader] | None
+        if not callable(async_reader):
+            self._async_factory = None
+        elif _takes_path(async_reader, backend):
+            self._async_factory = async_reader
+        else:
+            self._async_factory = functools.partial(_lazy_async_factory, async_reader, backend)
+
+    def reader(self, path: PurePath) -> SyncByteReader:
+        """A (not yet open) sync reader of ``path``."""
+        return self._sync_factory(path)
+
+    def async_reader(self, path: PurePath) -> AsyncByteReader:
+        """A (not yet open) ``async`` reader of ``path``; a backend without
+        ``async_reader`` gets its sync reader run in a worker thread."""
+        if self._async_factory is None:
+            return _AsyncAdapter(self.reader(path))
+        return self._async_factory(path)
+
+    def __repr__(self) -> str:
+        return f"ResolvedBackend({self.backend!r})"
+
+
+def _lazy_async_factory(method: Callable[[], Any], backend: Any, path: PurePath) -> Any:
+    # GuideLoom-style async factories are asked for only when an async reader is wanted.
+    return _call_factory(method, backend, "async_reader")(path)
+
+
+def resolve_backend(read_interface: Any) -> ResolvedBackend:
+    """The backend for a storage's ``read_interface`` argument, behind one convention.
 
     ``None`` gives :class:`MmapIO`; a backend class is instantiated with no arguments; an
-    object with ``sync_reader`` is used as is.
+    object with ``sync_reader`` is used as is, in either convention: GuideLoom's
+    (``sync_reader()`` returns a factory taking the path) or the path-style one
+    (``sync_reader(path)`` returns the reader), told apart by ``sync_reader``'s signature.
+    A :class:`ResolvedBackend` is returned unchanged.
     """
+    if isinstance(read_interface, ResolvedBackend):
+        return read_interface
     if read_interface is None:
-        return MmapIO()
-    if isinstance(read_interface, type):
+        read_interface = MmapIO()
+    elif isinstance(read_interface, type):
         read_interface = read_interface()
-    if not callable(getattr(read_interface, "sync_reader", None)):
-        raise TypeError(
-            f"read_interface must be a read backend with sync_reader(path) (e.g. MmapIO(), "
-            f"PosixPreadIO(), SeekIO()), got {read_interface!r}"
-        )
-    return read_interface
+    return ResolvedBackend(read_interface)
 
 
-__all__ = ["MmapIO", "PosixPreadIO", "SeekIO", "resolve_backend"]
+__all__ = ["MmapIO", "PosixPreadIO", "ResolvedBackend", "SeekIO", "resolve_backend"]

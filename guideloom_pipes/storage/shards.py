@@ -51,6 +51,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
+
 IN_BAND = ".in_band.bin"
 OUT_OF_BAND = ".out_of_band.bin"
 INDEX = ".out_of_band.index"
@@ -261,8 +263,8 @@ def _scan_local(directory: PurePath) -> dict[str, int]:
         ) from None
 
 
-def _read_whole(backend: Any, path: PurePath) -> bytes:
-    reader = backend.sync_reader(path)
+def _read_whole(backend: ResolvedBackend, path: PurePath) -> bytes:
+    reader = backend.reader(path)
     reader.open()
     try:
         return bytes(reader.read(0, reader.filesize()))
@@ -282,8 +284,8 @@ def _read_local(path: str) -> bytes:
         os.close(fd)
 
 
-def _backend_size(backend: Any, path: PurePath) -> int | None:
-    reader = backend.sync_reader(path)
+def _backend_size(backend: ResolvedBackend, path: PurePath) -> int | None:
+    reader = backend.reader(path)
     try:
         reader.open()
     except (FileNotFoundError, IsADirectoryError):
@@ -321,16 +323,16 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
     an error, data files of another storage class in a directory without commit records are
     an error, stale temporary files are named in a :class:`StaleWriteWarning`. Otherwise
     probes ids 0, 1, 2, 4, ... for the first suffix's files and bisects the end, as
-    GuideLoom does (a gap is then undetectable).
+    GuideLoom does (a gap is then undetectable). ``backend``: a read backend in either
+    convention, or a :class:`~guideloom_pipes.storage.io.ResolvedBackend`.
     """
-    from guideloom_pipes.storage.io import _LocalBackend
-
+    backend = resolve_backend(backend)
     if isinstance(suffixes, str):
         suffixes = (suffixes,)
     ours = tuple(suffixes)
-    if isinstance(backend, _LocalBackend):
+    if backend.local:
         sizes_by_name: dict[str, int] | None = _scan_local(directory)
-    elif callable(getattr(backend, "list_dir", None)):
+    elif backend.list_dir is not None:
         try:
             names = list(backend.list_dir(directory))
         except FileNotFoundError:
@@ -365,7 +367,7 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
             continue
         sizes[(shard, suffix)] = size
         ids.add(shard)
-    if temporaries and isinstance(backend, _LocalBackend):
+    if temporaries and backend.local:
         _warn_stale(directory, temporaries)
     ids |= set(record_names)
     where = _display(directory)
@@ -395,7 +397,7 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
             f"{count - len(ids)} missing in all. Rewrite the missing shard(s), or renumber the "
             f"shards so that ids run 0..N-1"
         )
-    if isinstance(backend, _LocalBackend):
+    if backend.local:
         base = os.fspath(directory)
         records = {}
         for shard, name in record_names.items():
@@ -426,7 +428,7 @@ def _warn_stale(directory: PurePath, temporaries: dict[int, list[str]]) -> None:
         )
 
 
-def _probe(backend: Any, directory: PurePath, primary: str) -> ShardListing:
+def _probe(backend: ResolvedBackend, directory: PurePath, primary: str) -> ShardListing:
     def exists(shard: int) -> bool:
         return _backend_size(backend, directory / (shard_name(shard) + primary)) is not None
 
@@ -466,6 +468,7 @@ def check_listing(
     (interrupted commit), a record of another kind or shard, a dtype other than the one
     asked for, a missing file, a file whose size differs from its record.
     """
+    backend = resolve_backend(backend)
     directory = listing.directory
     where = _display(directory)
     result: list[dict[str, int]] = []
@@ -570,6 +573,7 @@ def verify_checksums(
     ``"unrecorded"``: shards without a commit record (written by GuideLoom), which have no
     checksum to verify (a :class:`UserWarning` says so).
     """
+    backend = resolve_backend(backend)
     checked = {"shards": 0, "files": 0, "bytes": 0, "unrecorded": 0}
     problems: list[str] = []
     for shard in range(listing.num_shards):
@@ -581,7 +585,7 @@ def verify_checksums(
         for suffix in suffixes:
             name = shard_name(shard) + suffix
             expected = record.files[suffix.lstrip(".")]
-            reader = backend.sync_reader(listing.directory / name)
+            reader = backend.reader(listing.directory / name)
             reader.open()
             try:
                 size = reader.filesize()
@@ -994,11 +998,13 @@ class ShardFiles:
     def __init__(
         self, backend: Any, directory: PurePath, suffix: str, num_shards: int, max_open: int = 64
     ) -> None:
-        self.backend = backend
+        self.backend = resolve_backend(backend)
         self.directory = directory
         self.suffix = suffix
         self.num_shards = num_shards
-        self.bounded = getattr(backend, "holds_fd", True)
+        self.bounded = self.backend.holds_fd
+        #: whether ``read`` returns fresh buffers nobody else holds (our local backends)
+        self.owned_reads = self.backend.local
         #: whether readers may offer ``buffer()`` (only tried where no descriptor is held)
         self._mappable = not self.bounded
         self.max_open = max(1, max_open)
@@ -1012,7 +1018,7 @@ class ShardFiles:
         return self.directory / (shard_name(shard) + self.suffix)
 
     def _open_reader(self, shard: int) -> Any:
-        reader = self.backend.sync_reader(self.path(shard))
+        reader = self.backend.reader(self.path(shard))
         reader.open()
         return reader
 
