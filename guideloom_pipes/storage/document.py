@@ -24,6 +24,12 @@ from guideloom_pipes.storage.shards import (
     _CountingFile,
 )
 from guideloom_pipes.storage.stream import as_int
+from guideloom_pipes.types import (
+    DocumentStorageAbstract,
+    DocumentStorageAsyncReaderAbstract,
+    DocumentStorageSyncReaderAbstract,
+    DocumentStorageSyncWriterAbstract,
+)
 
 INDEX_DTYPE = np.dtype("<i8")
 
@@ -101,8 +107,8 @@ class OffsetIndex:
         offsets = self._offsets(shard, local, 1)
         return int(offsets[0]), int(offsets[1])
 
-    def payload(self, shard: int, local: int) -> bytes:
-        """The bytes of document ``local`` of ``shard`` (a copy that owns its memory)."""
+    def payload(self, shard: int, local: int) -> bytearray:
+        """The bytes of document ``local`` of ``shard`` (a fresh copy the caller owns)."""
         if not 0 <= local < self._counts[shard]:
             raise CorruptShardError(
                 f"{self._reader._shard_path(shard, INDEX)} has {int(self._counts[shard])} "
@@ -122,8 +128,11 @@ class OffsetIndex:
             )
         mapped = self._data.array(shard, np.dtype("u1"))
         if mapped is not None:
-            return mapped[start:end].tobytes()
-        return bytes(self._data.read(shard, start, end - start))
+            return bytearray(mapped[start:end])
+        data = self._data.read(shard, start, end - start)
+        if self._data.owned_reads and type(data) is bytearray:
+            return data  # our backends' reads are fresh copies already
+        return bytearray(data)  # a custom backend may hand out a view of its own memory
 
 
 def index_counts(reader: ReaderBase, sizes: list[dict[str, int]]) -> np.ndarray:
@@ -140,13 +149,17 @@ def index_counts(reader: ReaderBase, sizes: list[dict[str, int]]) -> np.ndarray:
     return counts
 
 
-class DocumentStorage(StorageBase):
+class DocumentStorage(StorageBase, DocumentStorageAbstract[Any, Any]):
     """Document storage: encoded documents plus an offset index per shard.
 
     Args:
-        dir: the dataset directory.
-        format: a document format (e.g. :class:`~guideloom_pipes.DocumentPickleFormat`).
+        storage_dir: the dataset directory.
+        storage_format: a document format (e.g. :class:`~guideloom_pipes.DocumentPickleFormat`).
         read_interface: the read backend (default memory-mapped).
+
+    The format's ``unpack(encoded_data, shard)`` gets a fresh ``bytearray`` from ``read``,
+    and a ``memoryview`` of a fresh ``bytearray`` from ``read_many`` (as GuideLoom does);
+    either stays valid after the reader closes.
     """
 
     kind = "document"
@@ -170,7 +183,7 @@ class DocumentStorage(StorageBase):
         return DocumentWriter(self)
 
 
-class DocumentWriter(ShardWriterBase):
+class DocumentWriter(ShardWriterBase, DocumentStorageSyncWriterAbstract[Any]):
     """Appends encoded documents to shards; commits each touched shard on close."""
 
     kind = "document"
@@ -205,7 +218,7 @@ class DocumentWriter(ShardWriterBase):
         return {"count": len(log), "dtype": None}
 
 
-class DocumentReader(ReaderBase):
+class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
     """Reads documents by global index."""
 
     storage: DocumentStorage
@@ -246,12 +259,13 @@ class DocumentReader(ReaderBase):
         shard, local = self._locate(as_int(global_index, "global_index"))
         return self.storage.format.unpack(self._index.payload(shard, local), shard)
 
-    def read_many(self, indexes: Iterable[int] | np.ndarray) -> list[Any]:
-        """Documents at ``indexes``, in that order."""
+    def read_many(self, global_indexes: Iterable[int] | np.ndarray) -> list[Any]:
+        """Documents at ``global_indexes`` (an int64 vector, or any iterable of ints), in
+        that order."""
         self._check_open()
-        if not isinstance(indexes, (np.ndarray, Sequence)):
-            indexes = list(indexes)  # any iterable of ints, e.g. a generator
-        ids = np.asarray(indexes)
+        if not isinstance(global_indexes, (np.ndarray, Sequence)):
+            global_indexes = list(global_indexes)  # any iterable of ints, e.g. a generator
+        ids = np.asarray(global_indexes)
         if ids.size and ids.dtype.kind not in "iu":
             raise TypeError(f"document indexes must be integers, got an array of {ids.dtype}")
         ids = ids.astype(np.int64, copy=False).reshape(-1)
@@ -261,16 +275,18 @@ class DocumentReader(ReaderBase):
         shards = np.searchsorted(self._starts, ids, side="right") - 1
         locals_ = ids - self._starts[shards]
         unpack, payload = self.storage.format.unpack, self._index.payload
-        return [unpack(payload(s, k), s) for s, k in zip(shards.tolist(), locals_.tolist())]
+        return [
+            unpack(memoryview(payload(s, k)), s) for s, k in zip(shards.tolist(), locals_.tolist())
+        ]
 
 
-class AsyncDocumentReader(AsyncReaderBase):
+class AsyncDocumentReader(AsyncReaderBase, DocumentStorageAsyncReaderAbstract[Any]):
     """``async`` document reader: ``await reader.read(i)``, ``await reader.read_many(ids)``."""
 
     async def read(self, global_index: int) -> Any:
         """See :meth:`DocumentReader.read`."""
         return await asyncio.to_thread(self._sync.read, global_index)
 
-    async def read_many(self, indexes: Iterable[int]) -> list[Any]:
+    async def read_many(self, global_indexes: Iterable[int] | np.ndarray) -> list[Any]:
         """See :meth:`DocumentReader.read_many`."""
-        return await asyncio.to_thread(self._sync.read_many, indexes)
+        return await asyncio.to_thread(self._sync.read_many, global_indexes)

@@ -20,6 +20,12 @@ from guideloom_pipes.storage.shards import (
     ShardWriterBase,
     shard_name,
 )
+from guideloom_pipes.types import (
+    StreamStorageAbstract,
+    StreamStorageAsyncReaderAbstract,
+    StreamStorageSyncReaderAbstract,
+    StreamStorageSyncWriterAbstract,
+)
 
 
 def as_int(value: Any, what: str) -> int:
@@ -59,12 +65,12 @@ def check_stream_format(format: Any, needs: tuple[str, ...]) -> np.dtype[Any]:
     return np.dtype(format.stream_dtype)
 
 
-class StreamStorage(StorageBase):
-    """Stream storage: shards of flat ``format.stream_dtype`` arrays.
+class StreamStorage(StorageBase, StreamStorageAbstract[Any, Any]):
+    """Stream storage: shards of flat ``storage_format.stream_dtype`` arrays.
 
     Args:
-        dir: the dataset directory.
-        format: a stream format (e.g. :class:`~guideloom_pipes.StreamNumpyFormat`).
+        storage_dir: the dataset directory.
+        storage_format: a stream format (e.g. :class:`~guideloom_pipes.StreamNumpyFormat`).
         read_interface: the read backend (default memory-mapped).
     """
 
@@ -87,7 +93,7 @@ class StreamStorage(StorageBase):
         return StreamWriter(self)
 
 
-class StreamWriter(ShardWriterBase):
+class StreamWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
     """Appends packed records to shards; commits each touched shard on close.
 
     The first ``append`` to a shard starts it afresh (an existing shard with that id is
@@ -125,7 +131,7 @@ class StreamWriter(ShardWriterBase):
         return {"count": self._lengths[shard], "dtype": self.dtype}
 
 
-class StreamReader(ReaderBase):
+class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
     """Reads spans of the concatenated stream; see :meth:`read`."""
 
     storage: StreamStorage
@@ -212,8 +218,9 @@ class StreamReader(ReaderBase):
 
     def read_raw(
         self, global_index: int, global_length: int
-    ) -> tuple[np.ndarray, list[int], list[int]]:
-        """The span as a fresh array, with ``shard_lengths`` and ``shards`` of its pieces."""
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The span as a fresh array, with ``shard_lengths`` and ``shards`` of its pieces
+        (int64 vectors)."""
         self._check_open()
         global_index = as_int(global_index, "global_index")
         global_length = as_int(global_length, "global_length")
@@ -238,10 +245,12 @@ class StreamReader(ReaderBase):
             position += take
             if position == self._total:
                 position = 0  # wrap around to shard 0
-        return out, shard_lengths, shards
+        return out, np.array(shard_lengths, dtype=np.int64), np.array(shards, dtype=np.int64)
 
     def read(self, global_index: int, global_length: int) -> Any:
-        """``format.unpack`` of ``global_length`` elements from ``global_index``.
+        """``format.unpack(stream, shard_lengths, shards)`` of ``global_length`` elements
+        from ``global_index``: ``stream`` is a fresh array, ``shard_lengths[i]`` (int64)
+        elements of it came from shard ``shards[i]`` (int64).
 
         The span may cross shards and wraps to shard 0 past the end (as often as needed).
         ``global_index`` outside ``[0, total_length)`` or a negative length: ``IndexError``.
@@ -292,21 +301,26 @@ class StreamReader(ReaderBase):
                 shard += 1
         return out
 
-    def window_pieces(self, start: int, length: int) -> tuple[list[int], list[int]]:
-        """``shard_lengths`` and ``shards`` of a span inside the stream (for ``unpack``)."""
-        shard_lengths: list[int] = []
-        shards: list[int] = []
-        position, end = start, start + length
-        while position < end:
-            shard = int(np.searchsorted(self._starts, position, side="right")) - 1
-            take = min(end, int(self._starts[shard + 1])) - position
-            shard_lengths.append(take)
-            shards.append(shard)
-            position += take
-        return shard_lengths, shards
+    def window_pieces(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """``shard_lengths`` and ``shards`` (int64 vectors) of a span inside the stream, as
+        ``unpack`` gets them."""
+        if length <= 0:
+            return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        starts = self._starts
+        first = int(np.searchsorted(starts, start, side="right")) - 1
+        end = start + length
+        if end <= starts[first + 1]:  # the usual case: one shard
+            return np.array([length], dtype=np.int64), np.array([first], dtype=np.int64)
+        last = int(np.searchsorted(starts, end - 1, side="right")) - 1
+        bounds = starts[first : last + 2].copy()
+        bounds[0], bounds[-1] = start, end
+        lengths = np.diff(bounds)
+        shards = np.arange(first, last + 1, dtype=np.int64)
+        keep = lengths > 0  # empty shards inside the span hold none of it
+        return lengths[keep], shards[keep]
 
 
-class AsyncStreamReader(AsyncReaderBase):
+class AsyncStreamReader(AsyncReaderBase, StreamStorageAsyncReaderAbstract[Any]):
     """``async`` stream reader: ``await reader.read(global_index, global_length)``."""
 
     async def read(self, global_index: int, global_length: int) -> Any:

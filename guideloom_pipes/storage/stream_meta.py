@@ -32,6 +32,11 @@ from guideloom_pipes.storage.stream import (
     check_packed,
     check_stream_format,
 )
+from guideloom_pipes.types import (
+    StreamStorageAbstract,
+    StreamStorageAsyncReaderAbstract,
+    StreamStorageSyncWriterAbstract,
+)
 
 #: Most payloads one shard can hold (the ``index`` field is an int32).
 MAX_PAYLOADS = 2**31
@@ -47,12 +52,12 @@ def record_dtype(stream_dtype: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype([("index", "<i4"), ("user", np.dtype(stream_dtype))])
 
 
-class StreamWithMetaStorage(StorageBase):
+class StreamWithMetaStorage(StorageBase, StreamStorageAbstract[Any, Any]):
     """A stream whose elements carry a pointer to a per-chunk metadata payload.
 
     Args:
-        dir: the dataset directory.
-        format: a stream-with-metadata format (see
+        storage_dir: the dataset directory.
+        storage_format: a stream-with-metadata format (see
             :class:`~guideloom_pipes.types.StreamWithMetaStorageFormat`).
         read_interface: the read backend (default memory-mapped).
     """
@@ -76,7 +81,7 @@ class StreamWithMetaStorage(StorageBase):
         return StreamWithMetaWriter(self)
 
 
-class StreamWithMetaWriter(ShardWriterBase):
+class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
     """Appends records with their metadata payloads; commits each touched shard on close."""
 
     kind = "stream_meta"
@@ -201,7 +206,7 @@ class StreamWithMetaReader(StreamReader):
         counts = index_counts(self, sizes)
         self._payloads = OffsetIndex(self, counts, [s[OUT_OF_BAND] for s in sizes])
 
-    def decode(self, records: np.ndarray, shard_lengths: list[int], shards: list[int]) -> Any:
+    def decode(self, records: np.ndarray, shard_lengths: Any, shards: Any) -> Any:
         """``format.unpack`` of a span of records whose pieces came from ``shards``."""
         piece_shards = np.repeat(np.asarray(shards, dtype=np.int64), shard_lengths)
         keys = (piece_shards << 32) | records["index"].astype(np.int64)
@@ -214,7 +219,8 @@ class StreamWithMetaReader(StreamReader):
         document_shard = (ordered >> 32).astype(np.int64)
         payload = self._payloads.payload
         document_data = [
-            payload(int(s), int(k)) for s, k in zip(document_shard, ordered & 0xFFFFFFFF)
+            memoryview(payload(int(s), int(k)))
+            for s, k in zip(document_shard.tolist(), (ordered & 0xFFFFFFFF).tolist())
         ]
         stream_data = np.array(records["user"], copy=True)
         return self.storage.format.unpack(
@@ -225,14 +231,15 @@ class StreamWithMetaReader(StreamReader):
         """``format.unpack(stream_data, document_shard, document_index, document_data)``.
 
         ``document_data`` lists the distinct payloads the span touches in order of first
-        use, ``document_shard[j]`` is payload ``j``'s shard, ``document_index[t]`` (int32)
-        the payload of element ``t``. Wraps past the end like a stream read.
+        use (``memoryview`` objects over fresh ``bytearray`` copies, valid after the reader
+        closes), ``document_shard[j]`` (int64) is payload ``j``'s shard, ``document_index[t]``
+        (int32) the payload of element ``t``. Wraps past the end like a stream read.
         """
         records, shard_lengths, shards = self.read_raw(global_index, global_length)
         return self.decode(records, shard_lengths, shards)
 
 
-class AsyncStreamWithMetaReader(AsyncReaderBase):
+class AsyncStreamWithMetaReader(AsyncReaderBase, StreamStorageAsyncReaderAbstract[Any]):
     """``async`` reader: ``await reader.read(global_index, global_length)``."""
 
     async def read(self, global_index: int, global_length: int) -> Any:
