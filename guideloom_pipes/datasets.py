@@ -77,13 +77,6 @@ class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
         self._storage_reader.close()
         self._length = -1
 
-    def __enter__(self) -> Any:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _compute_length(self) -> int:
         raise NotImplementedError
 
@@ -219,13 +212,6 @@ class _AsyncDatasetReader(DatasetAsyncReaderAbstract[Any]):
     async def close(self) -> None:
         """Close the reader."""
         self._sync.close()
-
-    async def __aenter__(self) -> _AsyncDatasetReader:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     def __len__(self) -> int:
         return len(self._sync)

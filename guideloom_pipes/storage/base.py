@@ -144,13 +144,6 @@ class ReaderBase:
         self._files = {}
         self._open = False
 
-    def __enter__(self) -> Any:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _check_open(self) -> None:
         if not self._open:
             raise RuntimeError(
@@ -200,13 +193,6 @@ class AsyncReaderBase:
     async def close(self) -> None:
         """Close the underlying reader."""
         self._sync.close()
-
-    async def __aenter__(self) -> Any:
-        await self.open()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
 
     @property
     def num_shards(self) -> int:

@@ -194,10 +194,10 @@ class DocumentWriter(ShardWriterBase, DocumentStorageSyncWriterAbstract[Any]):
         self.format = storage.format
         self._logs: dict[int, PayloadLog] = {}
 
-    def append(self, shard: int, document: Any) -> None:
-        """Encode ``document`` with the format and append it to shard ``shard``."""
+    def append(self, shard: int, data: Any) -> None:
+        """Encode the document ``data`` with the format and append it to shard ``shard``."""
         self._check_open()
-        payload = check_payload(self.format.pack(document), f"{type(self.format).__name__}.pack")
+        payload = check_payload(self.format.pack(data), f"{type(self.format).__name__}.pack")
         transaction = self._transaction(shard)
         log = self._logs.get(transaction.shard)
         if log is None:

@@ -29,6 +29,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import PurePath
+from types import TracebackType
 from typing import Any, overload
 
 from guideloom_pipes.types import (
@@ -71,7 +72,12 @@ class _AsyncAdapter(IOAsyncReaderAbstract):
         await self.open()
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         await self.close()
 
 

@@ -47,6 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
+from types import TracebackType
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -908,7 +909,12 @@ class ShardWriterBase:
         self.open()
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         if exc_type is None:
             self.close()
         else:
