@@ -62,7 +62,7 @@ class PayloadPerElement:
         stream_data: np.ndarray,
         document_shard: np.ndarray,
         document_index: np.ndarray,
-        document_data: list[bytes],
+        document_data: Sequence[memoryview],
     ) -> list[tuple[int, str]]:
         return [
             (int(token), bytes(document_data[int(j)]).decode())

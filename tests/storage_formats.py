@@ -34,7 +34,7 @@ class ChunkMetaFormat:
         stream_data: np.ndarray,
         document_shard: np.ndarray,
         document_index: np.ndarray,
-        document_data: list[bytes],
+        document_data: Sequence[memoryview],
     ) -> dict[str, list[Any]]:
         return {
             "stream": [int(x) for x in stream_data],
@@ -67,7 +67,7 @@ class ScriptedMetaFormat:
         stream_data: np.ndarray,
         document_shard: np.ndarray,
         document_index: np.ndarray,
-        document_data: list[bytes],
+        document_data: Sequence[memoryview],
     ) -> dict[str, Any]:
         return {
             "stream": stream_data.tolist(),
@@ -78,7 +78,8 @@ class ScriptedMetaFormat:
 
 
 class RecordingStreamFormat:
-    """A plain stream format that returns what ``unpack`` was called with."""
+    """A plain stream format that returns what ``unpack`` was called with (the int64
+    ``shard_lengths`` and ``shards`` vectors as lists)."""
 
     def __init__(self, dtype: Any = "<i8") -> None:
         self.stream_dtype = np.dtype(dtype)
@@ -87,9 +88,10 @@ class RecordingStreamFormat:
         return np.asarray(data, dtype=self.stream_dtype)
 
     def unpack(
-        self, stream: np.ndarray, shard_lengths: Sequence[int], shards: Sequence[int]
+        self, stream: np.ndarray, shard_lengths: np.ndarray, shards: np.ndarray
     ) -> tuple[np.ndarray, list[int], list[int]]:
-        return stream, [int(n) for n in shard_lengths], [int(s) for s in shards]
+        assert shard_lengths.dtype == np.int64 and shards.dtype == np.int64
+        return stream, shard_lengths.tolist(), shards.tolist()
 
 
 def windows_of(reference: np.ndarray, start: int, length: int) -> np.ndarray:

@@ -204,7 +204,10 @@ class AsyncMemoryReader:
 
 
 class ProbingMemoryBackend:
-    """Serves files from a dict keyed by ``PurePosixPath`` (an object store, say); no listing."""
+    """Serves files from a dict keyed by ``PurePosixPath`` (an object store, say); no listing.
+
+    A path-style backend (``sync_reader(path)`` returns the reader), which the storages
+    accept beside GuideLoom's convention (see test_guideloom_api.py for that one)."""
 
     def __init__(self, files: dict[PurePosixPath, bytes]) -> None:
         self.files = files
@@ -364,7 +367,7 @@ def test_the_local_backends_async_readers_read_byte_ranges(datasets: dict[str, A
     expected = path.read_bytes()
 
     async def main(backend: Any) -> tuple[int, bytes]:
-        reader = backend.async_reader(path)
+        reader = backend.async_reader()(path)  # GuideLoom's convention: a factory
         async with reader:
             return await reader.filesize(), bytes(await reader.read(5, 20))
 
@@ -450,6 +453,9 @@ def test_fd_holding_backends_do_not_keep_a_descriptor_per_shard(tmp_path: Path) 
 def test_the_local_backends_satisfy_the_read_protocols(datasets: dict[str, Any]) -> None:
     from guideloom_pipes.types import (
         AsyncByteReader,
+        IOAsyncReaderAbstract,
+        IOReaderAbstract,
+        IOSyncReaderAbstract,
         ListingReadInterface,
         ReadInterface,
         SyncByteReader,
@@ -457,17 +463,20 @@ def test_the_local_backends_satisfy_the_read_protocols(datasets: dict[str, Any])
 
     path = datasets["root"] / "stream" / "0000000.in_band.bin"
     for backend in (MmapIO(), PosixPreadIO(), SeekIO()):
+        assert isinstance(backend, IOReaderAbstract)
         assert isinstance(backend, ReadInterface)
         assert isinstance(backend, ListingReadInterface)
-        assert isinstance(backend.sync_reader(path), SyncByteReader)
-        assert isinstance(backend.async_reader(path), AsyncByteReader)
+        assert isinstance(backend.sync_reader()(path), IOSyncReaderAbstract)
+        assert isinstance(backend.async_reader()(path), IOAsyncReaderAbstract)
+        assert isinstance(backend.sync_reader()(path), SyncByteReader)
+        assert isinstance(backend.async_reader()(path), AsyncByteReader)
     assert isinstance(ListingMemoryBackend({}), ListingReadInterface)
     assert not isinstance(ProbingMemoryBackend({}), ListingReadInterface)
 
 
 def test_a_mapping_outlives_its_reader_while_an_array_uses_it(datasets: dict[str, Any]) -> None:
     path = datasets["root"] / "stream" / "0000002.in_band.bin"
-    reader = MmapIO().sync_reader(path)
+    reader = MmapIO().sync_reader()(path)
     reader.open()
     array = np.frombuffer(reader.buffer(), dtype=TOKENS)
     reader.close()

@@ -153,15 +153,32 @@ def test_equal_payloads_of_different_runs_stay_distinct(tmp_path: Path) -> None:
     assert got["document_index"].tolist() == [0, 1, 1]
 
 
-def test_unpack_gets_int32_document_index_and_owned_arrays(
+class RawScriptedFormat(ScriptedMetaFormat):
+    """Returns ``unpack``'s arguments as they came."""
+
+    def unpack(self, *arguments: Any) -> Any:
+        return arguments
+
+
+def test_unpack_gets_int32_document_index_and_int64_document_shard(
     written: tuple[Path, Reference],
 ) -> None:
     directory, _ = written
-    with scripted(directory).sync_reader() as reader:
-        got = reader.read(4, 5)
-    assert got["document_index"].dtype == np.int32
-    assert len(got["document_index"]) == 5
-    assert all(isinstance(d, bytes) for d in got["document_data"])
+    with StreamWithMetaStorage(directory, RawScriptedFormat()).sync_reader() as reader:
+        _, document_shard, document_index, _ = reader.read(4, 5)
+    assert document_index.dtype == np.int32
+    assert len(document_index) == 5
+    assert document_shard.dtype == np.int64
+
+
+def test_unpack_gets_payloads_as_memoryviews_of_owned_copies(
+    written: tuple[Path, Reference],
+) -> None:
+    directory, reference = written
+    with StreamWithMetaStorage(directory, RawScriptedFormat()).sync_reader() as reader:
+        _, _, _, document_data = reader.read(4, 5)
+    assert all(type(d) is memoryview and type(d.obj) is bytearray for d in document_data)
+    assert [bytes(d) for d in document_data] == reference.window(4, 5)["document_data"]
 
 
 def test_payloads_are_decoded_for_windows_crossing_shards(
