@@ -28,6 +28,7 @@ from guideloom_pipes.types import (
     DatasetAbstract,
     DatasetAsyncReaderAbstract,
     DatasetSyncReaderAbstract,
+    OutDataT,
 )
 
 #: Samples that iterating a reader decodes at a time (one ``read_batch`` each).
@@ -232,7 +233,7 @@ class _AsyncDatasetReader(DatasetAsyncReaderAbstract[Any]):
         return await asyncio.to_thread(self._sync.read_batch, ids)
 
 
-class StreamDataset(DatasetAbstract[Any]):
+class StreamDataset(DatasetAbstract[OutDataT]):
     """Fixed-length windows of a stream storage: sample ``i`` is ``[i*L, (i+1)*L)``.
 
     Args:
@@ -242,7 +243,9 @@ class StreamDataset(DatasetAbstract[Any]):
     """
 
     def __init__(
-        self, storage: StreamStorage | StreamWithMetaStorage, sequence_length: int
+        self: StreamDataset[Any],
+        storage: StreamStorage[Any, Any, Any] | StreamWithMetaStorage[Any, Any, Any],
+        sequence_length: int,
     ) -> None:
         if not isinstance(storage, (StreamStorage, StreamWithMetaStorage)):
             hint = " (use DocumentDataset)" if isinstance(storage, DocumentStorage) else ""
@@ -269,14 +272,14 @@ class StreamDataset(DatasetAbstract[Any]):
         return f"StreamDataset({self.storage!r}, sequence_length={self.sequence_length})"
 
 
-class DocumentDataset(DatasetAbstract[Any]):
+class DocumentDataset(DatasetAbstract[OutDataT]):
     """The documents of a document storage: sample ``i`` is document ``i``.
 
     Args:
         storage: a :class:`~guideloom_pipes.DocumentStorage`.
     """
 
-    def __init__(self, storage: DocumentStorage) -> None:
+    def __init__(self: DocumentDataset[Any], storage: DocumentStorage[Any, Any]) -> None:
         if not isinstance(storage, DocumentStorage):
             raise TypeError(
                 f"DocumentDataset needs a DocumentStorage, got {type(storage).__name__} "

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import numpy as np
 
-from guideloom_pipes.types import Buffer, DocumentStorageFormat, StreamStorageFormat
+from guideloom_pipes.types import Buffer, DocumentStorageFormat, DType, StreamStorageFormat
+
+#: What ``StreamNumpyFormat.pack`` takes and ``unpack`` returns: a mapping of field -> array.
+DataT = TypeVar("DataT", bound=Mapping[str, Any])
+#: A document of ``DocumentPickleFormat``.
+DocumentT = TypeVar("DocumentT")
 
 
 def _check_fits(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
@@ -28,7 +33,7 @@ def _check_fits(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
         )
 
 
-class StreamNumpyFormat(StreamStorageFormat[Mapping[str, Any], dict[str, np.ndarray], Any]):
+class StreamNumpyFormat(StreamStorageFormat[DataT, DataT, DType]):
     """Stream records described by a numpy structured dtype.
 
     ``pack`` takes a mapping of equal-length 1-D arrays, one per field; ``unpack`` returns
@@ -44,7 +49,9 @@ class StreamNumpyFormat(StreamStorageFormat[Mapping[str, Any], dict[str, np.ndar
     """
 
     def __init__(
-        self, stream_dtype: np.dtype[Any] | Any, data_type: type[Any] | None = None
+        self: StreamNumpyFormat[Any, Any],
+        stream_dtype: np.dtype[Any] | Any,
+        data_type: type[Any] | None = None,
     ) -> None:
         dtype = np.dtype(stream_dtype)
         if dtype.names is None:
@@ -62,7 +69,7 @@ class StreamNumpyFormat(StreamStorageFormat[Mapping[str, Any], dict[str, np.ndar
         assert names is not None
         return names
 
-    def pack(self, data: Mapping[str, Any]) -> np.ndarray:
+    def pack(self, data: DataT) -> np.ndarray:
         """Interleave one equal-length 1-D array per field into a structured array."""
         if not isinstance(data, Mapping):
             raise TypeError(
@@ -97,9 +104,9 @@ class StreamNumpyFormat(StreamStorageFormat[Mapping[str, Any], dict[str, np.ndar
         stream: np.ndarray,
         shard_lengths: np.ndarray | Sequence[int],
         shards: np.ndarray | Sequence[int],
-    ) -> dict[str, np.ndarray]:
+    ) -> DataT:
         """Split a window into ``{field: contiguous array}``."""
-        return {name: np.array(stream[name], copy=True) for name in self.fields}
+        return cast(DataT, {name: np.array(stream[name], copy=True) for name in self.fields})
 
     def unpack_batch(self, windows: np.ndarray) -> list[dict[str, np.ndarray]]:
         """Decode a ``(batch, length)`` array of windows: one contiguous copy per field."""
@@ -116,23 +123,23 @@ class StreamNumpyFormat(StreamStorageFormat[Mapping[str, Any], dict[str, np.ndar
         return hash(("StreamNumpyFormat", self.stream_dtype))
 
 
-class DocumentPickleFormat(DocumentStorageFormat[Any, Any]):
+class DocumentPickleFormat(DocumentStorageFormat[DocumentT, DocumentT]):
     """Documents stored as pickles (any picklable object).
 
     Args:
         protocol: the pickle protocol used to write (default: ``pickle.DEFAULT_PROTOCOL``).
     """
 
-    def __init__(self, protocol: int | None = None) -> None:
+    def __init__(self: DocumentPickleFormat[Any], protocol: int | None = None) -> None:
         self.protocol = pickle.DEFAULT_PROTOCOL if protocol is None else protocol
 
-    def pack(self, data: Any) -> bytes:
+    def pack(self, data: DocumentT) -> bytes:
         """Pickle one document."""
         return pickle.dumps(data, protocol=self.protocol)
 
-    def unpack(self, encoded_data: Buffer, shard: int) -> Any:
+    def unpack(self, encoded_data: Buffer, shard: int) -> DocumentT:
         """Unpickle one document."""
-        return pickle.loads(encoded_data)
+        return cast(DocumentT, pickle.loads(encoded_data))
 
     def __repr__(self) -> str:
         return f"DocumentPickleFormat(protocol={self.protocol})"

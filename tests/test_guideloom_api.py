@@ -458,6 +458,25 @@ def test_concrete_classes_subclass_guideloom_bases(tmp_path: Path, name: str) ->
             obj.abort()  # an unused writer
 
 
+#: How many type parameters GuideLoom 1.1's concrete classes take (``StreamStorage[In, Out, D]``).
+GENERIC_ARITY = {
+    StreamStorage: 3,
+    StreamWithMetaStorage: 3,
+    DocumentStorage: 2,
+    StreamDataset: 1,
+    DocumentDataset: 1,
+    StreamNumpyFormat: 2,
+    DocumentPickleFormat: 1,
+}
+
+
+@pytest.mark.parametrize("cls", list(GENERIC_ARITY), ids=lambda c: c.__name__)
+def test_concrete_classes_take_guideloom_type_parameters(cls: Any) -> None:
+    """Annotations such as ``StreamStorage[Tokens, Tokens, np.void]`` evaluate at run time."""
+    assert len(cls.__parameters__) == GENERIC_ARITY[cls]
+    assert typing.get_origin(cls[(Any,) * GENERIC_ARITY[cls]]) is cls
+
+
 # read backends: GuideLoom's convention --------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from pathlib import PurePath
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,8 @@ from guideloom_pipes.types import (
     DocumentStorageAsyncReaderAbstract,
     DocumentStorageSyncReaderAbstract,
     DocumentStorageSyncWriterAbstract,
+    InDataT,
+    OutDataT,
 )
 
 INDEX_DTYPE = np.dtype("<i8")
@@ -149,7 +152,7 @@ def index_counts(reader: ReaderBase, sizes: list[dict[str, int]]) -> np.ndarray:
     return counts
 
 
-class DocumentStorage(StorageBase, DocumentStorageAbstract[Any, Any]):
+class DocumentStorage(StorageBase, DocumentStorageAbstract[InDataT, OutDataT]):
     """Document storage: encoded documents plus an offset index per shard.
 
     Args:
@@ -164,6 +167,14 @@ class DocumentStorage(StorageBase, DocumentStorageAbstract[Any, Any]):
 
     kind = "document"
     suffixes = (INDEX, OUT_OF_BAND)
+
+    def __init__(
+        self: DocumentStorage[Any, Any],
+        storage_dir: PurePath | str,
+        storage_format: Any,
+        read_interface: Any = None,
+    ) -> None:
+        super().__init__(storage_dir, storage_format, read_interface)
 
     def _check_format(self, format: Any) -> None:
         missing = [n for n in ("pack", "unpack") if not callable(getattr(format, n, None))]

@@ -8,7 +8,8 @@ the last element, wrap around to shard 0.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from pathlib import PurePath
+from typing import Any, Generic
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from guideloom_pipes.storage.shards import (
     shard_name,
 )
 from guideloom_pipes.types import (
+    InDataT,
+    OutDataT,
+    StreamDType,
     StreamStorageAbstract,
     StreamStorageAsyncReaderAbstract,
     StreamStorageSyncReaderAbstract,
@@ -65,7 +69,9 @@ def check_stream_format(format: Any, needs: tuple[str, ...]) -> np.dtype[Any]:
     return np.dtype(format.stream_dtype)
 
 
-class StreamStorage(StorageBase, StreamStorageAbstract[Any, Any]):
+class StreamStorage(
+    StorageBase, StreamStorageAbstract[InDataT, OutDataT], Generic[InDataT, OutDataT, StreamDType]
+):
     """Stream storage: shards of flat ``storage_format.stream_dtype`` arrays.
 
     Args:
@@ -76,6 +82,14 @@ class StreamStorage(StorageBase, StreamStorageAbstract[Any, Any]):
 
     kind = "stream"
     suffixes = (IN_BAND,)
+
+    def __init__(
+        self: StreamStorage[Any, Any, Any],
+        storage_dir: PurePath | str,
+        storage_format: Any,
+        read_interface: Any = None,
+    ) -> None:
+        super().__init__(storage_dir, storage_format, read_interface)
 
     def _check_format(self, format: Any) -> None:
         check_stream_format(format, ("pack", "unpack"))

@@ -8,7 +8,8 @@ payloads stored as documents are (``.out_of_band.bin`` + ``.out_of_band.index``)
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from pathlib import PurePath
+from typing import Any, Generic
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from guideloom_pipes.storage.stream import (
     check_stream_format,
 )
 from guideloom_pipes.types import (
+    InDataT,
+    OutDataT,
+    StreamDType,
     StreamStorageAbstract,
     StreamStorageAsyncReaderAbstract,
     StreamStorageSyncWriterAbstract,
@@ -52,7 +56,9 @@ def record_dtype(stream_dtype: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype([("index", "<i4"), ("user", np.dtype(stream_dtype))])
 
 
-class StreamWithMetaStorage(StorageBase, StreamStorageAbstract[Any, Any]):
+class StreamWithMetaStorage(
+    StorageBase, StreamStorageAbstract[InDataT, OutDataT], Generic[InDataT, OutDataT, StreamDType]
+):
     """A stream whose elements carry a pointer to a per-chunk metadata payload.
 
     Args:
@@ -64,6 +70,14 @@ class StreamWithMetaStorage(StorageBase, StreamStorageAbstract[Any, Any]):
 
     kind = "stream_meta"
     suffixes = (IN_BAND, INDEX, OUT_OF_BAND)
+
+    def __init__(
+        self: StreamWithMetaStorage[Any, Any, Any],
+        storage_dir: PurePath | str,
+        storage_format: Any,
+        read_interface: Any = None,
+    ) -> None:
+        super().__init__(storage_dir, storage_format, read_interface)
 
     def _check_format(self, format: Any) -> None:
         check_stream_format(format, ("size", "pack", "unpack"))
