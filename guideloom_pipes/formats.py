@@ -36,7 +36,7 @@ def _check_fits(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
 class StreamNumpyFormat(StreamStorageFormat[DataT, DataT, DType]):
     """Stream records described by a numpy structured dtype.
 
-    ``pack`` takes a mapping of equal-length 1-D arrays, one per field; ``unpack`` returns
+    ``pack`` takes a mapping of 1-D arrays, one per field; ``unpack`` returns
     ``{field: array}`` where each array is contiguous and owns its memory, so it can go
     straight through ``torch.from_numpy`` and stays valid after the reader closes.
 
@@ -70,29 +70,39 @@ class StreamNumpyFormat(StreamStorageFormat[DataT, DataT, DType]):
         return names
 
     def pack(self, data: DataT) -> np.ndarray:
-        """Interleave one equal-length 1-D array per field into a structured array."""
+        """Interleave one 1-D array per field into a structured array.
+
+        As in GuideLoom, keys that are not fields are ignored, and a scalar or a length-1
+        array is broadcast to the common length. A missing field, a field of another
+        length, or an array of more than one dimension is a ``ValueError``.
+        """
         if not isinstance(data, Mapping):
             raise TypeError(
                 f"StreamNumpyFormat.pack takes a mapping of field -> 1-D array, got "
                 f"{type(data).__name__}; pass {{{', '.join(repr(f) for f in self.fields)}: ...}}"
             )
-        expected = set(self.fields)
-        if set(data) != expected:
-            missing = sorted(expected - set(data))
-            extra = sorted(set(data) - expected)
+        missing = [name for name in self.fields if name not in data]
+        if missing:
             raise ValueError(
-                f"StreamNumpyFormat.pack needs exactly the fields {list(self.fields)}; "
-                f"missing {missing}, unexpected {extra}"
+                f"StreamNumpyFormat.pack needs the fields {list(self.fields)}; missing {missing}"
             )
         columns = {name: np.asarray(data[name]) for name in self.fields}
-        lengths = {}
+        lengths: dict[str, int] = {}
         for name, column in columns.items():
-            if column.ndim != 1:
+            if column.ndim > 1:
                 raise ValueError(f"field {name!r} must be a 1-D array, got shape {column.shape}")
-            lengths[name] = len(column)
-        if len(set(lengths.values())) > 1:
-            raise ValueError(f"fields must have equal lengths, got {lengths}")
-        length = next(iter(lengths.values()))
+            if column.ndim == 1:
+                lengths[name] = len(column)
+        if not lengths:
+            raise ValueError(
+                "StreamNumpyFormat.pack needs at least one field given as a 1-D array (it sets "
+                f"the record count); got only scalars for {list(self.fields)}"
+            )
+        length = max(lengths.values())
+        if any(n not in (1, length) for n in lengths.values()):
+            raise ValueError(
+                f"fields must have equal lengths (or length 1, broadcast), got {lengths}"
+            )
         out = np.zeros(length, dtype=self.stream_dtype)  # zeroed: no stray padding bytes
         for name, column in columns.items():
             _check_fits(name, column, self.stream_dtype[name])

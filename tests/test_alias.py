@@ -301,3 +301,24 @@ def test_reload_through_the_alias_reloads_the_real_module() -> None:
         assert guideloom.formats is guideloom_pipes.formats
     """
     _assert_ran(_run(code))
+
+
+@pytest.mark.parametrize(
+    ("module", "names"),
+    [
+        ("guideloom.dataset", ["StreamDataset", "DocumentDataset"]),
+        ("guideloom.storage_format", ["StreamNumpyFormat", "DocumentPickleFormat"]),
+        ("guideloom.storage", ["StreamStorage", "StreamWithMetaStorage", "DocumentStorage"]),
+    ],
+)
+def test_guideloom_module_paths_export_the_same_classes(module: str, names: list[str]) -> None:
+    imported = importlib.import_module(module)
+    for name in names:
+        assert getattr(imported, name) is getattr(guideloom_pipes, name)
+
+
+def test_guideloom_pytorch_module_path_exports_the_loader() -> None:
+    pytest.importorskip("torch")
+    from guideloom.pytorch import StatefulDataLoader
+
+    assert StatefulDataLoader is guideloom_pipes.StatefulDataLoader

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy.testing import assert_array_equal
 from storage_formats import RecordingStreamFormat, pieces_of, windows_of
 
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
@@ -330,10 +331,23 @@ def test_pack_refuses_missing_fields_and_names_them() -> None:
         StreamNumpyFormat(TOKENS).pack({"tokens": np.arange(3)})
 
 
-def test_pack_refuses_extra_fields_and_names_them() -> None:
-    columns = {**record(0, 3), "position": np.arange(3)}
-    with pytest.raises(ValueError, match=r"unexpected \['position'\]"):
-        StreamNumpyFormat(TOKENS).pack(columns)
+def test_pack_ignores_keys_that_are_not_fields_as_guideloom_does() -> None:
+    columns = {**record(0, 3), "position": np.arange(3), "text": "abc"}
+    assert_array_equal(
+        StreamNumpyFormat(TOKENS).pack(columns), StreamNumpyFormat(TOKENS).pack(record(0, 3))
+    )
+
+
+def test_pack_broadcasts_scalars_and_length_one_fields_as_guideloom_does() -> None:
+    packed = StreamNumpyFormat(TOKENS).pack({"tokens": np.arange(4), "loss_mask": 1})
+    assert packed["loss_mask"].tolist() == [1, 1, 1, 1]
+    packed = StreamNumpyFormat(TOKENS).pack({"tokens": np.arange(4), "loss_mask": np.ones(1)})
+    assert packed["loss_mask"].tolist() == [1, 1, 1, 1]
+
+
+def test_pack_refuses_records_made_only_of_scalars() -> None:
+    with pytest.raises(ValueError, match="at least one field given as a 1-D array"):
+        StreamNumpyFormat(TOKENS).pack({"tokens": 3, "loss_mask": 1})
 
 
 def test_pack_refuses_a_field_that_is_not_one_dimensional() -> None:
