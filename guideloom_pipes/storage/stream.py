@@ -183,7 +183,10 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         np.cumsum(lengths, out=self._starts[1:])
         self._total = int(self._starts[-1])
         self._in_band = self._files[IN_BAND]
-        # per shard: its mapped array, False for a byte-range backend, None until first use
+        # copies go through an opaque same-size void dtype: a plain memcpy, where numpy's
+        # structured copy walks field by field (1.7x slower for one field, more for several)
+        self._raw = np.dtype((np.void, itemsize))
+        # per shard: its mapped array (of _raw), False for a byte-range backend, None until first use
         self._mapped: list[np.ndarray | bool | None] = [None] * listing.num_shards
 
     @property
@@ -204,10 +207,11 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         return self._starts
 
     def _mapped_array(self, shard: int) -> np.ndarray | None:
-        """Shard ``shard``'s elements as a mapped array, or None for a byte-range backend."""
+        """Shard ``shard``'s elements as a mapped ``_raw`` array, or None for a byte-range
+        backend."""
         mapped = self._mapped[shard]
         if mapped is None:
-            array = self._in_band.array(shard, self.dtype)
+            array = self._in_band.array(shard, self._raw)
             mapped = self._mapped[shard] = array if array is not None else False
         return mapped if isinstance(mapped, np.ndarray) else None
 
@@ -228,7 +232,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
                 f"{self._shard_path(shard, IN_BAND)} returned {len(data)} bytes where "
                 f"{count * itemsize} were expected: the file shrank while open"
             )
-        out[:] = np.frombuffer(data, dtype=self.dtype)
+        out[:] = np.frombuffer(data, dtype=self._raw)
 
     def read_raw(
         self, global_index: int, global_length: int
@@ -244,7 +248,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             raise IndexError(
                 f"global_index {global_index} out of range for a stream of {self._total} elements"
             )
-        out = np.empty(global_length, dtype=self.dtype)
+        out = np.empty(global_length, dtype=self._raw)
         shard_lengths: list[int] = []
         shards: list[int] = []
         position, filled, starts = global_index, 0, self._starts
@@ -259,7 +263,11 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             position += take
             if position == self._total:
                 position = 0  # wrap around to shard 0
-        return out, np.array(shard_lengths, dtype=np.int64), np.array(shards, dtype=np.int64)
+        return (
+            out.view(self.dtype),
+            np.array(shard_lengths, dtype=np.int64),
+            np.array(shards, dtype=np.int64),
+        )
 
     def read(self, global_index: int, global_length: int) -> Any:
         """``format.unpack(stream, shard_lengths, shards)`` of ``global_length`` elements
@@ -279,9 +287,9 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         """
         self._check_open()
         starts = np.asarray(starts, dtype=np.int64)
-        out = np.empty((len(starts), length), dtype=self.dtype)
+        out = np.empty((len(starts), length), dtype=self._raw)
         if len(starts) == 0:
-            return out
+            return out.view(self.dtype)
         if int(starts.min()) < 0 or int(starts.max()) + length > self._total:
             bad = starts[(starts < 0) | (starts + length > self._total)][0]
             raise IndexError(
@@ -313,7 +321,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
                 filled += take
                 position += take
                 shard += 1
-        return out
+        return out.view(self.dtype)
 
     def window_pieces(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """``shard_lengths`` and ``shards`` (int64 vectors) of a span inside the stream, as
