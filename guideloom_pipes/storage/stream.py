@@ -186,7 +186,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         # copies go through an opaque same-size void dtype: a plain memcpy, where numpy's
         # structured copy walks field by field (1.7x slower for one field, more for several)
         self._raw = np.dtype((np.void, itemsize))
-        # per shard: its mapped array (of _raw), False for a byte-range backend, None until first use
+        # per shard: its mapped _raw array, False for a byte-range backend, None until used
         self._mapped: list[np.ndarray | bool | None] = [None] * listing.num_shards
 
     @property

@@ -224,18 +224,36 @@ class StreamWithMetaReader(StreamReader):
         """``format.unpack`` of a span of records whose pieces came from ``shards``."""
         piece_shards = np.repeat(np.asarray(shards, dtype=np.int64), shard_lengths)
         keys = (piece_shards << 32) | records["index"].astype(np.int64)
-        unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-        order = np.argsort(first, kind="stable")
-        rank = np.empty(len(order), dtype=np.int32)
-        rank[order] = np.arange(len(order), dtype=np.int32)
-        document_index = rank[inverse.reshape(-1)].astype(np.int32)
-        ordered = unique[order]
+        if len(keys) and bool((keys[1:] >= keys[:-1]).all()):
+            # the usual case: payload numbers never decrease along a span (no wrap-around
+            # back into payloads already seen), so each run of equal keys is a new payload
+            first_of_run = np.empty(len(keys), dtype=bool)
+            first_of_run[0] = True
+            np.not_equal(keys[1:], keys[:-1], out=first_of_run[1:])
+            document_index = (np.cumsum(first_of_run) - 1).astype(np.int32)
+            ordered = keys[first_of_run]
+        else:
+            unique, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+            order = np.argsort(first, kind="stable")
+            rank = np.empty(len(order), dtype=np.int32)
+            rank[order] = np.arange(len(order), dtype=np.int32)
+            document_index = rank[inverse.reshape(-1)].astype(np.int32)
+            ordered = unique[order]
         document_shard = (ordered >> 32).astype(np.int64)
-        payload = self._payloads.payload
-        document_data = [
-            memoryview(payload(int(s), int(k)))
-            for s, k in zip(document_shard.tolist(), (ordered & 0xFFFFFFFF).tolist())
-        ]
+        locals_ = ordered & 0xFFFFFFFF
+        payloads = self._payloads.payloads
+        if len(ordered) == 0:
+            fetched: list[bytearray] = []
+        elif document_shard[0] == document_shard[-1] and bool(
+            (document_shard == document_shard[0]).all()
+        ):
+            fetched = payloads(int(document_shard[0]), locals_)  # the usual case: one shard
+        else:
+            cut = np.flatnonzero(document_shard[1:] != document_shard[:-1]) + 1
+            fetched = []
+            for begin, end in zip([0, *cut.tolist()], [*cut.tolist(), len(ordered)]):
+                fetched += payloads(int(document_shard[begin]), locals_[begin:end])
+        document_data = [memoryview(payload) for payload in fetched]
         stream_data = np.array(records["user"], copy=True)
         return self.storage.format.unpack(
             stream_data, document_shard, document_index, document_data
