@@ -1014,6 +1014,8 @@ class ShardFiles:
         #: whether readers may offer ``buffer()`` (only tried where no descriptor is held)
         self._mappable = not self.bounded
         self.max_open = max(1, max_open)
+        # with no more shards than max_open nothing is ever evicted: reads skip the LRU lock
+        self._never_evicts = num_shards <= self.max_open
         self._readers: list[Any] = [None] * num_shards
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
         self._lru: OrderedDict[int, int] = OrderedDict()  # shard -> readers in use
@@ -1054,7 +1056,7 @@ class ShardFiles:
 
     def read(self, shard: int, offset: int, size: int) -> Any:
         """``size`` bytes at ``offset`` of the shard's file."""
-        if not self.bounded:
+        if not self.bounded or self._never_evicts:
             reader = self._readers[shard]
             if reader is None:
                 with self._lock:
