@@ -13,8 +13,10 @@ from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.shards import (
     ShardFiles,
     ShardListing,
+    _fsync_directory,
     check_listing,
     discover,
+    seal_shard,
     shard_name,
     verify_checksums,
 )
@@ -84,6 +86,49 @@ class StorageBase(Storage):
         with self.sync_reader() as reader:
             return reader.verify()
 
+    def seal(self) -> list[int]:
+        """Record shards that have no commit record yet, after checking their files.
+
+        A dataset written by GuideLoom has no records, and once this package commits a
+        shard into it, readers treat every shard without a record as uncommitted. Sealing
+        checks each such shard as a reader would (files present, sizes consistent, document
+        index matching its data), checksums it, and writes its record under the shard's
+        write lock. Only seal shards whose writers have finished. Returns the shard ids
+        sealed (``[]`` if every shard already had a record).
+        """
+        io = self._resolve_io()
+        if not io.local:
+            raise TypeError(
+                f"seal() writes records next to the shard files, so it needs a local directory; "
+                f"{self.read_interface!r} is not a local backend"
+            )
+        listing = discover(io, self.dir, self.suffixes)
+        bare = [shard for shard in range(listing.num_shards) if shard not in listing.records]
+        if not bare:
+            return []
+        unrecorded = ShardListing(
+            listing.directory, listing.num_shards, listing.sizes, {}, listing.listed
+        )
+        reader = self.sync_reader()
+        sizes = check_listing(unrecorded, io, self.kind, self.suffixes, None)
+        reader._attach(unrecorded, sizes)
+        sealed = []
+        try:
+            for shard in bare:
+                if seal_shard(
+                    os.fspath(self.dir),
+                    shard,
+                    self.kind,
+                    self.suffixes,
+                    sizes[shard],
+                    **reader._seal_args(shard),
+                ):
+                    sealed.append(shard)
+        finally:
+            reader.close()
+        _fsync_directory(os.fspath(self.dir))
+        return sealed
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({os.fspath(self.dir)!r}, {self.format!r})"
 
@@ -120,6 +165,11 @@ class ReaderBase:
             self._record_dtype(),
             self._dtype_hint,
         )
+        self._attach(listing, sizes)
+
+    def _attach(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+        """Serve the shards of a checked ``listing``."""
+        storage = self.storage
         self.listing = listing
         self._files = {
             suffix: ShardFiles(self._io, storage.dir, suffix, listing.num_shards)
@@ -135,6 +185,11 @@ class ReaderBase:
         return f"a format whose stream_dtype is np.dtype({dtype.descr!r})"
 
     def _setup(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+        raise NotImplementedError
+
+    def _seal_args(self, shard: int) -> dict[str, Any]:
+        """``count``/``dtype``/``payloads`` of shard ``shard``'s record, after the checks a
+        first read would make (see :meth:`StorageBase.seal`)."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -260,6 +260,10 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         self._total = int(self._starts[-1])
         self._index = OffsetIndex(self, self._counts, [s[OUT_OF_BAND] for s in sizes])
 
+    def _seal_args(self, shard: int) -> dict[str, Any]:
+        self._index._check(shard)  # the index must run from 0 to the data file's size
+        return {"count": int(self._counts[shard]), "dtype": None}
+
     @property
     def total_length(self) -> int:
         """Documents in the dataset."""

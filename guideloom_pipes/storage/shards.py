@@ -482,7 +482,8 @@ def check_listing(
                 f"shard {name} of {where} has no commit record ({name}{RECORD}) although "
                 f"other shards do: it was not committed by a writer that closed successfully "
                 f"(interrupted, or written by another tool such as GuideLoom). Rewrite shard "
-                f"{shard} with a guideloom_pipes writer"
+                f"{shard} with a guideloom_pipes writer, or, if its files are complete "
+                f"(written by GuideLoom), record them with storage.seal()"
             )
         if record is not None:
             _check_record(record, listing, shard, kind, dtype, dtype_hint)
@@ -862,6 +863,55 @@ def commit_transactions(
         for transaction in transactions:
             if transaction.stage == "committed":
                 transaction.release()
+
+
+def seal_shard(
+    directory: str,
+    shard: int,
+    kind: str,
+    suffixes: Sequence[str],
+    sizes: dict[str, int],
+    count: int,
+    dtype: np.dtype[Any] | None,
+    payloads: int | None = None,
+) -> bool:
+    """Write a commit record for shard files already in place (written by GuideLoom).
+
+    Holds the shard's write lock while it checksums the files and installs the record, and
+    refuses files whose size changed since they were checked. False if another writer
+    committed the shard meanwhile (its record is kept).
+    """
+    stem = os.path.join(directory, shard_name(shard))
+    lock_path = stem + RECORD + TMP
+    fd = _take_lock(lock_path, shard, directory)
+    try:
+        if os.path.exists(stem + RECORD):
+            _unlink_quiet(lock_path)
+            return False
+        files: dict[str, FileRecord] = {}
+        for suffix in suffixes:
+            path = stem + suffix
+            crc, size = 0, 0
+            with open(path, "rb") as data:
+                while chunk := data.read(_CHUNK):
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
+            if size != sizes[suffix]:
+                _unlink_quiet(lock_path)
+                raise CorruptShardError(
+                    f"{path} changed while it was being sealed ({sizes[suffix]} -> {size} "
+                    f"bytes); seal again once no other process writes it"
+                )
+            files[suffix.lstrip(".")] = FileRecord(size, crc)
+        record = ShardRecord(kind, shard, count, files, dtype, payloads, state="committed")
+        data_bytes = record.to_json()
+        os.pwrite(fd, data_bytes, 0)
+        os.ftruncate(fd, len(data_bytes))
+        os.fsync(fd)
+        os.replace(lock_path, stem + RECORD)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _unlink_quiet(path: str) -> None:

@@ -189,6 +189,9 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         # per shard: its mapped _raw array, False for a byte-range backend, None until used
         self._mapped: list[np.ndarray | bool | None] = [None] * listing.num_shards
 
+    def _seal_args(self, shard: int) -> dict[str, Any]:
+        return {"count": int(self._lengths[shard]), "dtype": self._record_dtype()}
+
     @property
     def total_length(self) -> int:
         """Elements in the whole stream."""

@@ -24,6 +24,7 @@ from guideloom_pipes.storage.shards import (
     IN_BAND,
     INDEX,
     OUT_OF_BAND,
+    CorruptShardError,
     ShardListing,
     ShardWriterBase,
 )
@@ -219,6 +220,19 @@ class StreamWithMetaReader(StreamReader):
         super()._setup(listing, sizes)
         counts = index_counts(self, sizes)
         self._payloads = OffsetIndex(self, counts, [s[OUT_OF_BAND] for s in sizes])
+
+    def _seal_args(self, shard: int) -> dict[str, Any]:
+        self._payloads._check(shard)
+        payloads = int(self._payloads._counts[shard])
+        mapped = self._mapped_array(shard)
+        if mapped is not None and len(mapped):
+            index = mapped.view(self.dtype)["index"]
+            if int(index.min()) < 0 or int(index.max()) >= payloads:
+                raise CorruptShardError(
+                    f"{self._shard_path(shard, IN_BAND)} points at payloads outside "
+                    f"0..{payloads - 1} of its index; rewrite shard {shard}"
+                )
+        return {**super()._seal_args(shard), "payloads": payloads}
 
     def decode(self, records: np.ndarray, shard_lengths: Any, shards: Any) -> Any:
         """``format.unpack`` of a span of records whose pieces came from ``shards``."""
