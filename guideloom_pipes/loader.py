@@ -12,9 +12,9 @@ import operator
 import pickle
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torchdata.nodes import BaseNode
@@ -32,6 +32,7 @@ from guideloom_pipes.pipes import (
     default_collate,
     draw_seed,
 )
+from guideloom_pipes.types import SyncContextManager
 
 __all__ = ["StatefulDataLoader"]
 
@@ -129,7 +130,11 @@ def _reject_torch_keywords(
         )
 
 
-class StatefulDataLoader:
+SourceT = TypeVar("SourceT")
+BatchT = TypeVar("BatchT")
+
+
+class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[SourceT, BatchT]):
     """GuideLoom's resumable data loader: exact shuffled order, exact checkpoints, many ranks.
 
     Each rank takes its strided share of every global batch of ``local_batch_size *
@@ -351,8 +356,19 @@ class StatefulDataLoader:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         *,
         sequence_length: int | None = None,
+        device: torch.device | str | int | None = None,
+        local_batch_size: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        parallel_method: str = "thread",
+        shuffle: bool = False,
+        shuffle_seed: int | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = True,
+        prefetch: int = 0,
         **kwargs: Any,
-    ) -> StatefulDataLoader:
+    ) -> StatefulDataLoader[Any, Any]:
         """A loader over a storage: ``StreamDataset`` or ``DocumentDataset`` picked for you.
 
         Args:
@@ -360,8 +376,24 @@ class StatefulDataLoader:
             collate_fn: As for the constructor.
             sequence_length: Elements per sample; required for stream storages, refused for
                 document storages.
-            **kwargs: The constructor's keywords.
+            device, local_batch_size, rank, world_size, num_workers, parallel_method,
+                shuffle, shuffle_seed, pin_memory, drop_last, prefetch: As for the
+                constructor (GuideLoom's keywords and defaults).
+            **kwargs: The constructor's other keywords (torch ``DataLoader`` names).
         """
+        kwargs.update(
+            device=device,
+            local_batch_size=local_batch_size,
+            rank=rank,
+            world_size=world_size,
+            num_workers=num_workers,
+            parallel_method=parallel_method,
+            shuffle=shuffle,
+            shuffle_seed=shuffle_seed,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            prefetch=prefetch,
+        )
         from guideloom_pipes.datasets import DocumentDataset, StreamDataset
         from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
@@ -388,7 +420,17 @@ class StatefulDataLoader:
             )
         return cls(dataset, collate_fn, **kwargs)
 
+    @staticmethod
+    def get_default_device() -> torch.device:
+        """The device batches go to by default: the current CUDA device, else the CPU."""
+        return _default_device()
+
     # -- sizes ------------------------------------------------------------------------------
+
+    @property
+    def dataset_size(self) -> int:
+        """Samples in the dataset (from the open reader when the loader is open)."""
+        return self._num_samples()
 
     @property
     def batch_size(self) -> int:
@@ -454,7 +496,7 @@ class StatefulDataLoader:
                 self._owns_reader = False
                 reader.close()
 
-    def __enter__(self) -> StatefulDataLoader:
+    def __enter__(self) -> StatefulDataLoader[SourceT, BatchT]:
         self.open()
         return self
 
