@@ -8,12 +8,17 @@ starts without importing it.
 from __future__ import annotations
 
 import multiprocessing.util
+import pickle
 import sys
+import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from guideloom_pipes._results import ResultRing, dump_result
 
 _Ids = npt.NDArray[np.int64]
 
@@ -44,8 +49,45 @@ def _batch_read_fn(reader: Any) -> Callable[[_Ids], list[Any]]:
     return lambda ids: [getitem(i) for i in ids.tolist()]
 
 
+class _Failed:
+    """A batch's outcome when reading or collating it raised ``error``.
+
+    ``remote`` is the formatted traceback when the error happened in a worker process
+    (its traceback object does not survive pickling).
+    """
+
+    __slots__ = ("error", "remote")
+
+    def __init__(self, error: BaseException, remote: str | None = None) -> None:
+        self.error = error
+        self.remote = remote
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        remote = self.remote
+        if remote is None:
+            remote = "".join(
+                traceback.format_exception(type(self.error), self.error, self.error.__traceback__)
+            )
+        return (_Failed, (self.error, remote))
+
+
+class _RemoteTraceback(Exception):
+    """The cause attached to an error re-raised from a worker process: its traceback there."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.text}"""'
+
+
 class _ReadTask:
-    """ids -> samples (-> ``collate_fn(samples)`` when one is given): one batch of work."""
+    """ids -> samples (-> ``collate_fn(samples)`` when one is given): one batch of work.
+
+    :meth:`run` does a *chunk* of consecutive batches: one read of all their ids, then
+    ``collate_fn`` per batch.
+    """
 
     __slots__ = ("_collate", "_read")
 
@@ -59,14 +101,49 @@ class _ReadTask:
             return samples
         return self._collate(samples)
 
+    def _one(self, ids: _Ids) -> Any:
+        try:
+            return self(ids)
+        except BaseException as error:
+            return _Failed(error)
 
-#: The task of this process when it is a process worker (set by ``_init_process_worker``).
-_PROCESS_TASK: _ReadTask | None = None
+    def run(self, batches: list[_Ids]) -> list[Any]:
+        """Each batch's result, or a :class:`_Failed` for a batch whose read or collate raised.
+
+        The ids of all batches are read with one call; if that raises (or returns the wrong
+        number of samples), each batch is read alone, so an error belongs to the batch that
+        caused it and the batches around it are intact.
+        """
+        if len(batches) == 1:
+            return [self._one(batches[0])]
+        sizes = [len(ids) for ids in batches]
+        total = sum(sizes)
+        try:
+            samples = self._read(np.concatenate(batches)) if total else []
+            if len(samples) != total:
+                raise ValueError("a read returned the wrong number of samples")
+        except BaseException:
+            return [self._one(ids) for ids in batches]
+        collate = self._collate
+        out: list[Any] = []
+        start = 0
+        for size in sizes:
+            part = samples[start : start + size]
+            start += size
+            if not isinstance(part, list):
+                part = list(part)
+            if collate is None:
+                out.append(part)
+                continue
+            try:
+                out.append(collate(part))
+            except BaseException as error:
+                out.append(_Failed(error))
+        return out
 
 
-def _init_process_worker(dataset: Any, collate_fn: Callable[..., Any] | None) -> None:
-    """Initializer of a process worker: open this process's own reader of ``dataset``."""
-    global _PROCESS_TASK
+def _init_process_worker(dataset: Any, collate_fn: Callable[..., Any] | None) -> _ReadTask:
+    """Set up a process worker: one intra-op torch thread, this process's own reader."""
     torch = sys.modules.get("torch")
     if torch is not None:
         # As torch's DataLoader does: workers share the cores, one intra-op thread each.
@@ -74,11 +151,58 @@ def _init_process_worker(dataset: Any, collate_fn: Callable[..., Any] | None) ->
     reader, opened = _open_reader(dataset)
     if opened:
         multiprocessing.util.Finalize(reader, reader.close, exitpriority=10)
-    _PROCESS_TASK = _ReadTask(_batch_read_fn(reader), collate_fn)
+    return _ReadTask(_batch_read_fn(reader), collate_fn)
 
 
-def _process_read(ids: _Ids) -> Any:
-    """Task function of a process worker."""
-    if _PROCESS_TASK is None:  # pragma: no cover - the initializer always runs first
-        raise RuntimeError("process worker used before its initializer ran")
-    return _PROCESS_TASK(ids)
+def _dump_outcomes(outcomes: list[Any], ring: ResultRing | None) -> tuple[bytes, list[Any]]:
+    """Pickle a chunk's outcomes; an outcome that cannot be pickled fails its batch."""
+    try:
+        return dump_result(outcomes, ring)
+    except Exception as error:
+        try:
+            failed = [_Failed(error)] * len(outcomes)
+            return pickle.dumps(failed, protocol=5), []
+        except Exception:
+            replacement = RuntimeError(f"{type(error).__name__}: {error}")
+            return pickle.dumps([_Failed(replacement)] * len(outcomes), protocol=5), []
+
+
+def _process_worker(
+    dataset: Any,
+    collate_fn: Callable[..., Any] | None,
+    conn: Any,
+    ring_handle: Any,
+) -> None:
+    """Main function of a process worker: jobs in from ``conn``, results out through it.
+
+    A job is ``(job_id, [ids, ...])``; its answer ``(job_id, seconds, places, pickle)``, the
+    chunk's outcomes pickled by :func:`dump_result` (large buffers in the result ring). A
+    failure to start is answered once with job id -1 and the error. The worker ends when
+    the parent closes its end of ``conn`` (or terminates it).
+    """
+    ring = None
+    try:
+        try:
+            task = _init_process_worker(dataset, collate_fn)
+            ring = ResultRing.attach(ring_handle) if ring_handle is not None else None
+        except Exception as error:
+            data, _ = _dump_outcomes([_Failed(error)], None)
+            conn.send_bytes(pickle.dumps((-1, 0.0, [], data), protocol=5))
+            return
+        while True:
+            try:
+                message = conn.recv_bytes()
+            except EOFError:
+                return
+            job_id, batches = pickle.loads(message)
+            started = time.perf_counter()
+            outcomes = task.run(batches)
+            elapsed = time.perf_counter() - started
+            data, places = _dump_outcomes(outcomes, ring)
+            conn.send_bytes(pickle.dumps((job_id, elapsed, places, data), protocol=5))
+            del outcomes, data
+    except (KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
+        return  # interrupted, or the parent is gone
+    finally:
+        if ring is not None:
+            ring.close()

@@ -161,8 +161,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         world_size: Number of training processes sharing the dataset.
         num_workers: Worker threads or processes reading whole batches in parallel
             (0: read in the calling thread, or in the prefetch thread when ``prefetch``).
-        parallel_method: ``"thread"`` or ``"process"`` (``spawn`` start method by default;
-            ``collate_fn`` and ``dataset`` must then be picklable).
+        parallel_method: ``"thread"`` or ``"process"`` (``forkserver`` start method by
+            default, ``spawn`` where there is none; ``collate_fn`` and ``dataset`` must then
+            be picklable).
         shuffle: Shuffle with GuideLoom's per-epoch Feistel permutation.
         shuffle_seed: Seed of the shuffle; ``None`` draws one now (see ``state_dict()``).
         pin_memory: Pin batches before moving them to a CUDA device (ignored, with a
@@ -175,7 +176,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         prefetch_factor: torch's per-worker prefetch: ``prefetch = prefetch_factor *
             num_workers`` (needs ``num_workers > 0``, as in torch).
         multiprocessing_context: Start method or context for ``parallel_method="process"``
-            (``"spawn"`` by default, ``"forkserver"``, ``"fork"``).
+            (``"forkserver"`` by default where available, else ``"spawn"``; or ``"fork"``).
         timeout: Seconds to wait for a worker's batch before raising (0: forever).
         generator: A ``torch.Generator`` to draw the shuffle seed from when ``shuffle_seed``
             is ``None``.

@@ -3,34 +3,42 @@
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import multiprocessing.connection
 import multiprocessing.context
+import multiprocessing.forkserver
+import pickle
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from guideloom_pipes._reading import _init_process_worker, _process_read
+from guideloom_pipes._reading import _Failed, _process_worker, _RemoteTraceback
+from guideloom_pipes._results import ResultRing, load_result
 
 
 class _Job:
-    """One batch of work: its argument, then its result or the exception it raised."""
+    """One job (a chunk of batches): its argument, then its result or the exception it
+    raised, and the seconds it took."""
 
-    __slots__ = ("arg", "done", "error", "result")
+    __slots__ = ("arg", "done", "elapsed", "error", "result")
 
     def __init__(self, arg: Any) -> None:
         self.arg = arg
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        self.elapsed = 0.0
 
 
 def _run(fn: Callable[[Any], Any], job: _Job) -> None:
+    started = time.perf_counter()
     try:
         job.result = fn(job.arg)
     except BaseException as error:
         job.error = error
+    job.elapsed = time.perf_counter() - started
 
 
 def _timed_out(what: str, timeout: float) -> RuntimeError:
@@ -57,6 +65,10 @@ class _ThreadPool:
     busy, or none has woken up since it was submitted): then the caller runs it itself
     rather than wait for a worker to come free. So ``N`` workers read like ``N`` readers,
     and the caller adds itself only when they are all busy.
+
+    Wake-ups are what a handoff costs (tens of microseconds of CPU each on a small VM), so
+    there are as few as the work allows: a job wakes a worker only if one is asleep, and a
+    finished job wakes the caller only if it is the job the caller sleeps on.
     """
 
     def __init__(self, fn: Callable[[Any], Any], num_workers: int) -> None:
@@ -65,6 +77,9 @@ class _ThreadPool:
         self._work = threading.Condition(self._lock)
         self._finished = threading.Condition(self._lock)
         self._queue: collections.deque[_Job] = collections.deque()  # unclaimed, oldest first
+        self._awaited: _Job | None = None  # the job the caller sleeps on
+        self._idle = 0  # workers asleep on _work
+        self._busy = 0  # workers running a job
         self._stopping = False
         self._threads = [
             threading.Thread(target=self._loop, name=f"guideloom-read-{i}", daemon=True)
@@ -75,43 +90,59 @@ class _ThreadPool:
 
     def _loop(self) -> None:
         fn = self._fn
+        lock, queue = self._lock, self._queue
+        job: _Job | None = None
         while True:
-            with self._lock:
-                while not self._queue and not self._stopping:
+            with lock:
+                if job is not None:
+                    job.done = True
+                    self._busy -= 1
+                    if self._awaited is job:
+                        self._finished.notify()
+                while not queue and not self._stopping:
+                    self._idle += 1
                     self._work.wait()
+                    self._idle -= 1
                 if self._stopping:
                     return
-                job = self._queue.popleft()
+                job = queue.popleft()
+                self._busy += 1
             _run(fn, job)
-            with self._lock:
-                job.done = True
-                self._finished.notify_all()
 
-    def submit(self, arg: Any) -> _Job:
+    def submit(self, arg: Any, eager: bool = True) -> _Job:
+        """Queue a job. ``eager=False``: wake a sleeping worker only if none is running (a
+        running worker takes it next), for quick jobs that parallel threads would only fight
+        over the GIL for."""
         job = _Job(arg)
         with self._lock:
             self._queue.append(job)
-            self._work.notify()
+            if self._idle and (eager or not self._busy):
+                self._work.notify()
         return job
 
-    def result(self, job: _Job, timeout: float | None) -> Any:
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def result(self, job: _Job, timeout: float | None) -> tuple[Any, float]:
+        """``(fn(arg), seconds it took)`` of ``job``; re-raises what ``fn`` raised."""
         with self._lock:
             mine = bool(self._queue) and self._queue[0] is job
             if mine:
                 self._queue.popleft()
-            else:
-                while not job.done:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise _timed_out("thread", timeout)  # type: ignore[arg-type]
-                    self._finished.wait(left)
+            elif not job.done:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                self._awaited = job
+                try:
+                    while not job.done:
+                        left = None if deadline is None else deadline - time.monotonic()
+                        if left is not None and left <= 0:
+                            raise _timed_out("thread", timeout)  # type: ignore[arg-type]
+                        self._finished.wait(left)
+                finally:
+                    self._awaited = None
         if mine:
-            return self._fn(job.arg)  # no worker has started it: run it here
+            _run(self._fn, job)  # no worker has started it: run it here
         if job.error is not None:
             failure, job.error = job.error, None
             raise failure
-        return job.result
+        return job.result, job.elapsed
 
     def close(self) -> None:
         with self._lock:
@@ -124,8 +155,80 @@ class _ThreadPool:
                 thread.join()
 
 
+def _module_of(obj: Any) -> list[str]:
+    """Modules a worker imports to unpickle ``obj`` (by its class or function)."""
+    module = getattr(obj, "__module__", None)
+    if not isinstance(obj, type) and not callable(obj):
+        module = type(obj).__module__
+    if not isinstance(module, str) or module == "builtins":
+        return []
+    if module != "__main__":
+        return [module]
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and isinstance(getattr(spec, "name", None), str):
+        return [spec.name]  # run with ``python -m name``
+    # A script: Python 3.11 cannot preload it (its fork server ignores "__main__"), so
+    # preload the heavy imports a script that builds batches for torch has made.
+    return [name for name in ("numpy", "torch") if name in sys.modules]
+
+
+def _preload_forkserver(
+    context: multiprocessing.context.BaseContext, dataset: Any, collate_fn: Any
+) -> None:
+    """Have Python's fork server import what the workers need before it forks them.
+
+    Without it every worker imports the dataset's and ``collate_fn``'s modules itself (torch:
+    a second or more per iterator); with it a worker is a fork of a process that has them
+    (milliseconds). Only possible before the fork server starts; a preload list already set
+    is kept and added to.
+    """
+    if context.get_start_method() != "forkserver":
+        return
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is not None:
+        return  # running already: its preloads are fixed
+    current = list(getattr(server, "_preload_modules", None) or ["__main__"])
+    wanted = ["guideloom_pipes._reading", *_module_of(dataset), *_module_of(collate_fn)]
+    added = [name for name in dict.fromkeys(wanted) if name not in current]
+    if added:
+        context.set_forkserver_preload(current + added)
+
+
+class _ProcessJob:
+    """A job sent to one worker process; done once its answer is read."""
+
+    __slots__ = ("done", "id", "result", "size", "worker")
+
+    def __init__(self, job_id: int, worker: _Worker, size: int) -> None:
+        self.id = job_id
+        self.worker = worker
+        self.size = size
+        self.done = False
+        self.result: tuple[list[Any], float] = ([], 0.0)
+
+
+class _Worker:
+    """A worker process, the pipe to it, its result ring and its jobs in flight, in order."""
+
+    __slots__ = ("conn", "jobs", "process", "ring")
+
+    def __init__(self, process: Any, conn: Any, ring: ResultRing) -> None:
+        self.process = process
+        self.conn = conn
+        self.ring = ring
+        self.jobs: collections.deque[_ProcessJob] = collections.deque()
+
+
 class _ProcessPool:
-    """Worker processes (each with its own reader of the dataset), via ProcessPoolExecutor."""
+    """Worker processes, each with its own reader of the dataset, a pipe and a result ring.
+
+    The calling thread does all the work of the parent side (no feeder or result threads,
+    so no thread wake-ups): it sends each job to the worker with the fewest in flight and
+    reads a worker's answers in order when it needs them. Large buffers of the results
+    (tensors, numpy arrays) come back through the worker's shared-memory result ring
+    (:mod:`guideloom_pipes._results`), one copy out on this side.
+    """
 
     def __init__(
         self,
@@ -134,41 +237,87 @@ class _ProcessPool:
         num_workers: int,
         context: multiprocessing.context.BaseContext,
     ) -> None:
-        self._executor = concurrent.futures.ProcessPoolExecutor(
-            num_workers,
-            mp_context=context,
-            initializer=_init_process_worker,
-            initargs=(dataset, collate_fn),
-        )
-
-    def submit(self, arg: Any) -> concurrent.futures.Future[Any]:
+        self._workers: list[_Worker] = []
+        self._next_id = 0
+        _preload_forkserver(context, dataset, collate_fn)
         try:
-            return self._executor.submit(_process_read, arg)
-        except BrokenProcessPool as error:
-            raise _broken() from error
+            for index in range(num_workers):
+                ring = ResultRing.create()
+                try:
+                    conn, child_conn = context.Pipe()
+                except BaseException:
+                    ring.close()
+                    raise
+                process = context.Process(  # type: ignore[attr-defined]
+                    target=_process_worker,
+                    args=(dataset, collate_fn, child_conn, ring.handle()),
+                    name=f"guideloom-read-{index}",
+                    daemon=True,
+                )
+                self._workers.append(_Worker(process, conn, ring))
+                try:
+                    process.start()
+                finally:
+                    child_conn.close()
+        except BaseException:
+            self.close()
+            raise
 
-    def result(self, future: concurrent.futures.Future[Any], timeout: float | None) -> Any:
+    def submit(self, arg: Any, eager: bool = True) -> _ProcessJob:
+        worker = min(self._workers, key=lambda w: len(w.jobs))
+        job = _ProcessJob(self._next_id, worker, len(arg))
+        self._next_id += 1
         try:
-            return future.result(timeout=timeout)
-        except BrokenProcessPool as error:
+            worker.conn.send_bytes(pickle.dumps((job.id, arg), protocol=5))
+        except OSError as error:
             raise _broken() from error
-        except TimeoutError:
-            if future.done():
-                raise  # the read itself raised TimeoutError
-            raise _timed_out("process", timeout) from None  # type: ignore[arg-type]
+        worker.jobs.append(job)
+        return job
+
+    def result(self, job: _ProcessJob, timeout: float | None) -> tuple[list[Any], float]:
+        """``(outcomes, seconds the worker took)`` of a chunk."""
+        worker = job.worker
+        conn = worker.conn
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not job.done:
+            if not conn.poll():
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready = multiprocessing.connection.wait([conn, worker.process.sentinel], left)
+                if not ready:
+                    raise _timed_out("process", timeout)  # type: ignore[arg-type]
+                if conn not in ready and not conn.poll():
+                    raise _broken()  # the worker exited and left no answer
+            self._receive(worker)
+        return job.result
+
+    def _receive(self, worker: _Worker) -> None:
+        try:
+            message = worker.conn.recv_bytes()
+        except (EOFError, OSError) as error:
+            raise _broken() from error
+        job_id, elapsed, places, data = pickle.loads(message)
+        if job_id < 0:  # the worker could not start
+            failed = load_result(data, [], None)[0]
+            raise failed.error from _RemoteTraceback(failed.remote)
+        job = worker.jobs.popleft()
+        assert job.id == job_id, (job.id, job_id)
+        try:
+            outcomes = load_result(data, places, worker.ring)
+        except Exception as error:
+            outcomes = [_Failed(error)] * job.size
+        job.result = (outcomes, elapsed)
+        job.done = True
 
     def close(self) -> None:
         # Reads have no side effects, so workers still busy (a hung read, an early close)
         # are terminated rather than waited for: no process outlives its iterator.
-        executor = self._executor
-        # shutdown() forgets both, so take them first (CPython 3.10-3.13 attribute names).
-        processes = list((getattr(executor, "_processes", None) or {}).values())
-        manager = getattr(executor, "_executor_manager_thread", None)
-        executor.shutdown(wait=False, cancel_futures=True)
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-        for process in processes:
-            process.join()
-        if manager is not None and manager is not threading.current_thread():
-            manager.join()
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            if worker.process.pid is not None and worker.process.is_alive():
+                worker.process.terminate()
+        for worker in workers:
+            if worker.process.pid is not None:
+                worker.process.join()
+                worker.process.close()
+            worker.conn.close()
+            worker.ring.close()

@@ -14,7 +14,13 @@ import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes._reading import _batch_read_fn, _open_reader, _ReadTask
+from guideloom_pipes._reading import (
+    _batch_read_fn,
+    _Failed,
+    _open_reader,
+    _ReadTask,
+    _RemoteTraceback,
+)
 from guideloom_pipes.pipes._pool import _ProcessPool, _ThreadPool
 from guideloom_pipes.pipes.positions import Positions
 
@@ -34,9 +40,14 @@ def _to_ids(item: Any) -> _I64:
     return np.asarray(item, dtype=np.int64).reshape(-1)
 
 
+def _default_start_method() -> str:
+    """``forkserver`` where the platform has it (workers start in milliseconds), else spawn."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
 def _mp_context(value: Any) -> multiprocessing.context.BaseContext:
     if value is None:
-        return multiprocessing.get_context("spawn")
+        return multiprocessing.get_context(_default_start_method())
     if isinstance(value, str):
         if value not in _START_METHODS:
             raise ValueError(
@@ -64,13 +75,30 @@ class ReadSamples(BaseNode[Any]):
 
     With ``num_workers > 0`` whole batches are read in parallel, in worker threads (one
     shared reader, whose ``read_batch`` must be thread-safe) or in worker processes (each
-    opens its own reader of the pickled ``dataset``), at most ``max_in_flight`` ahead, and
-    delivered in order. Workers take batches oldest first; with threads, a batch that no
-    worker has started when it is needed (all busy) is read by the calling thread itself
-    rather than waited for. Workers start on ``reset()`` and stop on :meth:`close` or the
-    next ``reset()``. An exception raised by a read or ``collate_fn`` reaches the caller with its
-    type (and, for threads, its traceback; processes attach the remote traceback as the
+    opens its own reader of the pickled ``dataset``), and delivered in order. Workers take
+    jobs oldest first; with threads, a job that no worker has started when it is needed (all
+    busy) is run by the calling thread itself rather than waited for. Workers start on
+    ``reset()`` and stop on :meth:`close` or the next ``reset()``. An exception raised by a
+    read or ``collate_fn`` reaches the caller with its type, when the batch that raised it
+    is due (and, for threads, its traceback; processes attach the remote traceback as the
     cause); a worker process that dies raises ``BrokenProcessPool``.
+
+    A job is a *chunk* of consecutive batches, sized to about ``chunk_seconds`` of a
+    worker's time (measured as it goes): slow batches (storage latency, heavy decoding) go
+    one per job, at most ``max_in_flight`` ahead, so ``N`` workers keep ``N`` in flight;
+    quick ones go up to ``max_chunk`` per job, read with one call of the reader (each batch
+    collated on its own), so a handoff between threads, which costs tens of microseconds
+    of CPU, is paid per chunk instead of per batch. Quick chunks go to a worker that is
+    running rather than waking another: threads running quick jobs side by side only
+    take the GIL from each other. Chunks are kept in flight two at a time (one being
+    delivered, one being read), more when ``max_in_flight`` asks for more batches ahead.
+
+    Process workers hand results back through shared memory: a CPU tensor or numpy
+    array travels as one copy into the worker's result ring and one copy out, not as a
+    pickle through a pipe (see :mod:`guideloom_pipes._results`). The default start method
+    is ``forkserver`` (``spawn`` where there is none), and the fork server preloads the
+    modules of ``dataset`` and ``collate_fn``, so workers start in milliseconds per
+    iterator after the first.
 
     The state is that of ``source`` as of the last batch delivered: batches read ahead do
     not count.
@@ -80,16 +108,19 @@ class ReadSamples(BaseNode[Any]):
         dataset: A map-style dataset (``len`` and ``[i]``; or ours, with ``sync_reader()``).
         num_workers: Worker threads or processes; 0 reads in the calling thread.
         method: ``"thread"`` or ``"process"``.
-        multiprocessing_context: Start method (``"spawn"`` default, ``"forkserver"``,
-            ``"fork"``) or a context object, for ``method="process"``.
+        multiprocessing_context: Start method (``"forkserver"`` default where available,
+            else ``"spawn"``; or ``"fork"``) or a context object, for ``method="process"``.
         collate_fn: Applied to each batch's samples in the worker; ``None`` returns them.
         max_in_flight: Batches submitted to workers ahead of the caller (``2 *
-            num_workers`` by default).
+            num_workers`` by default); chunks of quick batches may exceed it (see above).
         timeout: Seconds to wait for a worker's batch before raising ``RuntimeError``;
             ``None`` waits forever.
         reader: An already open reader of ``dataset`` to use in this process (not closed by
             this stage); by default the stage opens one on first use and closes it in
             :meth:`close`.
+        chunk_seconds: A worker's time per job to aim for when batches are quick; 0 sends
+            one batch per job.
+        max_chunk: The most batches in one job.
     """
 
     SOURCE_KEY = "source"
@@ -106,6 +137,8 @@ class ReadSamples(BaseNode[Any]):
         max_in_flight: int | None = None,
         timeout: float | None = None,
         reader: Any = None,
+        chunk_seconds: float = 0.002,
+        max_chunk: int = 64,
     ) -> None:
         super().__init__()
         self.source = source
@@ -132,11 +165,27 @@ class ReadSamples(BaseNode[Any]):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
         self.timeout = timeout
+        if isinstance(chunk_seconds, bool) or not isinstance(chunk_seconds, (int, float)):
+            raise TypeError(f"chunk_seconds must be a number, got {chunk_seconds!r}")
+        if not chunk_seconds >= 0:
+            raise ValueError(f"chunk_seconds must be >= 0, got {chunk_seconds!r}")
+        self.chunk_seconds = float(chunk_seconds)
+        if isinstance(max_chunk, bool) or not isinstance(max_chunk, int):
+            raise TypeError(f"max_chunk must be an int, got {max_chunk!r}")
+        if max_chunk < 1:
+            raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+        self.max_chunk = max_chunk
         self._reader = reader
         self._owns_reader = False
         self._task: _ReadTask | None = None
         self._pool: _ThreadPool | _ProcessPool | None = None
-        self._pending: collections.deque[tuple[Any, Any]] = collections.deque()
+        # One entry per batch submitted and not yet delivered, oldest first:
+        # (job, index in the job, last of its job, source state after the batch).
+        self._pending: collections.deque[tuple[Any, int, bool, Any]] = collections.deque()
+        self._jobs = 0  # jobs with batches in _pending
+        self._job: Any = None  # the job whose outcomes are being delivered
+        self._outcomes: list[Any] = []
+        self._batch_seconds = 0.0  # a worker's time per batch (moving average; 0: unknown)
         self._snapshot: Any = None
         self._end_snapshot: Any = None
         self._source_done = False
@@ -182,7 +231,7 @@ class ReadSamples(BaseNode[Any]):
         self._source_error = None
         if self.method == "thread":
             assert self._task is not None
-            self._pool = _ThreadPool(self._task, self.num_workers)
+            self._pool = _ThreadPool(self._task.run, self.num_workers)
         else:
             assert self._mp is not None
             self._pool = _ProcessPool(self.dataset, self.collate_fn, self.num_workers, self._mp)
@@ -201,11 +250,35 @@ class ReadSamples(BaseNode[Any]):
             if self._end_snapshot is not None:
                 self._snapshot = self._end_snapshot
             raise StopIteration()
-        handle, snapshot = self._pending.popleft()
-        assert self._pool is not None
-        result = self._pool.result(handle, self.timeout)
+        job, index, last, snapshot = self._pending.popleft()
+        if job is not self._job:
+            assert self._pool is not None
+            try:
+                outcomes, elapsed = self._pool.result(job, self.timeout)
+            except BaseException:
+                self._drop_job(job, last)
+                raise
+            self._job, self._outcomes = job, outcomes
+            self._learn(elapsed / len(outcomes))
+        outcomes = self._outcomes
+        result, outcomes[index] = outcomes[index], None  # the caller's from now on
+        if last:
+            self._jobs -= 1
+            self._job, self._outcomes = None, []
+        if type(result) is _Failed:
+            error = result.error
+            if result.remote is not None:
+                error.__cause__ = _RemoteTraceback(result.remote)
+            raise error
         self._snapshot = snapshot
         return result
+
+    def _drop_job(self, job: Any, last: bool) -> None:
+        """Forget the rest of a job that failed as a whole (its batches were not delivered)."""
+        pending = self._pending
+        while not last and pending and pending[0][0] is job:
+            last = pending.popleft()[2]
+        self._jobs -= 1
 
     def get_state(self) -> dict[str, Any]:
         if self.num_workers == 0:
@@ -214,29 +287,72 @@ class ReadSamples(BaseNode[Any]):
 
     # -- workers --------------------------------------------------------------------------
 
+    def _learn(self, seconds: float) -> None:
+        """Fold a job's time per batch into the moving average chunk sizes follow."""
+        average = self._batch_seconds
+        self._batch_seconds = seconds if average == 0 else 0.75 * average + 0.25 * seconds
+
+    def _chunk_size(self) -> int:
+        """Batches per job: about ``chunk_seconds`` of a worker's time, at most ``max_chunk``.
+
+        Slow batches (storage latency, heavy decoding) go one per job, so ``N`` workers keep
+        ``N`` of them in flight; quick ones are grouped, so a handoff between threads (or a
+        trip through a process pipe) is paid per chunk instead of per batch.
+        """
+        per_batch = self._batch_seconds
+        if per_batch <= 0 or self.chunk_seconds <= 0:
+            return 1
+        return max(1, min(self.max_chunk, int(self.chunk_seconds / per_batch)))
+
     def _fill(self) -> None:
-        """Submit batches from the source until ``max_in_flight`` are pending."""
+        """Submit jobs from the source until enough batches are in flight.
+
+        Jobs of one batch: until ``max_in_flight`` batches are pending. Jobs of ``k > 1``
+        batches: until ``max(2, ceil(max_in_flight / k))`` jobs are (one being delivered, one
+        being read, more when ``max_in_flight`` asks for more batches ahead).
+        """
         pool = self._pool
-        if pool is None:
+        if pool is None or self._source_done:
             return
         pending = self._pending
         source = self.source
-        while not self._source_done and len(pending) < self.max_in_flight:
-            try:
-                ids = _to_ids(next(source))
-            except StopIteration:
-                self._source_done = True
-                self._end_snapshot = source.state_dict()
-                break
-            except Exception as error:
-                # Raised once the batches before it are delivered.
-                self._source_done = True
-                self._source_error = error
-                break
-            pending.append((pool.submit(ids), source.state_dict()))
+        while not self._source_done:
+            size = self._chunk_size()
+            if size == 1:
+                if len(pending) >= self.max_in_flight:
+                    return
+            elif self._jobs >= max(2, -(-self.max_in_flight // size)):
+                return
+            batches: list[_I64] = []
+            snapshots: list[Any] = []
+            while len(batches) < size:
+                try:
+                    ids = _to_ids(next(source))
+                except StopIteration:
+                    self._source_done = True
+                    self._end_snapshot = source.state_dict()
+                    break
+                except Exception as error:
+                    # Raised once the batches before it are delivered.
+                    self._source_done = True
+                    self._source_error = error
+                    break
+                batches.append(ids)
+                snapshots.append(source.state_dict())
+            if not batches:
+                return
+            # Quick jobs go to a running worker when there is one (threads that would
+            # run side by side would only take the GIL from each other).
+            job = pool.submit(batches, eager=size == 1)
+            last = len(batches) - 1
+            for index, snapshot in enumerate(snapshots):
+                pending.append((job, index, index == last, snapshot))
+            self._jobs += 1
 
     def _stop_workers(self) -> None:
         pool, self._pool = self._pool, None
         self._pending.clear()
+        self._jobs = 0
+        self._job, self._outcomes = None, []
         if pool is not None:
             pool.close()

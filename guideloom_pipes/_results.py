@@ -1,0 +1,282 @@
+"""How a process worker hands large results back: through shared memory, not a pipe.
+
+Each worker has a *result ring*: an anonymous shared-memory file (``memfd``; nothing with a
+name, so nothing can leak: the memory goes when the last process holding it exits) mapped by
+the worker and by the parent. The worker pickles a chunk's results with protocol 5; every
+large buffer (a numpy array's data, a CPU tensor's data: tensors travel as numpy arrays) is
+copied into the ring instead of into the pickle, and only the small pickle and the buffers'
+places in the ring go through the pipe. The parent copies each buffer out into memory of its
+own (the batch the user gets owns its memory, as with threads) and marks the space free.
+
+The ring is a byte range written front to back; a buffer that does not fit before the end
+starts again at the front, and the worker starts at the front whenever everything written
+so far has been taken, so the memory it touches stays near the size of the results in
+flight. A buffer that does not fit at all goes the old way: in the pickle (numpy arrays) or
+as torch's own shared-memory tensor (tensors).
+
+This module is torch-free: workers that do not need torch never import it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copyreg
+import io
+import mmap
+import multiprocessing.reduction
+import os
+import pickle
+import sys
+from typing import Any
+
+import numpy as np
+
+_HEADER = 64  # bytes before the data: the int64 count of bytes the parent has taken
+_ALIGN = 64
+#: Buffers smaller than this stay inside the pickle (the ring's bookkeeping costs more).
+MIN_RING_BUFFER = 16 * 1024
+#: Default ring size per worker. Address space only: the pages touched follow the results
+#: in flight (see the module docstring).
+RING_BYTES = 256 * 1024 * 1024
+
+
+def _aligned(size: int) -> int:
+    return (size + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+class _RingFd:
+    """A ring's file descriptor as a process argument: the child gets its own copy of it."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # While a child process is being started, DupFd hands the descriptor to it.
+        return (_rebuild_fd, (multiprocessing.reduction.DupFd(self.fd),))
+
+
+def _rebuild_fd(dup: Any) -> _RingFd:
+    return _RingFd(dup.detach())
+
+
+class ResultRing:
+    """One worker's result ring, as the parent (:meth:`create`) or the worker sees it.
+
+    The worker places buffers at byte positions of the ring and numbers them 0, 1, 2, ...;
+    the parent takes them in that order and publishes how many it has taken (the int64 in
+    the header), which is all the worker needs to know what space is free again.
+    """
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.fd = fd
+        self.size = size
+        self._map = mmap.mmap(fd, _HEADER + size)
+        self._header = np.frombuffer(self._map, dtype=np.int64, count=1)
+        self._data = np.frombuffer(self._map, dtype=np.uint8, offset=_HEADER, count=size)
+        # Worker side: the (number, position, end) of the buffers the parent may not have
+        # taken yet, oldest first; how many were placed; the most bytes ever outstanding.
+        self._placed: collections.deque[tuple[int, int, int]] = collections.deque()
+        self._count = 0
+        self._peak = 0
+
+    @classmethod
+    def create(cls, size: int = RING_BYTES) -> ResultRing:
+        """A new ring (parent side)."""
+        fd = os.memfd_create("guideloom-results", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, _HEADER + size)
+            return cls(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def handle(self) -> tuple[_RingFd, int]:
+        """What a worker process needs to map the ring (pass it as a process argument)."""
+        return _RingFd(self.fd), self.size
+
+    @classmethod
+    def attach(cls, handle: tuple[_RingFd, int]) -> ResultRing:
+        """The worker's view of the ring."""
+        ring_fd, size = handle
+        return cls(ring_fd.fd, size)
+
+    def close(self) -> None:
+        """Unmap and close (the memory is freed once every process has closed it)."""
+        self._header = self._data = None  # type: ignore[assignment]
+        if not self._map.closed:
+            # A view still alive (pragma: no cover) keeps the mapping until it is freed.
+            with contextlib.suppress(BufferError):
+                self._map.close()
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def room(self, size: int) -> bool:
+        """Whether a buffer of ``size`` bytes fits now."""
+        return self._place(_aligned(size)) is not None
+
+    def _place(self, need: int) -> int | None:
+        """The position for ``need`` (aligned) bytes, or None when they do not fit now."""
+        if need > self.size:
+            return None
+        placed = self._placed
+        taken = int(self._header[0])
+        while placed and placed[0][0] < taken:
+            placed.popleft()  # the parent took it
+        if not placed:
+            return 0  # all free: the front, so the pages in use stay few
+        oldest, newest = placed[0][1], placed[-1][2]
+        if newest <= oldest:  # wrapped: the free space is [newest, oldest)
+            return newest if newest + need <= oldest else None
+        # In use: [oldest, newest). Prefer the front once past twice the most ever in use,
+        # so the pages touched stay near what results in flight need.
+        outstanding = newest - oldest + need
+        self._peak = max(self._peak, outstanding)
+        if newest + need > min(self.size, 2 * self._peak) and need <= oldest:
+            return 0
+        if newest + need <= self.size:
+            return newest
+        return 0 if need <= oldest else None
+
+    def put(self, raw: memoryview) -> int | None:
+        """Copy ``raw`` (contiguous bytes) into the ring: its position, or None if full."""
+        size = raw.nbytes
+        need = _aligned(size)
+        position = self._place(need)
+        if position is None:
+            return None
+        self._data[position : position + size] = np.frombuffer(raw, dtype=np.uint8)
+        self._placed.append((self._count, position, position + need))
+        self._count += 1
+        return position
+
+    def mark(self) -> tuple[int, int]:
+        """The worker's position, to :meth:`rollback` to if a result cannot be sent."""
+        return self._count, len(self._placed)
+
+    def rollback(self, mark: tuple[int, int]) -> None:
+        """Forget the buffers placed since ``mark`` (the parent will never take them)."""
+        self._count, length = mark
+        while len(self._placed) > length:
+            self._placed.pop()
+
+    # -- parent side ------------------------------------------------------------------------
+
+    def take(self, position: int, size: int) -> np.ndarray:
+        """Copy the next buffer out (into a fresh array) and give its space back."""
+        out = np.empty(size, dtype=np.uint8)
+        out[:] = self._data[position : position + size]
+        self._header[0] += 1
+        return out
+
+
+# -- pickling ---------------------------------------------------------------------------------
+
+_TORCH_VIEWS: dict[Any, Any] | None = None
+
+
+def _torch_views(torch: Any) -> dict[Any, Any]:
+    """torch dtypes without a numpy equivalent -> the integer dtype of their size."""
+    global _TORCH_VIEWS
+    if _TORCH_VIEWS is None:
+        views = {torch.bfloat16: torch.int16}
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+            dtype = getattr(torch, name, None)
+            if dtype is not None:
+                views[dtype] = torch.uint8
+        _TORCH_VIEWS = views
+    return _TORCH_VIEWS
+
+
+def _tensor_from_array(array: np.ndarray, dtype: str | None, requires_grad: bool) -> Any:
+    """Rebuild a CPU tensor sent as a numpy array (sharing the array's memory)."""
+    import torch
+
+    tensor = torch.from_numpy(array)
+    if dtype is not None:
+        tensor = tensor.view(getattr(torch, dtype))
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+class _ResultPickler(pickle.Pickler):
+    """Protocol 5 with CPU tensors as numpy arrays, so their data can go out of band.
+
+    Tensors that are not plain dense CPU tensors, or that do not fit the ring, fall back to
+    torch's reductions (shared memory of its own), as ``multiprocessing`` pickles them.
+    """
+
+    def __init__(self, file: Any, ring: ResultRing | None, buffer_callback: Any) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffer_callback)
+        # multiprocessing's reductions too (ForkingPickler's), torch's tensors among them.
+        table = copyreg.dispatch_table.copy()
+        table.update(multiprocessing.reduction.ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+        self.dispatch_table = table
+        self._ring = ring
+        self._torch = sys.modules.get("torch")
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = self._torch
+        if torch is None or type(obj) is not torch.Tensor:
+            return NotImplemented
+        if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_quantized:
+            return NotImplemented
+        ring = self._ring
+        nbytes = obj.element_size() * obj.nelement()
+        if nbytes >= MIN_RING_BUFFER and (ring is None or not ring.room(nbytes)):
+            return NotImplemented  # too big for the ring: torch's shared memory
+        source = obj.detach()
+        if source.is_conj():
+            source = source.resolve_conj()
+        if source.is_neg():
+            source = source.resolve_neg()
+        view = _torch_views(torch).get(source.dtype)
+        if view is not None:
+            source = source.view(view)
+        try:
+            array = source.numpy()
+        except (TypeError, RuntimeError):
+            return NotImplemented
+        dtype = str(obj.dtype).removeprefix("torch.") if view is not None else None
+        return (_tensor_from_array, (array, dtype, obj.requires_grad))
+
+
+def dump_result(result: Any, ring: ResultRing | None) -> tuple[bytes, list[tuple[int, int]]]:
+    """Pickle ``result``; large buffers go into ``ring``. Returns the pickle and the
+    ``(position, size)`` of each buffer placed in the ring, in order."""
+    places: list[tuple[int, int]] = []
+
+    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+        if ring is None:
+            return True
+        raw = buffer.raw()
+        if raw.nbytes < MIN_RING_BUFFER:
+            return True  # in band
+        position = ring.put(raw)
+        if position is None:
+            return True
+        places.append((position, raw.nbytes))
+        return False
+
+    stream = io.BytesIO()
+    mark = ring.mark() if ring is not None else None
+    try:
+        _ResultPickler(stream, ring, out_of_band).dump(result)
+    except BaseException:
+        if ring is not None and mark is not None:
+            ring.rollback(mark)
+        raise
+    return stream.getvalue(), places
+
+
+def load_result(data: bytes, places: list[tuple[int, int]], ring: ResultRing | None) -> Any:
+    """Unpickle what :func:`dump_result` made, copying the buffers out of ``ring``."""
+    if not places:
+        return pickle.loads(data)
+    assert ring is not None
+    buffers = [ring.take(position, size) for position, size in places]
+    return pickle.loads(data, buffers=buffers)
