@@ -115,3 +115,38 @@ def expected_batches(
         ids = [p if perm is None else int(perm(p)) for p in positions if p < n]
         batches.append(ids)
     return batches
+
+
+class _FailingReader:
+    def __init__(self, n: int, parent: int) -> None:
+        self.n = n
+        self.parent = parent
+
+    def open(self) -> None:
+        if os.getpid() != self.parent:
+            raise ReadError("cannot open the dataset in a worker")
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return self.n
+
+    def read_batch(self, ids: np.ndarray) -> list[int]:
+        return [int(i) for i in ids]
+
+
+class OpensOnlyInTheParent(Ids):
+    """A dataset with a reader whose ``open()`` raises :class:`ReadError` in a worker."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.parent = os.getpid()
+
+    def sync_reader(self) -> _FailingReader:
+        return _FailingReader(self.n, self.parent)
+
+
+def lock_collate(samples: list[Any]) -> Any:
+    """A batch that cannot be pickled (a lock)."""
+    return threading.Lock()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import inspect
 import multiprocessing
+import os
 import pickle
 import threading
 import traceback
@@ -39,6 +40,7 @@ from guideloom_pipes import (
     StreamStorage,
     StreamWithMetaStorage,
 )
+from guideloom_pipes.pipes import RankPositions, ReadSamples
 from guideloom_pipes.shuffle import FeistelPermutation
 
 TOKENS = np.dtype([("tokens", "<i4")])
@@ -739,3 +741,86 @@ def test_a_hung_process_worker_times_out_and_is_stopped():
     with pytest.raises(RuntimeError, match=r"within timeout=0\.5 seconds"):
         next(iter(loader))
     assert multiprocessing.active_children() == []
+
+
+def _memfds() -> list[str]:
+    links = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{name}"))
+        except OSError:
+            continue
+    return [link for link in links if "guideloom-results" in link]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and a.requires_grad == b.requires_grad
+            and torch.equal(a.detach().resolve_conj(), b.detach().resolve_conj())
+        )
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@pytest.mark.timeout(120)
+def test_process_results_come_back_through_shared_memory_intact_and_leave_nothing():
+    from tensor_helpers import many_kinds
+
+    inline = list(_loader(Ids(40), many_kinds, local_batch_size=4))
+    loader = _loader(
+        Ids(40),
+        many_kinds,
+        local_batch_size=4,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=1,
+    )
+    it = iter(loader)
+    batches = [next(it) for _ in range(4)]
+    assert _memfds()  # each worker's result ring, mapped here while the iterator runs
+    batches += list(it)
+    assert len(batches) == len(inline) == 10
+    assert all(_same(a, b) for a, b in zip(inline, batches))
+    for batch in batches:  # each batch owns its memory: writable, not shared with workers
+        batch["big"] += 1
+        assert not batch["big"].is_shared()
+    assert multiprocessing.active_children() == []
+    assert _memfds() == []  # the rings were the only shared memory, and they are gone
+    it = iter(loader)
+    next(it)
+    it.close()  # closed early, results still in flight
+    assert multiprocessing.active_children() == [] and _memfds() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_cannot_open_the_dataset_raises_its_error():
+    from loader_helpers import OpensOnlyInTheParent
+
+    loader = _loader(OpensOnlyInTheParent(22), num_workers=1, parallel_method="process", prefetch=1)
+    with pytest.raises(ReadError, match="cannot open the dataset in a worker") as info:
+        next(iter(loader))
+    assert "open" in str(info.value.__cause__)
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_that_cannot_be_pickled_back_raises_for_that_batch():
+    from loader_helpers import lock_collate
+
+    loader = _loader(collate_fn=lock_collate, num_workers=1, parallel_method="process", prefetch=1)
+    with pytest.raises(TypeError, match="pickle"):
+        next(iter(loader))
+    assert multiprocessing.active_children() == []
+
+
+def test_process_workers_default_to_the_forkserver_where_there_is_one():
+    node = ReadSamples(RankPositions(4, 2), Ids(4), num_workers=1, method="process")
+    expected = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    assert node._mp is not None and node._mp.get_start_method() == expected

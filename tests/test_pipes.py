@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -32,6 +33,7 @@ from guideloom_pipes.pipes import (
     ToDevice,
     close_pipeline,
 )
+from guideloom_pipes.pipes._pool import _ThreadPool
 from guideloom_pipes.shuffle import FeistelPermutation
 
 
@@ -361,6 +363,130 @@ def test_read_samples_close_stops_its_threads_and_reset_restarts_them():
     assert _our_threads() == []
 
 
+class _Requests(Ids):
+    """Ids with ``read_batch``, recording how many ids each call asked for."""
+
+    def __init__(self, n: int, delay: float = 0.0) -> None:
+        super().__init__(n)
+        self.delay = delay
+        self.sizes: list[int] = []
+
+    def read_batch(self, ids: np.ndarray) -> list[int]:
+        self.sizes.append(len(ids))
+        if self.delay:
+            time.sleep(self.delay)
+        return [int(i) for i in ids]
+
+
+def _chunked(dataset: Any, n: int, **kw: Any) -> ReadSamples:
+    source = Shuffle(RankPositions(n, 2, world_size=3, rank=1, drop_last=False), 7)
+    return ReadSamples(source, dataset, collate_fn=ids_collate, **kw)
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("max_chunk", [2, 5, 64])
+def test_chunked_jobs_keep_the_order_and_an_exact_state_at_every_batch(workers, max_chunk):
+    dataset = _Requests(203)
+    reference = _chunked(Ids(203), 203)
+    node = _chunked(dataset, 203, num_workers=workers, chunk_seconds=10.0, max_chunk=max_chunk)
+    steps = 0
+    for expected in reference:
+        assert next(node) == expected
+        assert node.state_dict() == reference.state_dict()
+        steps += 1
+    with pytest.raises(StopIteration):
+        next(node)
+    assert node.state_dict() == reference.state_dict()
+    assert steps == 34 and max(dataset.sizes) > 2  # batches were read together
+    node.close()
+    assert _our_threads() == []
+
+
+@pytest.mark.parametrize("stop", [0, 1, 6, 17, 33])
+def test_chunked_jobs_resume_at_any_batch_to_the_identical_rest(stop):
+    expected = expected_batches(
+        203, world_size=3, local_batch_size=2, rank=1, drop_last=False, shuffle_seed=7
+    )
+    node = _chunked(_Requests(203), 203, num_workers=2, chunk_seconds=10.0, max_chunk=8)
+    assert [next(node) for _ in range(stop)] == expected[:stop]
+    state = node.state_dict()
+    node.close()
+    resumed = _chunked(_Requests(203), 203, num_workers=2, chunk_seconds=10.0, max_chunk=8)
+    resumed.reset(state)
+    assert list(resumed) == expected[stop:]
+    resumed.close()
+
+
+def test_a_failing_batch_in_a_chunk_fails_alone_and_the_rest_is_delivered():
+    node = ReadSamples(
+        RankPositions(40, 2),
+        FailsAt(40, 9),
+        num_workers=1,
+        collate_fn=ids_collate,
+        chunk_seconds=10.0,
+        max_chunk=8,
+    )
+    assert [next(node) for _ in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ReadError, match="cannot read sample 9"):
+        next(node)
+    assert list(node) == [[i, i + 1] for i in range(10, 40, 2)]
+    node.close()
+
+
+def test_slow_batches_go_one_per_job_so_workers_read_them_side_by_side():
+    dataset = _Requests(48, delay=0.01)  # 10 ms per batch: far above chunk_seconds
+    node = ReadSamples(RankPositions(48, 2), dataset, num_workers=4, collate_fn=ids_collate)
+    assert list(node) == [[i, i + 1] for i in range(0, 48, 2)]
+    assert set(dataset.sizes) == {2}
+    node.close()
+
+
+def test_chunking_can_be_turned_off():
+    dataset = _Requests(60)
+    node = ReadSamples(RankPositions(60, 2), dataset, num_workers=2, chunk_seconds=0)
+    assert len(list(node)) == 30 and set(dataset.sizes) == {2}
+    node.close()
+
+
+def _idle_pool(fn: Any, workers: int) -> _ThreadPool:
+    pool = _ThreadPool(fn, workers)
+    deadline = time.monotonic() + 30
+    while pool._idle < workers:  # every worker asleep, waiting for work
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return pool
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_quick_jobs_wait_for_the_running_worker_instead_of_waking_another(eager):
+    started, release = threading.Event(), threading.Event()
+
+    def fn(arg: str) -> str:
+        if arg == "first":
+            started.set()
+            release.wait(30)
+        return threading.current_thread().name
+
+    pool = _idle_pool(fn, 2)
+    first = pool.submit("first")
+    assert started.wait(30)
+    second = pool.submit("second", eager=eager)
+    if eager:  # the sleeping worker takes it while the first is still busy
+        deadline = time.monotonic() + 30
+        while pool._queue:
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert pool.result(second, 30)[0] != threading.current_thread().name
+        release.set()
+        assert pool.result(first, 30)[0] != pool.result(second, 30)[0]
+    else:  # left for the running worker (the other sleeps on)
+        time.sleep(0.05)
+        assert pool._queue and pool._idle == 1
+        release.set()
+        assert pool.result(first, 30)[0] == pool.result(second, 30)[0]
+    pool.close()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -370,6 +496,10 @@ def test_read_samples_close_stops_its_threads_and_reset_restarts_them():
         ({"timeout": 0}, ValueError, "timeout"),
         ({"collate_fn": 3}, TypeError, "collate_fn must be callable"),
         ({"method": "process", "multiprocessing_context": "clone"}, ValueError, "'clone'"),
+        ({"chunk_seconds": -1}, ValueError, "chunk_seconds must be >= 0"),
+        ({"chunk_seconds": "1"}, TypeError, "chunk_seconds must be a number"),
+        ({"max_chunk": 0}, ValueError, "max_chunk must be >= 1, got 0"),
+        ({"max_chunk": 2.0}, TypeError, "max_chunk must be an int"),
     ],
 )
 def test_read_samples_rejects_bad_arguments(kwargs, error, match):

@@ -1,0 +1,224 @@
+"""Process workers' result transport (``guideloom_pipes._results``): the shared-memory ring and
+the pickling of results through it. The ring and numpy results need no torch."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import sys
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from guideloom_pipes._results import (
+    MIN_RING_BUFFER,
+    ResultRing,
+    dump_result,
+    load_result,
+)
+
+
+def _rings(size: int) -> tuple[ResultRing, ResultRing]:
+    """The parent's ring and a second mapping of it, standing in for the worker's."""
+    parent = ResultRing.create(size)
+    return parent, ResultRing(os.dup(parent.fd), size)
+
+
+@pytest.mark.parametrize("ring_size", [1 << 20, 5 << 20, 64 << 20])
+def test_buffers_in_flight_never_overwrite_each_other(ring_size):
+    parent, worker = _rings(ring_size)
+    rng = random.Random(ring_size)
+    in_flight: list[tuple[bytes, list[Any], np.ndarray]] = []
+    through_ring = 0
+    for step in range(600):
+        array = np.full(rng.randint(1, 300_000), step % 251, dtype=np.uint8)
+        data, places = dump_result(array, worker)
+        through_ring += bool(places)
+        in_flight.append((data, places, array))
+        while in_flight and len(in_flight) > rng.randint(0, 10):  # the parent lags behind
+            data, places, sent = in_flight.pop(0)
+            assert np.array_equal(load_result(data, places, parent), sent)
+    for data, places, sent in in_flight:
+        assert np.array_equal(load_result(data, places, parent), sent)
+    assert through_ring > 300
+    worker.close()
+    parent.close()
+
+
+def test_the_ring_starts_at_the_front_when_everything_was_taken():
+    parent, worker = _rings(8 << 20)
+    for _ in range(5):
+        data, places = dump_result(np.ones(1 << 20, dtype=np.uint8), worker)
+        assert places == [(0, 1 << 20)]
+        load_result(data, places, parent)
+    worker.close()
+    parent.close()
+
+
+def test_the_ring_stays_near_twice_the_bytes_in_flight():
+    parent, worker = _rings(256 << 20)
+    highest = 0
+    pending: list[tuple[bytes, list[Any]]] = []
+    for _ in range(400):
+        pending.append(dump_result(np.ones(100_000, dtype=np.uint8), worker))
+        highest = max(highest, pending[-1][1][0][0] + 100_000)
+        if len(pending) > 4:
+            load_result(*pending.pop(0), parent)
+    assert highest < 2 * 6 * 100_000 + 64 * 6  # not all of the 256 MiB
+    worker.close()
+    parent.close()
+
+
+def test_small_buffers_stay_in_the_pickle_and_big_ones_that_do_not_fit_too():
+    parent, worker = _rings(1 << 20)
+    small = np.arange(MIN_RING_BUFFER // 8 - 1, dtype=np.int64)
+    huge = np.arange(1 << 18, dtype=np.int64)  # 2 MiB: larger than the ring
+    data, places = dump_result({"small": small, "huge": huge}, worker)
+    assert places == []
+    out = load_result(data, places, parent)
+    assert np.array_equal(out["small"], small) and np.array_equal(out["huge"], huge)
+    worker.close()
+    parent.close()
+
+
+def test_arrays_come_back_writable_owning_their_memory():
+    parent, worker = _rings(4 << 20)
+    sent = np.arange(100_000, dtype=np.float32).reshape(100, 1000)[:, ::2].copy()
+    data, places = dump_result([sent, sent.T], worker)  # C and Fortran order
+    out = load_result(data, places, parent)
+    assert len(places) == 2
+    assert all(np.array_equal(a, b) for a, b in zip(out, [sent, sent.T]))
+    out[0] += 1  # writable, and no longer in the ring (the worker may reuse the space)
+    data, places = dump_result(np.zeros(200_000, dtype=np.uint8), worker)
+    assert np.array_equal(out[0], sent + 1)
+    worker.close()
+    parent.close()
+
+
+def test_a_result_that_cannot_be_pickled_gives_its_ring_space_back():
+    parent, worker = _rings(1 << 20)
+    with pytest.raises(TypeError):
+        dump_result([np.ones(600_000, dtype=np.uint8), threading.Lock()], worker)
+    data, places = dump_result(np.ones(900_000, dtype=np.uint8), worker)
+    assert places == [(0, 900_000)]  # the failed result's buffer was forgotten
+    load_result(data, places, parent)
+    worker.close()
+    parent.close()
+
+
+def test_a_ring_travels_to_a_child_process_as_its_descriptor():
+    import multiprocessing
+
+    parent = ResultRing.create(1 << 20)
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_fill_ring, args=(parent.handle(), writer))
+    child.start()
+    writer.close()
+    data, places = pickle.loads(reader.recv_bytes())
+    child.join(60)
+    assert child.exitcode == 0
+    assert np.array_equal(load_result(data, places, parent), np.arange(50_000))
+    reader.close()
+    parent.close()
+
+
+def _fill_ring(handle: Any, conn: Any) -> None:
+    ring = ResultRing.attach(handle)
+    conn.send_bytes(pickle.dumps(dump_result(np.arange(50_000), ring)))
+    ring.close()
+
+
+def test_pickling_results_imports_no_torch():
+    code = (
+        "import sys, numpy as np; from guideloom_pipes._results import dump_result; "
+        "dump_result(np.ones(100_000), None); assert 'torch' not in sys.modules"
+    )
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# -- tensors ----------------------------------------------------------------------------------
+
+
+def test_tensors_travel_as_arrays_and_come_back_as_the_same_tensors():
+    torch = pytest.importorskip("torch")
+    parent, worker = _rings(16 << 20)
+    base = torch.arange(300_000, dtype=torch.float32)
+    sent = {
+        "float": base.reshape(300, 1000),
+        "bf16": base.to(torch.bfloat16),
+        "view": base[1000:200_000],
+        "transposed": base.reshape(300, 1000).t(),
+        "grad": base[:50_000].clone().requires_grad_(True),
+        "conj": (base[:10_000].to(torch.complex64) * 1j).conj(),
+        "neg": (base[:10_000].to(torch.complex64) * 1j).conj().imag,
+        "bool": base[:100_000] > 5,
+        "zero_dim": torch.tensor(3.5),
+        "empty": torch.empty(0, 7),
+        "small": torch.tensor([1, 2, 3]),
+    }
+    data, places = dump_result(sent, worker)
+    assert len(places) >= 5
+    out = load_result(data, places, parent)
+    for key, tensor in sent.items():
+        got = out[key]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, key
+        assert got.requires_grad == tensor.requires_grad, key
+        assert torch.equal(got.detach().resolve_conj().resolve_neg(), tensor.detach()), key
+        assert not got.is_shared(), key
+    worker.close()
+    parent.close()
+
+
+def test_tensors_too_big_for_the_ring_use_torchs_shared_memory():
+    torch = pytest.importorskip("torch")
+    parent, worker = _rings(1 << 20)
+    sent = torch.arange(1 << 18, dtype=torch.int64)  # 2 MiB
+    data, places = dump_result(sent, worker)
+    assert places == []
+    out = load_result(data, places, parent)
+    assert torch.equal(out, sent) and out.is_shared()
+    worker.close()
+    parent.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_tensors_that_are_not_plain_cpu_tensors_keep_torchs_pickling():
+    torch = pytest.importorskip("torch")
+    parent, worker = _rings(4 << 20)
+    sent = [torch.nn.Parameter(torch.ones(5000)), torch.ones(3, 3).to_sparse()]
+    out = load_result(*dump_result(sent, worker), parent)
+    assert isinstance(out[0], torch.nn.Parameter) and torch.equal(out[0], sent[0])
+    assert out[1].is_sparse and torch.equal(out[1].to_dense(), torch.ones(3, 3))
+    worker.close()
+    parent.close()
+
+
+# -- the fork server's preloads ---------------------------------------------------------------
+
+
+def test_the_fork_server_preloads_the_modules_of_the_dataset_and_collate_fn(monkeypatch):
+    pytest.importorskip("torch")
+    import multiprocessing
+
+    import loader_helpers
+
+    from guideloom_pipes.pipes import _pool
+
+    server = SimpleNamespace(_forkserver_pid=None, _preload_modules=["__main__", "mine"])
+    monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", server)
+    set_to: list[list[str]] = []
+    context = SimpleNamespace(
+        get_start_method=lambda: "forkserver", set_forkserver_preload=set_to.append
+    )
+    _pool._preload_forkserver(context, loader_helpers.Ids(3), loader_helpers.ids_collate)
+    assert set_to == [["__main__", "mine", "guideloom_pipes._reading", "loader_helpers"]]
+    server._forkserver_pid = 12345  # running: its preloads can no longer change
+    _pool._preload_forkserver(context, loader_helpers.Ids(3), loader_helpers.ids_collate)
+    assert len(set_to) == 1
