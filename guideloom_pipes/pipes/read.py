@@ -91,7 +91,8 @@ class ReadSamples(BaseNode[Any]):
     of CPU, is paid per chunk instead of per batch. Quick chunks go to a worker that is
     running rather than waking another: threads running quick jobs side by side only
     take the GIL from each other. Chunks are kept in flight two at a time (one being
-    delivered, one being read), more when ``max_in_flight`` asks for more batches ahead.
+    delivered, one being read; with processes, one being read by each worker), more when
+    ``max_in_flight`` asks for more batches ahead.
 
     Process workers hand results back through shared memory: a CPU tensor or numpy
     array travels as one copy into the worker's result ring and one copy out, not as a
@@ -308,20 +309,24 @@ class ReadSamples(BaseNode[Any]):
         """Submit jobs from the source until enough batches are in flight.
 
         Jobs of one batch: until ``max_in_flight`` batches are pending. Jobs of ``k > 1``
-        batches: until ``max(2, ceil(max_in_flight / k))`` jobs are (one being delivered, one
-        being read, more when ``max_in_flight`` asks for more batches ahead).
+        batches: until ``max(m, ceil(max_in_flight / k))`` jobs are, more when
+        ``max_in_flight`` asks for more batches ahead. For threads ``m = 2`` (one being
+        delivered, one being read: threads share the GIL, so quick jobs gain nothing from
+        running side by side); for processes ``m = num_workers + 1`` (one being delivered,
+        one being read by each worker).
         """
         pool = self._pool
         if pool is None or self._source_done:
             return
         pending = self._pending
         source = self.source
+        least = 2 if self.method == "thread" else self.num_workers + 1
         while not self._source_done:
             size = self._chunk_size()
             if size == 1:
                 if len(pending) >= self.max_in_flight:
                     return
-            elif self._jobs >= max(2, -(-self.max_in_flight // size)):
+            elif self._jobs >= max(least, -(-self.max_in_flight // size)):
                 return
             batches: list[_I64] = []
             snapshots: list[Any] = []
