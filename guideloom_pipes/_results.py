@@ -28,6 +28,7 @@ import multiprocessing.reduction
 import os
 import pickle
 import sys
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,21 @@ MIN_RING_BUFFER = 16 * 1024
 #: Default ring size per worker. Address space only: the pages touched follow the results
 #: in flight (see the module docstring).
 RING_BYTES = 256 * 1024 * 1024
+
+
+def _anonymous_file() -> int:
+    """A descriptor of shared memory with no name: ``memfd`` (Linux), else a file in
+    ``/dev/shm`` (or the temp directory) unlinked at once. Nothing is left to clean up."""
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is not None:
+        try:
+            return int(memfd_create("guideloom-results", os.MFD_CLOEXEC))
+        except OSError:
+            pass
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    fd, path = tempfile.mkstemp(prefix="guideloom-results-", dir=directory)
+    os.unlink(path)
+    return fd
 
 
 def _aligned(size: int) -> int:
@@ -83,13 +99,25 @@ class ResultRing:
     @classmethod
     def create(cls, size: int = RING_BYTES) -> ResultRing:
         """A new ring (parent side)."""
-        fd = os.memfd_create("guideloom-results", os.MFD_CLOEXEC)
+        fd = _anonymous_file()
         try:
             os.ftruncate(fd, _HEADER + size)
             return cls(fd, size)
         except BaseException:
             os.close(fd)
             raise
+
+    @classmethod
+    def create_if_supported(cls, size: int = RING_BYTES) -> ResultRing | None:
+        """A new ring, or None where descriptors cannot be handed to child processes
+        (Windows) or shared memory cannot be had: results then go the way
+        ``multiprocessing`` sends them."""
+        if sys.platform == "win32":
+            return None
+        try:
+            return cls.create(size)
+        except OSError:
+            return None
 
     def handle(self) -> tuple[_RingFd, int]:
         """What a worker process needs to map the ring (pass it as a process argument)."""
@@ -203,6 +231,10 @@ def _tensor_from_array(array: np.ndarray, dtype: str | None, requires_grad: bool
     return tensor
 
 
+def _with_grad(tensor: Any, requires_grad: bool) -> Any:
+    return tensor.requires_grad_(True) if requires_grad else tensor
+
+
 class _ResultPickler(pickle.Pickler):
     """Protocol 5 with CPU tensors as numpy arrays, so their data can go out of band.
 
@@ -227,13 +259,15 @@ class _ResultPickler(pickle.Pickler):
             return NotImplemented
         ring = self._ring
         nbytes = obj.element_size() * obj.nelement()
-        if nbytes >= MIN_RING_BUFFER and (ring is None or not ring.room(nbytes)):
-            return NotImplemented  # too big for the ring: torch's shared memory
         source = obj.detach()
-        if source.is_conj():
-            source = source.resolve_conj()
-        if source.is_neg():
-            source = source.resolve_neg()
+        lazy = source.is_conj() or source.is_neg()
+        if lazy:  # a lazy conjugate or negative view: torch's own pickling drops the bit
+            source = source.resolve_conj().resolve_neg()
+        if nbytes >= MIN_RING_BUFFER and (ring is None or not ring.room(nbytes)):
+            # Too big for the ring: torch's shared memory.
+            if lazy:
+                return (_with_grad, (source, obj.requires_grad))
+            return NotImplemented
         view = _torch_views(torch).get(source.dtype)
         if view is not None:
             source = source.view(view)

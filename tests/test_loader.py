@@ -824,3 +824,24 @@ def test_process_workers_default_to_the_forkserver_where_there_is_one():
     node = ReadSamples(RankPositions(4, 2), Ids(4), num_workers=1, method="process")
     expected = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     assert node._mp is not None and node._mp.get_start_method() == expected
+
+
+@pytest.mark.timeout(120)
+def test_without_shared_memory_process_results_come_back_through_the_pipe(monkeypatch):
+    from tensor_helpers import many_kinds
+
+    from guideloom_pipes._results import ResultRing
+
+    monkeypatch.setattr(ResultRing, "create_if_supported", classmethod(lambda cls: None))
+    inline = list(_loader(Ids(12), many_kinds, local_batch_size=4))
+    loader = _loader(
+        Ids(12),
+        many_kinds,
+        local_batch_size=4,
+        num_workers=1,
+        parallel_method="process",
+        prefetch=1,
+    )
+    batches = list(loader)
+    assert all(_same(a, b) for a, b in zip(inline, batches)) and len(batches) == 3
+    assert _memfds() == []

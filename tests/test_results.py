@@ -184,6 +184,9 @@ def test_tensors_too_big_for_the_ring_use_torchs_shared_memory():
     assert places == []
     out = load_result(data, places, parent)
     assert torch.equal(out, sent) and out.is_shared()
+    conj = (torch.arange(1 << 18).to(torch.complex64) * 1j).conj()  # a lazy conjugate
+    out = load_result(*dump_result(conj, worker), parent)
+    assert torch.equal(out, conj.resolve_conj()) and out[1].imag == -1
     worker.close()
     parent.close()
 
@@ -222,3 +225,17 @@ def test_the_fork_server_preloads_the_modules_of_the_dataset_and_collate_fn(monk
     server._forkserver_pid = 12345  # running: its preloads can no longer change
     _pool._preload_forkserver(context, loader_helpers.Ids(3), loader_helpers.ids_collate)
     assert len(set_to) == 1
+
+
+def test_without_memfd_the_ring_is_an_unlinked_file(monkeypatch):
+    monkeypatch.delattr(os, "memfd_create")
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    parent, worker = _rings(1 << 20)
+    if os.path.isdir("/dev/shm"):
+        assert not any(
+            n.startswith("guideloom-results") for n in set(os.listdir("/dev/shm")) - before
+        )
+    data, places = dump_result(np.arange(100_000), worker)
+    assert places and np.array_equal(load_result(data, places, parent), np.arange(100_000))
+    worker.close()
+    parent.close()

@@ -213,7 +213,7 @@ class _Worker:
 
     __slots__ = ("conn", "jobs", "process", "ring")
 
-    def __init__(self, process: Any, conn: Any, ring: ResultRing) -> None:
+    def __init__(self, process: Any, conn: Any, ring: ResultRing | None) -> None:
         self.process = process
         self.conn = conn
         self.ring = ring
@@ -242,15 +242,16 @@ class _ProcessPool:
         _preload_forkserver(context, dataset, collate_fn)
         try:
             for index in range(num_workers):
-                ring = ResultRing.create()
+                ring = ResultRing.create_if_supported()
                 try:
                     conn, child_conn = context.Pipe()
                 except BaseException:
-                    ring.close()
+                    if ring is not None:
+                        ring.close()
                     raise
                 process = context.Process(  # type: ignore[attr-defined]
                     target=_process_worker,
-                    args=(dataset, collate_fn, child_conn, ring.handle()),
+                    args=(dataset, collate_fn, child_conn, None if ring is None else ring.handle()),
                     name=f"guideloom-read-{index}",
                     daemon=True,
                 )
@@ -320,4 +321,5 @@ class _ProcessPool:
                 worker.process.join()
                 worker.process.close()
             worker.conn.close()
-            worker.ring.close()
+            if worker.ring is not None:
+                worker.ring.close()
