@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import multiprocessing.util
 import pickle
+import queue
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -167,6 +169,19 @@ def _dump_outcomes(outcomes: list[Any], ring: ResultRing | None) -> tuple[bytes,
             return pickle.dumps([_Failed(replacement)] * len(outcomes), protocol=5), []
 
 
+def _receive_jobs(conn: Any, jobs: queue.SimpleQueue[bytes | None]) -> None:
+    """A worker's job reader: takes job messages off the pipe as soon as they come.
+
+    So the parent's writes never wait on the worker's main thread, which may itself be
+    waiting to write an answer the parent has not read yet: neither side can block the other.
+    """
+    try:
+        while True:
+            jobs.put(conn.recv_bytes())
+    except (EOFError, OSError):
+        jobs.put(None)  # the parent closed its end (or is gone)
+
+
 def _process_worker(
     dataset: Any,
     collate_fn: Callable[..., Any] | None,
@@ -177,8 +192,9 @@ def _process_worker(
 
     A job is ``(job_id, [ids, ...])``; its answer ``(job_id, seconds, places, pickle)``, the
     chunk's outcomes pickled by :func:`dump_result` (large buffers in the result ring). A
-    failure to start is answered once with job id -1 and the error. The worker ends when
-    the parent closes its end of ``conn`` (or terminates it).
+    failure to start is answered once with job id -1 and the error. A thread of the worker
+    reads the jobs (see :func:`_receive_jobs`). The worker ends when the parent closes its end
+    of ``conn`` (or terminates it).
     """
     ring = None
     try:
@@ -189,10 +205,13 @@ def _process_worker(
             data, _ = _dump_outcomes([_Failed(error)], None)
             conn.send_bytes(pickle.dumps((-1, 0.0, [], data), protocol=5))
             return
+        jobs: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        threading.Thread(
+            target=_receive_jobs, args=(conn, jobs), name="guideloom-jobs", daemon=True
+        ).start()
         while True:
-            try:
-                message = conn.recv_bytes()
-            except EOFError:
+            message = jobs.get()
+            if message is None:
                 return
             job_id, batches = pickle.loads(message)
             started = time.perf_counter()

@@ -150,3 +150,8 @@ class OpensOnlyInTheParent(Ids):
 def lock_collate(samples: list[Any]) -> Any:
     """A batch that cannot be pickled (a lock)."""
     return threading.Lock()
+
+
+def big_collate(samples: list[Any]) -> np.ndarray:
+    """A 2 MiB batch (more than a pipe holds)."""
+    return np.full(1 << 18, int(samples[0]), dtype=np.int64)

@@ -845,3 +845,22 @@ def test_without_shared_memory_process_results_come_back_through_the_pipe(monkey
     batches = list(loader)
     assert all(_same(a, b) for a, b in zip(inline, batches)) and len(batches) == 3
     assert _memfds() == []
+
+
+@pytest.mark.timeout(120)
+def test_big_jobs_and_big_answers_through_the_pipes_do_not_deadlock(monkeypatch):
+    from loader_helpers import big_collate
+
+    from guideloom_pipes._results import ResultRing
+
+    # No ring: each 2 MiB answer fills the pipe back, while 320 KB jobs fill the pipe out.
+    monkeypatch.setattr(ResultRing, "create_if_supported", classmethod(lambda cls: None))
+    loader = _loader(
+        Ids(400_000),
+        big_collate,
+        local_batch_size=40_000,
+        num_workers=1,
+        parallel_method="process",
+        prefetch=3,
+    )
+    assert [int(batch[0]) for batch in loader] == list(range(0, 400_000, 40_000))
