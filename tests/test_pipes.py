@@ -448,6 +448,65 @@ def test_chunking_can_be_turned_off():
     node.close()
 
 
+@pytest.mark.parametrize("workers", [0, 1, 3])
+def test_a_reset_without_state_acts_on_what_was_delivered_not_on_what_was_read_ahead(workers):
+    # A tiny epoch: the workers' first chunk reads the source to its end.
+    def run() -> list[Any]:
+        node = _chunked(_Requests(40), 40, num_workers=workers, chunk_seconds=10.0)
+        seen = [next(node), next(node)]
+        node.reset()  # partly read: the same epoch again, from its start
+        seen.append(list(node))  # drained
+        node.reset()  # the next epoch
+        seen.append(next(node))
+        node.close()
+        return seen
+
+    epoch0 = expected_batches(
+        40, world_size=3, local_batch_size=2, rank=1, drop_last=False, shuffle_seed=7
+    )
+    epoch1 = expected_batches(
+        40, world_size=3, local_batch_size=2, rank=1, drop_last=False, shuffle_seed=7, epoch=1
+    )
+    assert run() == [epoch0[0], epoch0[1], epoch0, epoch1[0]]
+
+
+class _Concurrency(Ids):
+    """``read_batch`` that waits on I/O (sleeps) or computes, counting reads at once."""
+
+    def __init__(self, n: int, wait: bool) -> None:
+        super().__init__(n)
+        self.wait = wait
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+    def read_batch(self, ids: np.ndarray) -> list[int]:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        if self.wait:
+            time.sleep(0.0002 * len(ids))
+        else:
+            deadline = time.thread_time() + 0.00005 * len(ids)
+            while time.thread_time() < deadline:
+                pass
+        with self.lock:
+            self.now -= 1
+        return [int(i) for i in ids]
+
+
+def test_quick_jobs_that_wait_run_side_by_side_and_those_that_compute_do_not():
+    waits = _Concurrency(4000, wait=True)
+    node = ReadSamples(RankPositions(4000, 2), waits, num_workers=4, max_in_flight=12)
+    assert len(list(node)) == 2000
+    assert node._chunk_size() > 1 and node._side_by_side() and waits.most >= 3
+    node.close()
+    computes = _Concurrency(4000, wait=False)
+    node = ReadSamples(RankPositions(4000, 2), computes, num_workers=4, max_in_flight=12)
+    assert len(list(node)) == 2000
+    assert node._chunk_size() > 1 and not node._side_by_side()
+    node.close()
+
+
 def _idle_pool(fn: Any, workers: int) -> _ThreadPool:
     pool = _ThreadPool(fn, workers)
     deadline = time.monotonic() + 30

@@ -20,9 +20,10 @@ from guideloom_pipes._results import ResultRing, load_result
 
 class _Job:
     """One job (a chunk of batches): its argument, then its result or the exception it
-    raised, and the seconds it took."""
+    raised, the seconds it took, and its CPU time over them when it ran alone (no other
+    job of the pool running meanwhile; else None)."""
 
-    __slots__ = ("arg", "done", "elapsed", "error", "result")
+    __slots__ = ("arg", "cpu_share", "done", "elapsed", "error", "result")
 
     def __init__(self, arg: Any) -> None:
         self.arg = arg
@@ -30,15 +31,18 @@ class _Job:
         self.result: Any = None
         self.error: BaseException | None = None
         self.elapsed = 0.0
+        self.cpu_share: float | None = None
 
 
-def _run(fn: Callable[[Any], Any], job: _Job) -> None:
-    started = time.perf_counter()
+def _run(fn: Callable[[Any], Any], job: _Job) -> float:
+    """Run ``job``; return the CPU seconds of this thread it took."""
+    started, cpu = time.perf_counter(), time.thread_time()
     try:
         job.result = fn(job.arg)
     except BaseException as error:
         job.error = error
     job.elapsed = time.perf_counter() - started
+    return time.thread_time() - cpu
 
 
 def _timed_out(what: str, timeout: float) -> RuntimeError:
@@ -80,6 +84,8 @@ class _ThreadPool:
         self._awaited: _Job | None = None  # the job the caller sleeps on
         self._idle = 0  # workers asleep on _work
         self._busy = 0  # workers running a job
+        self._running = 0  # jobs running (the caller's included)
+        self._starts = 0  # jobs started so far
         self._stopping = False
         self._threads = [
             threading.Thread(target=self._loop, name=f"guideloom-read-{i}", daemon=True)
@@ -88,13 +94,27 @@ class _ThreadPool:
         for thread in self._threads:
             thread.start()
 
+    def _start(self) -> int:
+        """Count a job starting (under the lock); its start number, or 0 if others run."""
+        self._running += 1
+        self._starts += 1
+        return self._starts if self._running == 1 else 0
+
+    def _end(self, job: _Job, alone: int, cpu: float) -> None:
+        """Count a job ending (under the lock); keep its CPU share if it ran alone."""
+        self._running -= 1
+        if alone and alone == self._starts and job.elapsed > 0:
+            job.cpu_share = min(1.0, cpu / job.elapsed)
+
     def _loop(self) -> None:
         fn = self._fn
         lock, queue = self._lock, self._queue
         job: _Job | None = None
+        alone, cpu = 0, 0.0
         while True:
             with lock:
                 if job is not None:
+                    self._end(job, alone, cpu)
                     job.done = True
                     self._busy -= 1
                     if self._awaited is job:
@@ -107,7 +127,8 @@ class _ThreadPool:
                     return
                 job = queue.popleft()
                 self._busy += 1
-            _run(fn, job)
+                alone = self._start()
+            cpu = _run(fn, job)
 
     def submit(self, arg: Any, eager: bool = True) -> _Job:
         """Queue a job. ``eager=False``: wake a sleeping worker only if none is running (a
@@ -120,12 +141,29 @@ class _ThreadPool:
                 self._work.notify()
         return job
 
-    def result(self, job: _Job, timeout: float | None) -> tuple[Any, float]:
-        """``(fn(arg), seconds it took)`` of ``job``; re-raises what ``fn`` raised."""
+    def wait_done(self, job: _Job, seconds: float) -> bool:
+        """Wait up to ``seconds`` for a worker to finish ``job``; whether it has."""
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            self._awaited = job
+            try:
+                while not job.done:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._finished.wait(left)
+            finally:
+                self._awaited = None
+        return True
+
+    def result(self, job: _Job, timeout: float | None) -> tuple[Any, float, float | None]:
+        """``(fn(arg), seconds it took, its CPU share if it ran alone)`` of ``job``;
+        re-raises what ``fn`` raised."""
         with self._lock:
             mine = bool(self._queue) and self._queue[0] is job
             if mine:
                 self._queue.popleft()
+                alone = self._start()
             elif not job.done:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 self._awaited = job
@@ -138,11 +176,13 @@ class _ThreadPool:
                 finally:
                     self._awaited = None
         if mine:
-            _run(self._fn, job)  # no worker has started it: run it here
+            cpu = _run(self._fn, job)  # no worker has started it: run it here
+            with self._lock:
+                self._end(job, alone, cpu)
         if job.error is not None:
             failure, job.error = job.error, None
             raise failure
-        return job.result, job.elapsed
+        return job.result, job.elapsed, job.cpu_share
 
     def close(self) -> None:
         with self._lock:
@@ -275,8 +315,11 @@ class _ProcessPool:
         worker.jobs.append(job)
         return job
 
-    def result(self, job: _ProcessJob, timeout: float | None) -> tuple[list[Any], float]:
-        """``(outcomes, seconds the worker took)`` of a chunk."""
+    def result(
+        self, job: _ProcessJob, timeout: float | None
+    ) -> tuple[list[Any], float, float | None]:
+        """``(outcomes, seconds the worker took, None)`` of a chunk (workers have a core
+        each: how much of the time a job spends on the CPU does not matter here)."""
         worker = job.worker
         conn = worker.conn
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -289,7 +332,8 @@ class _ProcessPool:
                 if conn not in ready and not conn.poll():
                     raise _broken()  # the worker exited and left no answer
             self._receive(worker)
-        return job.result
+        outcomes, elapsed = job.result
+        return outcomes, elapsed, None
 
     def _receive(self, worker: _Worker) -> None:
         try:

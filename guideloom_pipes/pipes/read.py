@@ -28,6 +28,10 @@ __all__ = ["ReadSamples"]
 
 _I64 = npt.NDArray[np.int64]
 _METHODS = ("thread", "process")
+#: A job that spends less than this share of its time on the CPU (running alone) waits on
+#: I/O: such jobs run side by side even when quick. Measured here: 0.10-0.19 for reads
+#: that wait, 0.8-1.0 for memory-mapped tokens and documents.
+_WAITING = 0.35
 _START_METHODS = ("spawn", "forkserver", "fork")
 
 
@@ -88,11 +92,13 @@ class ReadSamples(BaseNode[Any]):
     one per job, at most ``max_in_flight`` ahead, so ``N`` workers keep ``N`` in flight;
     quick ones go up to ``max_chunk`` per job, read with one call of the reader (each batch
     collated on its own), so a handoff between threads, which costs tens of microseconds
-    of CPU, is paid per chunk instead of per batch. Quick chunks go to a worker that is
-    running rather than waking another: threads running quick jobs side by side only
-    take the GIL from each other. Chunks are kept in flight two at a time (one being
-    delivered, one being read; with processes, one being read by each worker), more when
-    ``max_in_flight`` asks for more batches ahead.
+    of CPU, is paid per chunk instead of per batch. Quick chunks that compute go to a
+    worker that is running rather than waking another (threads running them side by side
+    only take the GIL from each other), two in flight (one being delivered, one being read);
+    quick chunks that wait on I/O (the first job after ``reset()`` runs alone to tell, by its
+    share of CPU time) and process workers' chunks run side by side, one per worker plus the
+    one being delivered. More are in flight when ``max_in_flight`` asks for more batches
+    ahead.
 
     Process workers hand results back through shared memory: a CPU tensor or numpy
     array travels as one copy into the worker's result ring and one copy out, not as a
@@ -187,7 +193,12 @@ class ReadSamples(BaseNode[Any]):
         self._job: Any = None  # the job whose outcomes are being delivered
         self._outcomes: list[Any] = []
         self._batch_seconds = 0.0  # a worker's time per batch (moving average; 0: unknown)
-        self._snapshot: Any = None
+        self._cpu_share = -1.0  # a lone job's share of its time on the CPU (-1: unknown)
+        self._probing = False  # the first job runs alone (threads), see _side_by_side
+        self._snapshot: Any = None  # the source's state after the last delivered batch
+        self._previous: Any = None  # ... and before it (None: none delivered since reset)
+        self._drained = False  # the source's end was delivered
+        self._read_ahead = False  # workers may have read the source ahead of the caller
         self._end_snapshot: Any = None
         self._source_done = False
         self._source_error: BaseException | None = None
@@ -220,16 +231,23 @@ class ReadSamples(BaseNode[Any]):
         self._stop_workers()
         if initial_state is not None:
             self.source.reset(initial_state[self.SOURCE_KEY])
+        elif self._read_ahead:
+            self._reset_source_as_delivered()
         else:
             self.source.reset()
+        self._read_ahead = False
         if self.num_workers == 0 or self.method == "thread":
             self.open()
         if self.num_workers == 0:
             return
         self._snapshot = self.source.state_dict()
+        self._previous = None
+        self._drained = False
+        self._read_ahead = True
         self._end_snapshot = None
         self._source_done = False
         self._source_error = None
+        self._probing = self.method == "thread" and self.chunk_seconds > 0
         if self.method == "thread":
             assert self._task is not None
             self._pool = _ThreadPool(self._task.run, self.num_workers)
@@ -237,6 +255,22 @@ class ReadSamples(BaseNode[Any]):
             assert self._mp is not None
             self._pool = _ProcessPool(self.dataset, self.collate_fn, self.num_workers, self._mp)
         self._fill()
+
+    def _reset_source_as_delivered(self) -> None:
+        """``source.reset()`` as if the source had given only the batches delivered.
+
+        The workers read ahead, and what a source does on a reset without a state can
+        depend on how far it was read (``RankPositions`` restarts an epoch it was partly
+        read through, and moves on from one it finished). So first put it where the last
+        delivered batch left it, by the state from before that batch and one ``next()``.
+        """
+        source = self.source
+        if self._drained or self._previous is None:
+            source.reset(self._snapshot)  # nothing delivered, or the end delivered
+        else:
+            source.reset(self._previous)
+            next(source)
+        source.reset()
 
     def next(self) -> Any:
         if self.num_workers == 0:
@@ -250,17 +284,23 @@ class ReadSamples(BaseNode[Any]):
                 raise error
             if self._end_snapshot is not None:
                 self._snapshot = self._end_snapshot
+                self._drained = True
             raise StopIteration()
         job, index, last, snapshot = self._pending.popleft()
         if job is not self._job:
             assert self._pool is not None
+            probing = self._probing
+            if probing:
+                self._probe(job)
             try:
-                outcomes, elapsed = self._pool.result(job, self.timeout)
+                outcomes, elapsed, cpu_share = self._pool.result(job, self.timeout)
             except BaseException:
                 self._drop_job(job, last)
                 raise
             self._job, self._outcomes = job, outcomes
-            self._learn(elapsed / len(outcomes))
+            self._learn(elapsed / len(outcomes), cpu_share)
+            if probing:
+                self._fill()  # the workers read ahead from now on
         outcomes = self._outcomes
         result, outcomes[index] = outcomes[index], None  # the caller's from now on
         if last:
@@ -271,8 +311,16 @@ class ReadSamples(BaseNode[Any]):
             if result.remote is not None:
                 error.__cause__ = _RemoteTraceback(result.remote)
             raise error
-        self._snapshot = snapshot
+        self._previous, self._snapshot = self._snapshot, snapshot
         return result
+
+    def _probe(self, job: Any) -> None:
+        """Wait for the first job, which runs alone, up to ``chunk_seconds``; a job that
+        takes longer is worth a job of its own anyway: read side by side from then on."""
+        self._probing = False
+        pool = self._pool
+        if isinstance(pool, _ThreadPool) and not pool.wait_done(job, self.chunk_seconds):
+            self._fill()
 
     def _drop_job(self, job: Any, last: bool) -> None:
         """Forget the rest of a job that failed as a whole (its batches were not delivered)."""
@@ -288,10 +336,27 @@ class ReadSamples(BaseNode[Any]):
 
     # -- workers --------------------------------------------------------------------------
 
-    def _learn(self, seconds: float) -> None:
-        """Fold a job's time per batch into the moving average chunk sizes follow."""
+    def _learn(self, seconds: float, cpu_share: float | None) -> None:
+        """Fold a job's time per batch (and, if it ran alone, the share of it spent on the
+        CPU) into the moving averages that chunk sizes and the thread policy follow."""
         average = self._batch_seconds
         self._batch_seconds = seconds if average == 0 else 0.75 * average + 0.25 * seconds
+        if cpu_share is not None:
+            share = self._cpu_share
+            self._cpu_share = cpu_share if share < 0 else 0.75 * share + 0.25 * cpu_share
+
+    def _side_by_side(self) -> bool:
+        """Whether jobs of several batches should run on several workers at once.
+
+        Processes: always (each has a core). Threads: when the jobs mostly *wait* (I/O: a
+        job running alone spends under ``_WAITING`` of its time on the CPU), since quick jobs that
+        compute would only take the GIL from each other. The first job after ``reset()``
+        runs alone to find out (for up to ``chunk_seconds``: a slower job is worth a job of
+        its own in any case); later jobs that happen to run alone refine it.
+        """
+        if self.method == "process":
+            return True
+        return 0 <= self._cpu_share < _WAITING
 
     def _chunk_size(self) -> int:
         """Batches per job: about ``chunk_seconds`` of a worker's time, at most ``max_chunk``.
@@ -310,18 +375,21 @@ class ReadSamples(BaseNode[Any]):
 
         Jobs of one batch: until ``max_in_flight`` batches are pending. Jobs of ``k > 1``
         batches: until ``max(m, ceil(max_in_flight / k))`` jobs are, more when
-        ``max_in_flight`` asks for more batches ahead. For threads ``m = 2`` (one being
-        delivered, one being read: threads share the GIL, so quick jobs gain nothing from
-        running side by side); for processes ``m = num_workers + 1`` (one being delivered,
-        one being read by each worker).
+        ``max_in_flight`` asks for more batches ahead: ``m = num_workers + 1`` (one being
+        delivered, one being read by each worker) for processes and for threads whose jobs
+        mostly wait, else ``m = 2`` (one being delivered, one being read: threads that
+        compute share the GIL, so quick jobs gain nothing from running side by side).
         """
         pool = self._pool
         if pool is None or self._source_done:
             return
         pending = self._pending
         source = self.source
-        least = 2 if self.method == "thread" else self.num_workers + 1
+        side_by_side = self._side_by_side()
+        least = self.num_workers + 1 if side_by_side else 2
         while not self._source_done:
+            if self._probing and self._jobs:
+                return
             size = self._chunk_size()
             if size == 1:
                 if len(pending) >= self.max_in_flight:
@@ -346,9 +414,9 @@ class ReadSamples(BaseNode[Any]):
                 snapshots.append(source.state_dict())
             if not batches:
                 return
-            # Quick jobs go to a running worker when there is one (threads that would
-            # run side by side would only take the GIL from each other).
-            job = pool.submit(batches, eager=size == 1)
+            # Quick jobs that compute go to a running worker when there is one (threads
+            # that would run side by side would only take the GIL from each other).
+            job = pool.submit(batches, eager=size == 1 or side_by_side)
             last = len(batches) - 1
             for index, snapshot in enumerate(snapshots):
                 pending.append((job, index, index == last, snapshot))
@@ -358,6 +426,7 @@ class ReadSamples(BaseNode[Any]):
         pool, self._pool = self._pool, None
         self._pending.clear()
         self._jobs = 0
+        self._probing = False
         self._job, self._outcomes = None, []
         if pool is not None:
             pool.close()
