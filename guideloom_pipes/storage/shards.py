@@ -782,11 +782,7 @@ class ShardTransaction:
         self.stage = "committed"
 
     def _replace_record(self, data: bytes) -> None:
-        # The lock file becomes the record: it is ours alone while we hold its lock.
-        os.pwrite(self._lock_fd, data, 0)
-        os.ftruncate(self._lock_fd, len(data))
-        os.fsync(self._lock_fd)
-        os.replace(self._lock_path, self._record_path)
+        _install_record(self._lock_fd, self._lock_path, self._record_path, data)
         self._lock_linked = False
 
     def release(self) -> None:
@@ -865,6 +861,14 @@ def commit_transactions(
                 transaction.release()
 
 
+def _install_record(lock_fd: int, lock_path: str, record_path: str, data: bytes) -> None:
+    """The lock file becomes the record: it is ours alone while we hold its lock."""
+    os.pwrite(lock_fd, data, 0)
+    os.ftruncate(lock_fd, len(data))
+    os.fsync(lock_fd)
+    os.replace(lock_path, record_path)
+
+
 def seal_shard(
     directory: str,
     shard: int,
@@ -904,11 +908,7 @@ def seal_shard(
                 )
             files[suffix.lstrip(".")] = FileRecord(size, crc)
         record = ShardRecord(kind, shard, count, files, dtype, payloads, state="committed")
-        data_bytes = record.to_json()
-        os.pwrite(fd, data_bytes, 0)
-        os.ftruncate(fd, len(data_bytes))
-        os.fsync(fd)
-        os.replace(lock_path, stem + RECORD)
+        _install_record(fd, lock_path, stem + RECORD, record.to_json())
         return True
     finally:
         os.close(fd)
