@@ -717,6 +717,10 @@ class _SlowReader:
         time.sleep(self._delay)  # releases the GIL, as waiting on a network file system does
         return self._inner.read(offset, size)
 
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        time.sleep(self._delay)
+        return int(self._inner.readinto(offset, buffer))
+
 
 class SlowIO:
     """A read backend that adds ``delay`` seconds of latency to every read (``PosixPreadIO``).

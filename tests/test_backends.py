@@ -483,3 +483,117 @@ def test_a_mapping_outlives_its_reader_while_an_array_uses_it(datasets: dict[str
     gc.collect()
     assert array.tobytes() == path.read_bytes()
     assert not array.flags.writeable  # the mapping is read-only
+
+
+# readinto: byte-range reads straight into the caller's buffer --------------------------------
+
+
+@pytest.mark.parametrize("backend", [PosixPreadIO(), SeekIO()], ids=repr)
+def test_byte_range_readers_readinto_fill_the_buffer_and_stop_at_the_end_of_the_file(
+    datasets: dict[str, Any], backend: Any
+) -> None:
+    path = datasets["root"] / "stream" / "0000002.in_band.bin"
+    data = path.read_bytes()
+    reader = backend.sync_reader()(path)
+    reader.open()
+    try:
+        buffer = bytearray(10)
+        assert reader.readinto(3, memoryview(buffer)) == 10
+        assert buffer == data[3:13]
+        tail = bytearray(b"\xff" * 10)
+        assert reader.readinto(len(data) - 4, memoryview(tail)) == 4
+        assert tail[:4] == data[-4:] and tail[4:] == b"\xff" * 6  # the rest is untouched
+        assert reader.read(len(data) - 4, 10) == data[-4:]
+    finally:
+        reader.close()
+    with pytest.raises(RuntimeError, match="not open"):
+        reader.readinto(0, memoryview(bytearray(1)))
+
+
+class IntoOnlyReader(MemoryReader):
+    """A reader whose ``read`` of stream data must not be used: windows go through
+    ``readinto`` (other files, such as commit records, are still read with ``read``)."""
+
+    def read(self, offset: int, size: int) -> memoryview:
+        assert not self.path.name.endswith(".in_band.bin"), "read() although readinto() exists"
+        return super().read(offset, size)
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        assert self.data is not None
+        piece = self.data[offset : offset + len(buffer)]
+        buffer[: len(piece)] = piece
+        return len(piece)
+
+
+class IntoOnlyBackend(ListingMemoryBackend):
+    def sync_reader(self, path: PurePath) -> MemoryReader:
+        return IntoOnlyReader(self.files, path)
+
+
+def read_stream_windows(backend: Any, length: int = 5) -> list[np.ndarray]:
+    """Every window of ``length`` through a storage reader (crossing shards), and the batch path."""
+    storage = StreamStorage(BUCKET / "stream", StreamNumpyFormat(TOKENS), backend)
+    with storage.sync_reader() as reader:
+        total = reader.total_length
+        windows = [reader.read_raw(start, length)[0] for start in range(total)]  # wraps too
+        starts = np.arange(0, total - length + 1)
+        windows += list(reader.read_windows(starts, length))
+    return windows
+
+
+def test_stream_reads_fill_the_output_through_readinto_when_the_reader_has_it(
+    datasets: dict[str, Any],
+) -> None:
+    files = load_into_memory(datasets["root"])
+    expected = read_stream_windows(ListingMemoryBackend(files))
+    got = read_stream_windows(IntoOnlyBackend(files))
+    assert len(got) == len(expected)
+    for ours, reference in zip(got, expected):
+        np.testing.assert_array_equal(ours, reference)
+
+
+class StridedReader(MemoryReader):
+    """``read`` returns a non-contiguous numpy view holding the right bytes."""
+
+    def read(self, offset: int, size: int) -> Any:
+        piece = np.frombuffer(super().read(offset, size), dtype=np.uint8)
+        return np.repeat(piece, 2)[::2]
+
+
+class StridedBackend(ListingMemoryBackend):
+    def sync_reader(self, path: PurePath) -> MemoryReader:
+        return StridedReader(self.files, path)
+
+
+def test_a_reader_returning_a_non_contiguous_array_reads_right(datasets: dict[str, Any]) -> None:
+    files = load_into_memory(datasets["root"])
+    expected = read_stream_windows(ListingMemoryBackend(files))
+    for ours, reference in zip(read_stream_windows(StridedBackend(files)), expected):
+        np.testing.assert_array_equal(ours, reference)
+
+
+@pytest.mark.parametrize("extra", [1, -1], ids=["too-many-bytes", "too-few-bytes"])
+def test_a_reader_returning_the_wrong_number_of_bytes_is_refused(
+    datasets: dict[str, Any], extra: int
+) -> None:
+    from guideloom_pipes.storage.shards import CorruptShardError
+
+    class Reader(MemoryReader):
+        def read(self, offset: int, size: int) -> Any:
+            data = bytes(super().read(offset, size))
+            if not self.path.name.endswith(".in_band.bin"):
+                return data
+            return data + b"\0" if extra > 0 else data[:-1]
+
+    class Backend(ListingMemoryBackend):
+        def sync_reader(self, path: PurePath) -> MemoryReader:
+            return Reader(self.files, path)
+
+    storage = StreamStorage(
+        BUCKET / "stream", StreamNumpyFormat(TOKENS), Backend(load_into_memory(datasets["root"]))
+    )
+    with (
+        storage.sync_reader() as reader,
+        pytest.raises(CorruptShardError, match="bytes where 15 were expected"),
+    ):
+        reader.read_raw(0, 3)

@@ -7,6 +7,11 @@ with a path and give readers with ``open()``, ``close()``, ``filesize()`` and
 (``backend.sync_reader(path)``, our older form) and implement ``list_dir(path)`` so that
 shard discovery can list a directory (and so detect a missing shard) instead of probing ids.
 
+A reader may also offer ``readinto(offset, buffer)``, filling a writable byte buffer and
+returning the bytes read (fewer only at the end of the file): stream windows are then read
+straight into the output array, with no intermediate buffer or copy. The byte-range
+backends below have it; readers without it are read with ``read`` and copied.
+
 The storages reach every backend through :func:`resolve_backend`, which accepts both
 conventions: GuideLoom's, and backends whose ``sync_reader(path)`` takes the path.
 
@@ -296,24 +301,30 @@ class _PreadReader(IOSyncReaderAbstract):
     def read(self, offset: int, size: int) -> bytearray:
         if self._fd < 0:
             raise _not_open(self.path)
-        if not _HAS_PREADV:  # pragma: no cover - platforms without preadv
-            data = os.pread(self._fd, size, offset)
-            while 0 < len(data) < size:  # pread may return short reads on some file systems
-                more = os.pread(self._fd, size - len(data), offset + len(data))
-                if not more:
-                    break
-                data += more
-            return bytearray(data)
         out = bytearray(size)
         with memoryview(out) as view:
-            got = 0
-            while got < size:  # preadv may return short reads on some file systems
-                count = os.preadv(self._fd, [view[got:]], offset + got)
-                if count <= 0:
-                    break
-                got += count
+            got = self.readinto(offset, view)
         del out[got:]  # past the end of the file: what there was
         return out
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` (writable bytes) from ``offset``; the bytes read, fewer only at the
+        end of the file. One system call, straight into ``buffer``: no copy."""
+        if self._fd < 0:
+            raise _not_open(self.path)
+        size = len(buffer)
+        got = 0
+        while got < size:  # short reads happen on some file systems
+            if _HAS_PREADV:
+                count = os.preadv(self._fd, [buffer[got:]], offset + got)
+            else:  # pragma: no cover - platforms without preadv
+                data = os.pread(self._fd, size - got, offset + got)
+                count = len(data)
+                buffer[got : got + count] = data
+            if count <= 0:
+                break
+            got += count
+        return got
 
 
 _HAS_PREADV = hasattr(os, "preadv")
@@ -369,16 +380,26 @@ class _SeekReader(IOSyncReaderAbstract):
         if self._file is None:
             raise _not_open(self.path)
         out = bytearray(size)
-        with self._lock, memoryview(out) as view:
+        with memoryview(out) as view:
+            got = self.readinto(offset, view)
+        del out[got:]  # past the end of the file: what there was
+        return out
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` (writable bytes) from ``offset``; the bytes read, fewer only at the
+        end of the file."""
+        if self._file is None:
+            raise _not_open(self.path)
+        size = len(buffer)
+        with self._lock:
             self._file.seek(offset)
             got = 0
             while got < size:
-                count = self._file.readinto(view[got:])
+                count = self._file.readinto(buffer[got:])
                 if not count:
                     break
                 got += count
-        del out[got:]  # past the end of the file: what there was
-        return out
+        return got
 
 
 class SeekIO(_LocalBackend):

@@ -228,14 +228,14 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         if mapped is not None:
             out[:] = mapped[local : local + count]
             return
+        # a byte-range backend reads straight into ``out`` (contiguous: a row or a slice)
         itemsize = self.dtype.itemsize
-        data = self._in_band.read(shard, local * itemsize, count * itemsize)
-        if len(data) != count * itemsize:
+        got = self._in_band.readinto(shard, local * itemsize, out.data.cast("B"))
+        if got != count * itemsize:
             raise CorruptShardError(
-                f"{self._shard_path(shard, IN_BAND)} returned {len(data)} bytes where "
+                f"{self._shard_path(shard, IN_BAND)} returned {got} bytes where "
                 f"{count * itemsize} were expected: the file shrank while open"
             )
-        out[:] = np.frombuffer(data, dtype=self._raw)
 
     def read_raw(
         self, global_index: int, global_length: int
