@@ -310,21 +310,30 @@ class _PreadReader(IOSyncReaderAbstract):
     def readinto(self, offset: int, buffer: memoryview) -> int:
         """Fill ``buffer`` (writable bytes) from ``offset``; the bytes read, fewer only at the
         end of the file. One system call, straight into ``buffer``: no copy."""
-        if self._fd < 0:
+        fd = self._fd
+        if fd < 0:
             raise _not_open(self.path)
+        if not _HAS_PREADV:  # pragma: no cover - platforms without preadv
+            return _pread_into(fd, offset, buffer)
         size = len(buffer)
-        got = 0
-        while got < size:  # short reads happen on some file systems
-            if _HAS_PREADV:
-                count = os.preadv(self._fd, [buffer[got:]], offset + got)
-            else:  # pragma: no cover - platforms without preadv
-                data = os.pread(self._fd, size - got, offset + got)
-                count = len(data)
-                buffer[got : got + count] = data
+        got = os.preadv(fd, (buffer,), offset)
+        while 0 < got < size:  # short reads happen on some file systems
+            count = os.preadv(fd, (buffer[got:],), offset + got)
             if count <= 0:
                 break
             got += count
         return got
+
+
+def _pread_into(fd: int, offset: int, buffer: memoryview) -> int:  # pragma: no cover
+    size, got = len(buffer), 0
+    while got < size:
+        data = os.pread(fd, size - got, offset + got)
+        if not data:
+            break
+        buffer[got : got + len(data)] = data
+        got += len(data)
+    return got
 
 
 _HAS_PREADV = hasattr(os, "preadv")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import json
 import os
 import re
@@ -1036,22 +1037,22 @@ class ShardWriterBase:
 # Reading -----------------------------------------------------------------------------------
 
 
-def _read(reader: Any, offset: int, size: int) -> Any:
-    return reader.read(offset, size)
+def _fill_function(reader: Any) -> Callable[[int, memoryview], int]:
+    """``fill(offset, buffer)`` for ``reader``: its own ``readinto`` where it has one (our
+    byte-range backends: the system call fills ``buffer``), else ``read`` and a copy."""
+    readinto = getattr(reader, "readinto", None)
+    if callable(readinto):
+        return readinto
+    return functools.partial(_read_and_copy, reader)
 
 
-def _readinto(reader: Any, offset: int, buffer: memoryview) -> int:
-    """The reader's ``readinto`` where it has one (our byte-range backends: the system call
-    fills ``buffer``), else ``read`` and a copy.
+def _read_and_copy(reader: Any, offset: int, buffer: memoryview) -> int:
+    """``reader.read`` copied into ``buffer``; the bytes ``read`` returned.
 
     The copy is a memoryview assignment, a ``memcpy`` under the GIL: numpy's copy of more
     than a few hundred elements releases the GIL and takes it back, and with many reading
-    threads each such handoff costs more than the copy (measured: 32 threads reading 8 KiB
-    windows with 1 ms latency went from 17k to 24k reads/s).
+    threads each such handoff costs more than the copy.
     """
-    readinto = getattr(reader, "readinto", None)
-    if readinto is not None:
-        return int(readinto(offset, buffer))
     data = reader.read(offset, len(buffer))
     try:
         view = memoryview(data).cast("B")
@@ -1094,6 +1095,8 @@ class ShardFiles:
         # with no more shards than max_open nothing is ever evicted: reads skip the LRU lock
         self._never_evicts = num_shards <= self.max_open
         self._readers: list[Any] = [None] * num_shards
+        # per shard, its reader's fill(offset, buffer) (only where readers are never evicted)
+        self._fills: list[Callable[[int, memoryview], int] | None] = [None] * num_shards
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
         self._lru: OrderedDict[int, int] = OrderedDict()  # shard -> readers in use
         self._lock = threading.Lock()
@@ -1133,31 +1136,40 @@ class ShardFiles:
 
     def read(self, shard: int, offset: int, size: int) -> Any:
         """``size`` bytes at ``offset`` of the shard's file."""
-        return self._with_reader(shard, _read, offset, size)
+        if not self.bounded or self._never_evicts:
+            return self._shared(shard).read(offset, size)
+        reader = self._acquire(shard)
+        try:
+            return reader.read(offset, size)
+        finally:
+            self._release(shard)
 
     def readinto(self, shard: int, offset: int, buffer: memoryview) -> int:
         """Fill ``buffer`` (a writable, contiguous byte memoryview) with the bytes at ``offset``
         of the shard's file; returns how many bytes the file had there (fewer than
         ``len(buffer)`` only past its end)."""
-        return int(self._with_reader(shard, _readinto, offset, buffer))
-
-    def _with_reader(self, shard: int, call: Callable[..., Any], *args: Any) -> Any:
-        """``call(reader, *args)`` with the shard's open reader (held in the LRU meanwhile)."""
         if not self.bounded or self._never_evicts:
-            reader = self._readers[shard]
-            if reader is None:
-                with self._lock:
-                    if self._closed:
-                        raise RuntimeError("reader is closed")
-                    reader = self._readers[shard]
-                    if reader is None:
-                        reader = self._readers[shard] = self._open_reader(shard)
-            return call(reader, *args)
+            fill = self._fills[shard]
+            if fill is None:
+                fill = self._fills[shard] = _fill_function(self._shared(shard))
+            return int(fill(offset, buffer))
         reader = self._acquire(shard)
         try:
-            return call(reader, *args)
+            return int(_fill_function(reader)(offset, buffer))
         finally:
             self._release(shard)
+
+    def _shared(self, shard: int) -> Any:
+        """The shard's reader, opened on first use, where readers are never evicted."""
+        reader = self._readers[shard]
+        if reader is None:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("reader is closed")
+                reader = self._readers[shard]
+                if reader is None:
+                    reader = self._readers[shard] = self._open_reader(shard)
+        return reader
 
     def _acquire(self, shard: int) -> Any:
         with self._lock:
@@ -1192,6 +1204,7 @@ class ShardFiles:
         with self._lock:
             self._closed = True
             self._arrays.clear()
+            self._fills = [None] * self.num_shards
             for shard, reader in enumerate(self._readers):
                 if reader is not None:
                     reader.close()

@@ -232,10 +232,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         itemsize = self.dtype.itemsize
         got = self._in_band.readinto(shard, local * itemsize, out.data.cast("B"))
         if got != count * itemsize:
-            raise CorruptShardError(
-                f"{self._shard_path(shard, IN_BAND)} returned {got} bytes where "
-                f"{count * itemsize} were expected: the file shrank while open"
-            )
+            raise self._short_read(shard, got, count * itemsize)
 
     def read_raw(
         self, global_index: int, global_length: int
@@ -301,7 +298,9 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         first = np.searchsorted(self._starts, starts, side="right") - 1
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
         local = starts - self._starts[first]
-        shard_starts = self._starts
+        if self._mapped_array(int(first[0])) is None:
+            self._read_rows(out, starts, first, last, local, length)
+            return out.view(self.dtype)
         for row, (shard, end_shard, offset) in enumerate(
             zip(first.tolist(), last.tolist(), local.tolist())
         ):
@@ -312,19 +311,57 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
                 else:
                     self._copy(shard, offset, length, out[row])
                 continue
-            filled, position = 0, int(starts[row])
-            while filled < length:
-                take = min(length - filled, int(shard_starts[shard + 1]) - position)
-                self._copy(
-                    shard,
-                    position - int(shard_starts[shard]),
-                    take,
-                    out[row, filled : filled + take],
-                )
-                filled += take
-                position += take
-                shard += 1
+            self._copy_across(out[row], int(starts[row]), shard, length)
         return out.view(self.dtype)
+
+    def _read_rows(
+        self,
+        out: np.ndarray,
+        starts: np.ndarray,
+        first: np.ndarray,
+        last: np.ndarray,
+        local: np.ndarray,
+        length: int,
+    ) -> None:
+        """Windows of a byte-range backend: each read straight into its row of ``out``.
+
+        With many threads reading from slow storage, this loop's time under the GIL bounds
+        how many reads run at once, so it keeps to one call per window.
+        """
+        size = length * self.dtype.itemsize
+        rows = out.data.cast("B")  # out is C-contiguous: row r is rows[r*size:(r+1)*size]
+        readinto = self._in_band.readinto
+        begin = 0
+        for row, (shard, end_shard, offset) in enumerate(
+            zip(first.tolist(), last.tolist(), (local * self.dtype.itemsize).tolist())
+        ):
+            if shard != end_shard:
+                self._copy_across(out[row], int(starts[row]), shard, length)
+            else:
+                got = readinto(shard, offset, rows[begin : begin + size])
+                if got != size:
+                    raise self._short_read(shard, got, size)
+            begin += size
+
+    def _short_read(self, shard: int, got: int, expected: int) -> CorruptShardError:
+        return CorruptShardError(
+            f"{self._shard_path(shard, IN_BAND)} returned {got} bytes where {expected} were "
+            f"expected: the file shrank while open"
+        )
+
+    def _copy_across(self, out: np.ndarray, start: int, shard: int, length: int) -> None:
+        """The window of ``length`` elements at ``start``, which begins in ``shard`` and ends
+        in a later one, into ``out``."""
+        shard_starts = self._starts
+        filled, position = 0, start
+        while filled < length:
+            take = min(length - filled, int(shard_starts[shard + 1]) - position)
+            self._copy(
+                shard, position - int(shard_starts[shard]), take, out[filled : filled + take]
+            )
+            filled += take
+            position += take
+            shard += 1
 
     def window_pieces(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """``shard_lengths`` and ``shards`` (int64 vectors) of a span inside the stream, as
