@@ -239,6 +239,10 @@ class Contender:
         count: ``(samples, tokens)`` in a batch.
         setup: called once before the first iterator (opens loaders).
         teardown: called once at the end (closes loaders).
+        ahead: the most batches it can have read ahead of its consumer (prefetch buffers,
+            jobs in flight). While other contenders run their rounds its workers fill
+            these; each round first takes that many batches off the clock, so that work
+            done between rounds is not counted as the round's.
     """
 
     name: str
@@ -246,6 +250,7 @@ class Contender:
     count: Callable[[Any], tuple[int, int]]
     setup: Callable[[], None] = lambda: None
     teardown: Callable[[], None] = lambda: None
+    ahead: int = 0
     iterator: Iterator[Any] | None = None
     batches_per_round: int = 1
     first_batch_s: float = 0.0
@@ -264,19 +269,26 @@ class Contender:
             _close_iterator(self.iterator)
             self.iterator = None
 
-    def run(self, batches: int) -> Round:
-        """Take ``batches`` batches (an exhausted iterator is restarted, inside the clock)."""
+    def _next(self) -> Any:
+        """The next batch; an exhausted iterator is replaced by a new epoch's."""
+        assert self.iterator is not None
+        try:
+            return next(self.iterator)
+        except StopIteration:
+            _close_iterator(self.iterator)
+            self.iterator = self.make_iterator()
+            return next(self.iterator)
+
+    def run(self, batches: int, timed_only: bool = False) -> Round:
+        """Take ``batches`` batches on the clock (an exhausted iterator is restarted inside
+        it), after ``ahead`` off it (unless ``timed_only``)."""
+        for _ in range(0 if timed_only else self.ahead):
+            self._next()
         clock = _Clock()
         samples = tokens = 0
         clock.start()
         for _ in range(batches):
-            assert self.iterator is not None
-            try:
-                batch = next(self.iterator)
-            except StopIteration:
-                _close_iterator(self.iterator)
-                self.iterator = self.make_iterator()
-                batch = next(self.iterator)
+            batch = self._next()
             count_samples, count_tokens = self.count(batch)
             samples += count_samples
             tokens += count_tokens
@@ -307,7 +319,7 @@ def measure(scenario: str, contenders: Sequence[Contender], sizes: Sizes, log: A
             contender.first_batch_s = contender.restart()
             batches, wall, chunk = 0, 0.0, 1
             while wall < sizes.warmup_seconds:
-                wall += contender.run(chunk).wall_s
+                wall += contender.run(chunk, timed_only=True).wall_s
                 batches += chunk
                 chunk = min(2 * chunk, 4096)
             rate = batches / wall if wall > 0 else 1e6
@@ -671,7 +683,8 @@ def _torch_contender(
         drop_last=True,
         generator=torch.Generator().manual_seed(SEED),
     )
-    return Contender(name, lambda: iter(loader), count)
+    # torch keeps prefetch_factor (2) batches per worker in flight
+    return Contender(name, lambda: iter(loader), count, ahead=2 * workers)
 
 
 def _ours_contender(
@@ -693,7 +706,16 @@ def _ours_contender(
         count,
         setup=loader.open,
         teardown=loader.close,
+        ahead=_read_ahead(options.get("num_workers", 0), options.get("prefetch", 0)),
     )
+
+
+def _read_ahead(workers: int, prefetch: int) -> int:
+    """The batches our loader holds ahead of its consumer that take time to make: the
+    prefetch buffer, and with workers ``max_in_flight`` (``2 * workers``) slow batches plus
+    the one being delivered. (Quick batches go in chunks that may hold more batches, but
+    only about ``chunk_seconds`` of a worker's time each.)"""
+    return prefetch + (2 * workers + 1 if workers else 0)
 
 
 # Slow storage ---------------------------------------------------------------------------------
