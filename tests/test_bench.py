@@ -162,3 +162,20 @@ def test_memmap_documents_baseline_matches_our_reader(tmp_path: Path) -> None:
     baseline = bench.MemmapDocuments(storage)
     with DocumentDataset(storage).sync_reader() as reader:
         assert [reader[i] for i in range(50)] == [baseline[i] for i in range(50)]
+
+
+def test_a_round_takes_what_was_read_ahead_off_the_clock() -> None:
+    taken: list[int] = []
+
+    def batches() -> Any:
+        for index in range(100):
+            taken.append(index)
+            yield np.zeros(2)
+
+    contender = bench.Contender("c", batches, lambda batch: (1, 2), ahead=3)
+    contender.restart()  # takes batch 0
+    first = contender.run(4)
+    assert taken == list(range(8))  # 3 off the clock, then 4 on it
+    assert (first.samples, first.tokens) == (4, 8)
+    contender.run(2, timed_only=True)
+    assert len(taken) == 10
