@@ -16,8 +16,10 @@ alternating rounds (A B C A B C ...), reporting the median round:
     pickled documents of 100-4000 token ids, batch 32, a padding collate; 2 workers as threads
     and as processes.
 ``slow-storage``
-    a read backend that sleeps 1 ms per read (a parallel file system), batch 32, 1, 8 and
-    32 thread workers.
+    a read backend that sleeps 1 ms per read (a parallel file system: one blocking call per
+    read, the bytes then copied from the page cache), ``L=2048`` batch 32, 1, 8 and 32
+    thread workers; and 32 workers over a backend that sleeps and then calls ``pread``
+    (two GIL handoffs per read).
 ``shuffle``
     shuffled sample ids per second from the Feistel permutation.
 ``scale`` / ``resume``
@@ -62,7 +64,7 @@ import numpy as np
 import torch
 
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
-from guideloom_pipes.io import PosixPreadIO
+from guideloom_pipes.io import MmapIO, PosixPreadIO
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
 TOKENS_DTYPE = np.dtype([("tokens", "<i4")])
@@ -74,6 +76,7 @@ CPU = torch.device("cpu")
 OURS_0 = "ours workers=0 prefetch=4"
 OURS_2 = "ours workers=2 threads prefetch=4"
 OURS_2P = "ours workers=2 processes prefetch=4"
+SLOW_PREAD = "ours workers=32 threads prefetch=32, sleep then pread"
 
 SCENARIOS = (
     "tokens-2048",
@@ -722,14 +725,29 @@ def _read_ahead(workers: int, prefetch: int) -> int:
 
 
 class _SlowReader:
-    def __init__(self, inner: Any, delay: float) -> None:
+    """A reader of slow storage: every read sleeps ``delay`` (the GIL released), then hands
+    over the bytes.
+
+    Over a mapping (default), the bytes are copied from the page-cached file under the GIL:
+    like a blocking read from a parallel file system, a read is one call that gives up the
+    GIL once, for its latency. Over a ``pread`` reader, the read after the sleep is a
+    second system call that gives up the GIL again: two handoffs per read, more than a
+    real read costs.
+    """
+
+    def __init__(self, inner: Any, delay: float, mapped: bool) -> None:
         self._inner = inner
         self._delay = delay
+        self._mapped = mapped
+        self._view: memoryview | None = None
 
     def open(self) -> None:
         self._inner.open()
+        if self._mapped:
+            self._view = self._inner.buffer()
 
     def close(self) -> None:
+        self._view = None
         self._inner.close()
 
     def filesize(self) -> int:
@@ -737,30 +755,40 @@ class _SlowReader:
 
     def read(self, offset: int, size: int) -> Any:
         time.sleep(self._delay)  # releases the GIL, as waiting on a network file system does
-        return self._inner.read(offset, size)
+        if self._view is None:
+            return self._inner.read(offset, size)
+        return bytes(self._view[offset : offset + size])
 
     def readinto(self, offset: int, buffer: memoryview) -> int:
         time.sleep(self._delay)
-        return int(self._inner.readinto(offset, buffer))
+        view = self._view
+        if view is None:
+            return int(self._inner.readinto(offset, buffer))
+        piece = view[offset : offset + len(buffer)]
+        buffer[: len(piece)] = piece
+        return len(piece)
 
 
 class SlowIO:
-    """A read backend that adds ``delay`` seconds of latency to every read (``PosixPreadIO``).
+    """A read backend that adds ``delay`` seconds of latency to every read.
 
     Args:
         delay: seconds slept before each read (default 1 ms).
+        pread: read with ``PosixPreadIO`` after the sleep (two GIL handoffs per read)
+            instead of copying from a mapping (one, as a blocking read has).
     """
 
-    def __init__(self, delay: float = 0.001) -> None:
+    def __init__(self, delay: float = 0.001, pread: bool = False) -> None:
         self.delay = delay
-        self._inner = PosixPreadIO()
+        self.pread = pread
+        self._inner: Any = PosixPreadIO() if pread else MmapIO()
 
     def sync_reader(self, path: PurePath) -> _SlowReader:
         """A reader of ``path``."""
-        return _SlowReader(self._inner.sync_reader(path), self.delay)
+        return _SlowReader(self._inner.sync_reader(path), self.delay, not self.pread)
 
     def async_reader(self, path: PurePath) -> Any:
-        """An ``async`` reader of ``path``."""
+        """An ``async`` reader of ``path`` (without the delay)."""
         return self._inner.async_reader(path)
 
     def list_dir(self, path: PurePath) -> list[str]:
@@ -768,7 +796,7 @@ class SlowIO:
         return os.listdir(os.fspath(path))
 
     def __repr__(self) -> str:
-        return f"SlowIO(delay={self.delay})"
+        return f"SlowIO(delay={self.delay}, pread={self.pread})"
 
 
 def _slow_prefetch(workers: int) -> int:
@@ -947,22 +975,35 @@ class Bench:
             build_tokens(directory, self.sizes.slow_tokens, self.sizes.shards)
         self.timings["build slow"] = time.perf_counter() - started
         storage = StreamStorage(directory, StreamNumpyFormat(TOKENS_DTYPE), SlowIO(0.001))
+        preads = StreamStorage(directory, StreamNumpyFormat(TOKENS_DTYPE), SlowIO(0.001, True))
         length, batch = 2048, 32
         count = _count_tokens(length)
+        options = {"sequence_length": length, "local_batch_size": batch}
         contenders = [
             _ours_contender(
                 _slow_name(workers),
                 storage,
                 collate_tokens,
                 count,
-                sequence_length=length,
-                local_batch_size=batch,
                 num_workers=workers,
                 parallel_method="thread",
                 prefetch=_slow_prefetch(workers),
+                **options,
             )
             for workers in (1, 8, 32)
         ]
+        contenders.append(
+            _ours_contender(
+                SLOW_PREAD,
+                preads,
+                collate_tokens,
+                count,
+                num_workers=32,
+                parallel_method="thread",
+                prefetch=_slow_prefetch(32),
+                **options,
+            )
+        )
         self.rows += measure("slow-storage", contenders, self.sizes, self.log)
 
     def shuffle_scenario(self) -> None:

@@ -179,3 +179,25 @@ def test_a_round_takes_what_was_read_ahead_off_the_clock() -> None:
     assert (first.samples, first.tokens) == (4, 8)
     contender.run(2, timed_only=True)
     assert len(taken) == 10
+
+
+@pytest.mark.parametrize("pread", [False, True], ids=["mapped", "pread"])
+def test_slow_storage_backend_reads_what_the_default_backend_reads(
+    tmp_path: Path, pread: bool
+) -> None:
+    from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
+
+    bench.build_tokens(tmp_path / "t", 1000, 3)
+    format = StreamNumpyFormat(bench.TOKENS_DTYPE)
+    plain = StreamStorage(tmp_path / "t", format)
+    slow = StreamStorage(tmp_path / "t", format, bench.SlowIO(0.0, pread))
+    ids = np.arange(1000 // 60)[::-1].copy()
+    with (
+        StreamDataset(plain, 60).sync_reader() as expected,
+        StreamDataset(slow, 60).sync_reader() as reader,
+    ):
+        for ours, theirs in zip(reader.read_batch(ids), expected.read_batch(ids)):
+            assert ours["tokens"].tolist() == theirs["tokens"].tolist()
+    with plain.sync_reader() as expected, slow.sync_reader() as reader:
+        # a read across shards that wraps around to shard 0
+        assert reader.read_raw(990, 20)[0].tolist() == expected.read_raw(990, 20)[0].tolist()
