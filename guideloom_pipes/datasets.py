@@ -161,10 +161,7 @@ class StreamDatasetReader(_DatasetReaderBase):
         reader = self._storage_reader
         windows = reader.read_windows(starts, length)
         if isinstance(reader, StreamWithMetaReader):
-            return [
-                reader.decode(windows[row], *reader.window_pieces(int(start), length))
-                for row, start in enumerate(starts.tolist())
-            ]
+            return reader.decode_windows(windows, starts)
         format = reader.storage.format
         unpack_batch = getattr(format, "unpack_batch", None)
         if unpack_batch is not None:

@@ -261,6 +261,45 @@ def test_any_window_decodes_to_the_reference(
             assert as_plain(reader.read(start, length)) == reference.window(start, length)
 
 
+@settings(deadline=None, max_examples=40)
+@given(appends=appends_strategy, data=st.data())
+def test_any_batch_of_dataset_windows_decodes_to_the_reference(
+    appends: list[tuple[int, list[tuple[Any, bytes, int]]]], data: st.DataObject
+) -> None:
+    """``read_batch`` decodes a batch at once (rows inside one shard together, rows crossing
+    shards one by one): every row is the window the reference says."""
+    shards = sorted({shard for shard, _ in appends})
+    renumber = {shard: i for i, shard in enumerate(shards)}
+    appends = [(renumber[shard], runs) for shard, runs in appends]
+    directory = Path(tempfile.mkdtemp(prefix="meta-batch-"))
+    reference = write_runs(directory, appends)
+    total = len(reference.values)
+    length = data.draw(st.integers(1, total), label="sequence_length")
+    with StreamDataset(scripted(directory), length).sync_reader() as reader:
+        ids = data.draw(st.lists(st.integers(0, len(reader) - 1), max_size=8), label="ids")
+        batch = reader.read_batch(np.array(ids, dtype=np.int64))
+    assert [as_plain(s) for s in batch] == [reference.window(i * length, length) for i in ids]
+
+
+def test_a_batch_row_whose_payload_numbers_decrease_decodes_like_a_single_read(
+    tmp_path: Path,
+) -> None:
+    """Files from elsewhere may number a window's payloads out of order: such a row is
+    decoded on its own (first use order), the other rows of the batch together."""
+    write_runs(tmp_path, [(0, [("a", b"p0", 2), ("b", b"p1", 2), ("c", b"p2", 4)])])
+    path = tmp_path / "0000000.in_band.bin"
+    records = np.fromfile(path, dtype=RECORD)
+    records["index"][:4] = [1, 1, 0, 0]  # the first window points at p1, then p0
+    records.tofile(path)
+    storage = scripted(tmp_path)
+    with StreamDataset(storage, 4).sync_reader() as reader, storage.sync_reader() as stream:
+        batch = reader.read_batch(np.array([0, 1, 0]))
+        singles = [stream.read(0, 4), stream.read(4, 4), stream.read(0, 4)]
+    assert [as_plain(s) for s in batch] == [as_plain(s) for s in singles]
+    assert as_plain(batch[0])["document_data"] == [b"p1", b"p0"]
+    assert as_plain(batch[0])["document_index"] == [0, 0, 1, 1]
+
+
 # refusals ----------------------------------------------------------------------------------
 
 
