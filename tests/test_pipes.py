@@ -516,8 +516,8 @@ def _idle_pool(fn: Any, workers: int) -> _ThreadPool:
     return pool
 
 
-@pytest.mark.parametrize("eager", [True, False])
-def test_quick_jobs_wait_for_the_running_worker_instead_of_waking_another(eager):
+@pytest.mark.parametrize("limit", [2, 1])
+def test_queued_jobs_wait_for_the_running_worker_when_the_limit_is_reached(limit):
     started, release = threading.Event(), threading.Event()
 
     def fn(arg: str) -> str:
@@ -527,10 +527,11 @@ def test_quick_jobs_wait_for_the_running_worker_instead_of_waking_another(eager)
         return threading.current_thread().name
 
     pool = _idle_pool(fn, 2)
+    pool.set_limit(limit)
     first = pool.submit("first")
     assert started.wait(30)
-    second = pool.submit("second", eager=eager)
-    if eager:  # the sleeping worker takes it while the first is still busy
+    second = pool.submit("second")
+    if limit == 2:  # the sleeping worker takes it while the first is still busy
         deadline = time.monotonic() + 30
         while pool._queue:
             assert time.monotonic() < deadline
@@ -544,6 +545,55 @@ def test_quick_jobs_wait_for_the_running_worker_instead_of_waking_another(eager)
         release.set()
         assert pool.result(first, 30)[0] == pool.result(second, 30)[0]
     pool.close()
+
+
+def test_raising_the_limit_wakes_sleeping_workers_for_queued_jobs():
+    release = threading.Event()
+    running = threading.Semaphore(0)
+
+    def fn(arg: int) -> str:
+        running.release()
+        release.wait(30)
+        return threading.current_thread().name
+
+    pool = _idle_pool(fn, 3)
+    pool.set_limit(1)
+    jobs = [pool.submit(i) for i in range(3)]
+    assert running.acquire(timeout=30)
+    assert not running.acquire(timeout=0.05)  # one runs, two wait in the queue
+    pool.set_limit(3)
+    assert running.acquire(timeout=30) and running.acquire(timeout=30)  # all three run
+    release.set()
+    assert len({pool.result(job, 30)[0] for job in jobs}) == 3
+    pool.close()
+
+
+class _GilBound(Ids):
+    """``read_batch`` that computes (holds the GIL) for 3 ms, counting reads at once."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+    def read_batch(self, ids: np.ndarray) -> list[int]:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        deadline = time.thread_time() + 0.003
+        while time.thread_time() < deadline:
+            pass
+        with self.lock:
+            self.now -= 1
+        return [int(i) for i in ids]
+
+
+def test_slow_batches_that_compute_run_on_one_worker_at_a_time():
+    dataset = _GilBound(60)  # 3 ms a batch: one batch per job
+    node = ReadSamples(RankPositions(60, 2), dataset, num_workers=3, collate_fn=ids_collate)
+    assert list(node) == [[i, i + 1] for i in range(0, 60, 2)]
+    assert dataset.most == 1 and not node._side_by_side()
+    node.close()
 
 
 @pytest.mark.parametrize(

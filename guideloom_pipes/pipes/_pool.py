@@ -21,9 +21,20 @@ from guideloom_pipes._results import ResultRing, load_result
 class _Job:
     """One job (a chunk of batches): its argument, then its result or the exception it
     raised, the seconds it took, and its CPU time over them when it ran alone (no other
-    job of the pool running meanwhile; else None)."""
+    job of the pool running meanwhile; else None). While it runs: when it started, and the
+    CPU clock of the thread running it (where the platform has one) with its start value."""
 
-    __slots__ = ("arg", "cpu_share", "done", "elapsed", "error", "result")
+    __slots__ = (
+        "arg",
+        "clock",
+        "cpu_share",
+        "cpu_started",
+        "done",
+        "elapsed",
+        "error",
+        "result",
+        "started",
+    )
 
     def __init__(self, arg: Any) -> None:
         self.arg = arg
@@ -32,11 +43,38 @@ class _Job:
         self.error: BaseException | None = None
         self.elapsed = 0.0
         self.cpu_share: float | None = None
+        self.started = 0.0  # 0: not started
+        self.clock: int | None = None
+        self.cpu_started = 0.0
+
+    def running_share(self) -> float | None:
+        """The share of its time so far the running job spent on the CPU (None: not
+        started, or no per-thread CPU clock here)."""
+        started, clock = self.started, self.clock
+        if not started or clock is None:
+            return None
+        elapsed = time.perf_counter() - started
+        if elapsed <= 0:
+            return None
+        return min(1.0, (time.clock_gettime(clock) - self.cpu_started) / elapsed)
 
 
-def _run(fn: Callable[[Any], Any], job: _Job) -> float:
+def _thread_clock() -> int | None:
+    """The calling thread's CPU-time clock, readable from other threads (None where the
+    platform has none)."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
+
+
+def _run(fn: Callable[[Any], Any], job: _Job, clock: int | None = None) -> float:
     """Run ``job``; return the CPU seconds of this thread it took."""
-    started, cpu = time.perf_counter(), time.thread_time()
+    cpu = time.thread_time()
+    job.clock = clock
+    if clock is not None:
+        job.cpu_started = time.clock_gettime(clock)
+    job.started = started = time.perf_counter()
     try:
         job.result = fn(job.arg)
     except BaseException as error:
@@ -84,6 +122,7 @@ class _ThreadPool:
         self._awaited: _Job | None = None  # the job the caller sleeps on
         self._idle = 0  # workers asleep on _work
         self._busy = 0  # workers running a job
+        self._limit = num_workers  # most jobs running at once (see set_limit)
         self._running = 0  # jobs running (the caller's included)
         self._starts = 0  # jobs started so far
         self._stopping = False
@@ -108,6 +147,7 @@ class _ThreadPool:
 
     def _loop(self) -> None:
         fn = self._fn
+        clock = _thread_clock()
         lock, queue = self._lock, self._queue
         job: _Job | None = None
         alone, cpu = 0, 0.0
@@ -119,7 +159,7 @@ class _ThreadPool:
                     self._busy -= 1
                     if self._awaited is job:
                         self._finished.notify()
-                while not queue and not self._stopping:
+                while (not queue or self._running >= self._limit) and not self._stopping:
                     self._idle += 1
                     self._work.wait()
                     self._idle -= 1
@@ -128,18 +168,26 @@ class _ThreadPool:
                 job = queue.popleft()
                 self._busy += 1
                 alone = self._start()
-            cpu = _run(fn, job)
+            cpu = _run(fn, job, clock)
 
-    def submit(self, arg: Any, eager: bool = True) -> _Job:
-        """Queue a job. ``eager=False``: wake a sleeping worker only if none is running (a
-        running worker takes it next), for quick jobs that parallel threads would only fight
-        over the GIL for."""
+    def submit(self, arg: Any) -> _Job:
+        """Queue a job; wake a sleeping worker for it if fewer than the limit are running."""
         job = _Job(arg)
         with self._lock:
             self._queue.append(job)
-            if self._idle and (eager or not self._busy):
+            if self._idle and self._running < self._limit:
                 self._work.notify()
         return job
+
+    def set_limit(self, limit: int) -> None:
+        """Let at most ``limit`` (>= 1) jobs run at once (the caller's own included); the
+        other workers sleep, and queued jobs wait for a running one. Raising it wakes
+        sleepers for queued jobs."""
+        with self._lock:
+            self._limit = max(1, limit)
+            wake = min(self._idle, len(self._queue), self._limit - self._running)
+            if wake > 0:
+                self._work.notify(wake)
 
     def wait_done(self, job: _Job, seconds: float) -> bool:
         """Wait up to ``seconds`` for a worker to finish ``job``; whether it has."""
@@ -176,9 +224,11 @@ class _ThreadPool:
                 finally:
                     self._awaited = None
         if mine:
-            cpu = _run(self._fn, job)  # no worker has started it: run it here
+            cpu = _run(self._fn, job, _thread_clock())  # no worker has started it: run it here
             with self._lock:
                 self._end(job, alone, cpu)
+                if self._idle and self._queue and self._running < self._limit:
+                    self._work.notify()  # a worker kept asleep by the limit takes the next
         if job.error is not None:
             failure, job.error = job.error, None
             raise failure
@@ -304,7 +354,7 @@ class _ProcessPool:
             self.close()
             raise
 
-    def submit(self, arg: Any, eager: bool = True) -> _ProcessJob:
+    def submit(self, arg: Any) -> _ProcessJob:
         worker = min(self._workers, key=lambda w: len(w.jobs))
         job = _ProcessJob(self._next_id, worker, len(arg))
         self._next_id += 1
