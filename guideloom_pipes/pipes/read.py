@@ -92,13 +92,16 @@ class ReadSamples(BaseNode[Any]):
     one per job, at most ``max_in_flight`` ahead, so ``N`` workers keep ``N`` in flight;
     quick ones go up to ``max_chunk`` per job, read with one call of the reader (each batch
     collated on its own), so a handoff between threads, which costs tens of microseconds
-    of CPU, is paid per chunk instead of per batch. Quick chunks that compute go to a
-    worker that is running rather than waking another (threads running them side by side
-    only take the GIL from each other), two in flight (one being delivered, one being read);
-    quick chunks that wait on I/O (the first job after ``reset()`` runs alone to tell, by its
-    share of CPU time) and process workers' chunks run side by side, one per worker plus the
-    one being delivered. More are in flight when ``max_in_flight`` asks for more batches
-    ahead.
+    of CPU, is paid per chunk instead of per batch.
+
+    Thread workers run jobs that compute one at a time: threads running them side by side
+    only take the GIL from each other. Jobs run side by side on all workers once they are
+    known to wait (on I/O): a job running alone that spends under a third of its time on
+    the CPU tells, and so does the first job after ``reset()`` if it is still running after
+    ``chunk_seconds`` with little CPU time used. Quick chunks that compute are kept two in
+    flight (one being delivered, one being read); chunks that wait, and process workers'
+    chunks, one per worker plus the one being delivered. More are in flight when
+    ``max_in_flight`` asks for more batches ahead.
 
     Process workers hand results back through shared memory: a CPU tensor or numpy
     array travels as one copy into the worker's result ring and one copy out, not as a
