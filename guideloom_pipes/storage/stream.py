@@ -287,31 +287,38 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         """
         self._check_open()
         starts = np.asarray(starts, dtype=np.int64)
-        out = np.empty((len(starts), length), dtype=self._raw)
-        if len(starts) == 0:
-            return out.view(self.dtype)
-        if int(starts.min()) < 0 or int(starts.max()) + length > self._total:
+        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + length > self._total):
             bad = starts[(starts < 0) | (starts + length > self._total)][0]
             raise IndexError(
                 f"window [{bad}, {bad + length}) is outside the stream of {self._total} elements"
             )
+        return self._windows(starts, length)
+
+    def _windows(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """:meth:`read_windows` of int64 ``starts`` already checked to lie inside the stream."""
+        out = np.empty((len(starts), length), dtype=self._raw)
+        if len(starts) == 0:
+            return out.view(self.dtype)
         first = np.searchsorted(self._starts, starts, side="right") - 1
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
         local = starts - self._starts[first]
         if self._mapped_array(int(first[0])) is None:
             self._read_rows(out, starts, first, last, local, length)
             return out.view(self.dtype)
+        maps = self._mapped
         for row, (shard, end_shard, offset) in enumerate(
             zip(first.tolist(), last.tolist(), local.tolist())
         ):
-            if shard == end_shard:
-                mapped = self._mapped_array(shard)
-                if mapped is not None:
-                    out[row] = mapped[offset : offset + length]
-                else:
-                    self._copy(shard, offset, length, out[row])
+            if shard != end_shard:
+                self._copy_across(out[row], int(starts[row]), shard, length)
                 continue
-            self._copy_across(out[row], int(starts[row]), shard, length)
+            mapped = maps[shard]
+            if mapped is None:
+                mapped = self._mapped_array(shard)
+            if isinstance(mapped, np.ndarray):
+                out[row] = mapped[offset : offset + length]
+            else:
+                self._copy(shard, offset, length, out[row])
         return out.view(self.dtype)
 
     def _read_rows(
