@@ -471,11 +471,14 @@ def test_a_reset_without_state_acts_on_what_was_delivered_not_on_what_was_read_a
 
 
 class _Concurrency(Ids):
-    """``read_batch`` that waits on I/O (sleeps) or computes, counting reads at once."""
+    """``read_batch`` that waits on I/O (sleeps) or computes (holds the GIL), counting
+    reads at once; for ``seconds`` a batch, or by default 0.2 ms (waits) or 0.05 ms
+    (computes) per id."""
 
-    def __init__(self, n: int, wait: bool) -> None:
+    def __init__(self, n: int, wait: bool, seconds: float | None = None) -> None:
         super().__init__(n)
         self.wait = wait
+        self.seconds = seconds
         self.lock = threading.Lock()
         self.now = self.most = 0
 
@@ -483,10 +486,12 @@ class _Concurrency(Ids):
         with self.lock:
             self.now += 1
             self.most = max(self.most, self.now)
+        per_id = 0.0002 if self.wait else 0.00005
+        seconds = per_id * len(ids) if self.seconds is None else self.seconds
         if self.wait:
-            time.sleep(0.0002 * len(ids))
+            time.sleep(seconds)
         else:
-            deadline = time.thread_time() + 0.00005 * len(ids)
+            deadline = time.thread_time() + seconds
             while time.thread_time() < deadline:
                 pass
         with self.lock:
@@ -568,28 +573,8 @@ def test_raising_the_limit_wakes_sleeping_workers_for_queued_jobs():
     pool.close()
 
 
-class _GilBound(Ids):
-    """``read_batch`` that computes (holds the GIL) for 3 ms, counting reads at once."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__(n)
-        self.lock = threading.Lock()
-        self.now = self.most = 0
-
-    def read_batch(self, ids: np.ndarray) -> list[int]:
-        with self.lock:
-            self.now += 1
-            self.most = max(self.most, self.now)
-        deadline = time.thread_time() + 0.003
-        while time.thread_time() < deadline:
-            pass
-        with self.lock:
-            self.now -= 1
-        return [int(i) for i in ids]
-
-
 def test_slow_batches_that_compute_run_on_one_worker_at_a_time():
-    dataset = _GilBound(60)  # 3 ms a batch: one batch per job
+    dataset = _Concurrency(60, wait=False, seconds=0.003)  # 3 ms a batch: one batch per job
     node = ReadSamples(RankPositions(60, 2), dataset, num_workers=3, collate_fn=ids_collate)
     assert list(node) == [[i, i + 1] for i in range(0, 60, 2)]
     assert dataset.most == 1 and not node._side_by_side()

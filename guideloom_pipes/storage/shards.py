@@ -1118,20 +1118,16 @@ class ShardFiles:
             return found
         if not self._mappable:
             return None
+        buffer = getattr(self._shared(shard), "buffer", None)  # mappable: never evicted
+        if buffer is None:
+            self._mappable = False  # a custom backend without buffers: use read()
+            return None
         with self._lock:
-            if self._closed:
-                raise RuntimeError("reader is closed")
-            reader = self._readers[shard]
-            if reader is None:
-                reader = self._readers[shard] = self._open_reader(shard)
-            buffer = getattr(reader, "buffer", None)
-            if buffer is None:
-                self._mappable = False  # a custom backend without buffers: use read()
-                return None
-            view = buffer()
-            usable = len(view) - len(view) % dtype.itemsize
-            found = np.frombuffer(view[:usable], dtype=dtype)
-            self._arrays[key] = found
+            found = self._arrays.get(key)
+            if found is None:
+                view = buffer()
+                usable = len(view) - len(view) % dtype.itemsize
+                found = self._arrays[key] = np.frombuffer(view[:usable], dtype=dtype)
             return found
 
     def read(self, shard: int, offset: int, size: int) -> Any:
