@@ -121,7 +121,6 @@ class _ThreadPool:
         self._queue: collections.deque[_Job] = collections.deque()  # unclaimed, oldest first
         self._awaited: _Job | None = None  # the job the caller sleeps on
         self._idle = 0  # workers asleep on _work
-        self._busy = 0  # workers running a job
         self._limit = num_workers  # most jobs running at once (see set_limit)
         self._running = 0  # jobs running (the caller's included)
         self._starts = 0  # jobs started so far
@@ -156,7 +155,6 @@ class _ThreadPool:
                 if job is not None:
                     self._end(job, alone, cpu)
                     job.done = True
-                    self._busy -= 1
                     if self._awaited is job:
                         self._finished.notify()
                 while (not queue or self._running >= self._limit) and not self._stopping:
@@ -166,7 +164,6 @@ class _ThreadPool:
                 if self._stopping:
                     return
                 job = queue.popleft()
-                self._busy += 1
                 alone = self._start()
             cpu = _run(fn, job, clock)
 
@@ -182,9 +179,12 @@ class _ThreadPool:
     def set_limit(self, limit: int) -> None:
         """Let at most ``limit`` (>= 1) jobs run at once (the caller's own included); the
         other workers sleep, and queued jobs wait for a running one. Raising it wakes
-        sleepers for queued jobs."""
+        sleepers for queued jobs. Setting the limit it has already costs nothing."""
+        limit = max(1, limit)
+        if limit == self._limit:  # only the caller's thread sets it: no lock needed to look
+            return
         with self._lock:
-            self._limit = max(1, limit)
+            self._limit = limit
             wake = min(self._idle, len(self._queue), self._limit - self._running)
             if wake > 0:
                 self._work.notify(wake)

@@ -198,7 +198,6 @@ class ReadSamples(BaseNode[Any]):
         self._batch_seconds = 0.0  # a worker's time per batch (moving average; 0: unknown)
         self._cpu_share = -1.0  # a lone job's share of its time on the CPU (-1: unknown)
         self._probing = False  # the first job runs alone (threads), see _side_by_side
-        self._limit = 0  # the thread pool's limit of running jobs, as last set (0: not yet)
         self._snapshot: Any = None  # the source's state after the last delivered batch
         self._previous: Any = None  # ... and before it (None: none delivered since reset)
         self._drained = False  # the source's end was delivered
@@ -255,7 +254,6 @@ class ReadSamples(BaseNode[Any]):
         if self.method == "thread":
             assert self._task is not None
             self._pool = _ThreadPool(self._task.run, self.num_workers)
-            self._limit = 0
         else:
             assert self._mp is not None
             self._pool = _ProcessPool(self.dataset, self.collate_fn, self.num_workers, self._mp)
@@ -403,10 +401,7 @@ class ReadSamples(BaseNode[Any]):
             # threads running them side by side only take the GIL from each other (two
             # threads decoding 0.3 ms batches side by side took 0.85 ms a batch, one after
             # the other 0.3 ms).
-            limit = self.num_workers if side_by_side else 1
-            if limit != self._limit:
-                self._limit = limit
-                pool.set_limit(limit)
+            pool.set_limit(self.num_workers if side_by_side else 1)
         while not self._source_done:
             if self._probing and self._jobs:
                 return
