@@ -159,7 +159,6 @@ class StreamDatasetReader(_DatasetReaderBase):
         length = self.sequence_length
         starts = ids * length
         reader = self._storage_reader
-        reader._check_open()
         windows = reader._windows(starts, length)  # ids were checked: windows lie inside
         if isinstance(reader, StreamWithMetaReader):
             return reader.decode_windows(windows, starts)

@@ -255,18 +255,7 @@ class StreamWithMetaReader(StreamReader):
             ordered = unique[order]
         document_shard = (ordered >> 32).astype(np.int64)
         locals_ = ordered & 0xFFFFFFFF
-        payloads = self._payloads.payload_views
-        if len(ordered) == 0:
-            document_data: list[memoryview] = []
-        elif document_shard[0] == document_shard[-1] and bool(
-            (document_shard == document_shard[0]).all()
-        ):
-            document_data = payloads(int(document_shard[0]), locals_)  # the usual case
-        else:
-            cut = np.flatnonzero(document_shard[1:] != document_shard[:-1]) + 1
-            document_data = []
-            for begin, end in zip([0, *cut.tolist()], [*cut.tolist(), len(ordered)]):
-                document_data += payloads(int(document_shard[begin]), locals_[begin:end])
+        document_data = self._fetch(document_shard, locals_)
         stream_data = np.array(records["user"], copy=True)
         return self.storage.format.unpack(
             stream_data, document_shard, document_index, document_data
@@ -317,6 +306,8 @@ class StreamWithMetaReader(StreamReader):
     def _fetch(self, shards: np.ndarray, locals_: np.ndarray) -> list[memoryview]:
         """Payloads ``locals_[j]`` of shards ``shards[j]``, as memoryviews of fresh copies."""
         payloads = self._payloads.payload_views
+        if len(shards) == 0:
+            return []
         if shards[0] == shards[-1] and bool((shards == shards[0]).all()):
             return payloads(int(shards[0]), locals_)
         fetched: list[Any] = [None] * len(locals_)
