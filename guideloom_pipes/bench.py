@@ -709,16 +709,8 @@ def _ours_contender(
         count,
         setup=loader.open,
         teardown=loader.close,
-        ahead=_read_ahead(options.get("num_workers", 0), options.get("prefetch", 0)),
+        ahead=loader._batches_ahead(),
     )
-
-
-def _read_ahead(workers: int, prefetch: int) -> int:
-    """The batches our loader holds ahead of its consumer that take time to make: the
-    prefetch buffer, and with workers ``max_in_flight`` (``2 * workers``) slow batches plus
-    the one being delivered. (Quick batches go in chunks that may hold more batches, but
-    only about ``chunk_seconds`` of a worker's time each.)"""
-    return prefetch + (2 * workers + 1 if workers else 0)
 
 
 # Slow storage ---------------------------------------------------------------------------------
@@ -976,34 +968,23 @@ class Bench:
         self.timings["build slow"] = time.perf_counter() - started
         storage = StreamStorage(directory, StreamNumpyFormat(TOKENS_DTYPE), SlowIO(0.001))
         preads = StreamStorage(directory, StreamNumpyFormat(TOKENS_DTYPE), SlowIO(0.001, True))
-        length, batch = 2048, 32
-        count = _count_tokens(length)
-        options = {"sequence_length": length, "local_batch_size": batch}
-        contenders = [
-            _ours_contender(
-                _slow_name(workers),
-                storage,
+        count = _count_tokens(2048)
+
+        def ours(name: str, store: StreamStorage, workers: int) -> Contender:
+            return _ours_contender(
+                name,
+                store,
                 collate_tokens,
                 count,
+                sequence_length=2048,
+                local_batch_size=32,
                 num_workers=workers,
                 parallel_method="thread",
                 prefetch=_slow_prefetch(workers),
-                **options,
             )
-            for workers in (1, 8, 32)
-        ]
-        contenders.append(
-            _ours_contender(
-                SLOW_PREAD,
-                preads,
-                collate_tokens,
-                count,
-                num_workers=32,
-                parallel_method="thread",
-                prefetch=_slow_prefetch(32),
-                **options,
-            )
-        )
+
+        contenders = [ours(_slow_name(workers), storage, workers) for workers in (1, 8, 32)]
+        contenders.append(ours(SLOW_PREAD, preads, 32))
         self.rows += measure("slow-storage", contenders, self.sizes, self.log)
 
     def shuffle_scenario(self) -> None:
