@@ -118,18 +118,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-__all__ = [
-    "DocumentDataset",
-    "DocumentPickleFormat",
-    "DocumentStorage",
-    "GUIDELOOM_VERSION",
-    "StatefulDataLoader",
-    "StreamDataset",
-    "StreamNumpyFormat",
-    "StreamStorage",
-    "StreamWithMetaStorage",
-    "__version__",
-    "io",
-    "pipes",
-    "types",
-]
+__all__ = list(_pipes.__all__)  # the same public names
