@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes._reading import _open_reader
+from guideloom_pipes.pipes._worker import _open_reader
 from guideloom_pipes.pipes import (
     Collate,
     PinMemory,

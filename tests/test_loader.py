@@ -830,7 +830,7 @@ def test_process_workers_default_to_the_forkserver_where_there_is_one():
 def test_without_shared_memory_process_results_come_back_through_the_pipe(monkeypatch):
     from tensor_helpers import many_kinds
 
-    from guideloom_pipes._results import ResultRing
+    from guideloom_pipes.pipes._transport import ResultRing
 
     monkeypatch.setattr(ResultRing, "create_if_supported", classmethod(lambda cls: None))
     inline = list(_loader(Ids(12), many_kinds, local_batch_size=4))
@@ -851,7 +851,7 @@ def test_without_shared_memory_process_results_come_back_through_the_pipe(monkey
 def test_big_jobs_and_big_answers_through_the_pipes_do_not_deadlock(monkeypatch):
     from loader_helpers import big_collate
 
-    from guideloom_pipes._results import ResultRing
+    from guideloom_pipes.pipes._transport import ResultRing
 
     # No ring: each 2 MiB answer fills the pipe back, while 320 KB jobs fill the pipe out.
     monkeypatch.setattr(ResultRing, "create_if_supported", classmethod(lambda cls: None))

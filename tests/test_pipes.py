@@ -777,7 +777,7 @@ def test_close_pipeline_calls_close_down_the_source_chain():
 
 def test_process_workers_import_no_torch_unless_the_dataset_or_collate_fn_does():
     code = (
-        "import sys, guideloom_pipes, guideloom_pipes._reading, loader_helpers; "
+        "import sys, guideloom_pipes, guideloom_pipes.pipes._worker, loader_helpers; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
     tests = Path(__file__).parent

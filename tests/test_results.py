@@ -1,5 +1,5 @@
-"""Process workers' result transport (``guideloom_pipes._results``): the shared-memory ring and
-the pickling of results through it. The ring and numpy results need no torch."""
+"""Process workers' result transport (``guideloom_pipes.pipes._transport``): the
+shared-memory ring and the pickling of results through it. The ring and numpy results need no torch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from guideloom_pipes._results import (
+from guideloom_pipes.pipes._transport import (
     MIN_RING_BUFFER,
     ResultRing,
     dump_result,
@@ -135,7 +135,7 @@ def _fill_ring(handle: Any, conn: Any) -> None:
 
 def test_pickling_results_imports_no_torch():
     code = (
-        "import sys, numpy as np; from guideloom_pipes._results import dump_result; "
+        "import sys, numpy as np; from guideloom_pipes.pipes._transport import dump_result; "
         "dump_result(np.ones(100_000), None); assert 'torch' not in sys.modules"
     )
     import subprocess
@@ -221,7 +221,7 @@ def test_the_fork_server_preloads_the_modules_of_the_dataset_and_collate_fn(monk
         get_start_method=lambda: "forkserver", set_forkserver_preload=set_to.append
     )
     _pool._preload_forkserver(context, loader_helpers.Ids(3), loader_helpers.ids_collate)
-    assert set_to == [["__main__", "mine", "guideloom_pipes._reading", "loader_helpers"]]
+    assert set_to == [["__main__", "mine", "guideloom_pipes.pipes._worker", "loader_helpers"]]
     server._forkserver_pid = 12345  # running: its preloads can no longer change
     _pool._preload_forkserver(context, loader_helpers.Ids(3), loader_helpers.ids_collate)
     assert len(set_to) == 1

@@ -17,13 +17,47 @@ state in ``state_dict()``, so stages mix with torchdata's own nodes (``Mapper``,
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
-from guideloom_pipes.pipes.collate import Collate, default_collate
-from guideloom_pipes.pipes.device import PinMemory, Prefetcher, ToDevice, apply_to_tensors
-from guideloom_pipes.pipes.positions import Positions, RankPositions, num_steps
-from guideloom_pipes.pipes.read import ReadSamples
-from guideloom_pipes.pipes.shuffle import Shuffle, draw_seed
+if TYPE_CHECKING:
+    from guideloom_pipes.pipes.collate import Collate, default_collate
+    from guideloom_pipes.pipes.device import PinMemory, Prefetcher, ToDevice, apply_to_tensors
+    from guideloom_pipes.pipes.positions import Positions, RankPositions, num_steps
+    from guideloom_pipes.pipes.read import ReadSamples
+    from guideloom_pipes.pipes.shuffle import Shuffle, draw_seed
+
+# The stages load on first use: a process worker imports ``guideloom_pipes.pipes._worker``
+# (torch-free), and importing this package must not import torch for it.
+_STAGES = {
+    "Collate": "collate",
+    "default_collate": "collate",
+    "PinMemory": "device",
+    "Prefetcher": "device",
+    "ToDevice": "device",
+    "apply_to_tensors": "device",
+    "Positions": "positions",
+    "RankPositions": "positions",
+    "num_steps": "positions",
+    "ReadSamples": "read",
+    "Shuffle": "shuffle",
+    "draw_seed": "shuffle",
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module = _STAGES[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_STAGES))
+
 
 __all__ = [
     "Collate",

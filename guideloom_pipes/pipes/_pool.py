@@ -14,8 +14,8 @@ from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from guideloom_pipes._reading import _Failed, _process_worker, _RemoteTraceback
-from guideloom_pipes._results import ResultRing, load_result
+from guideloom_pipes.pipes._transport import ResultRing, load_result
+from guideloom_pipes.pipes._worker import _Failed, _process_worker, _RemoteTraceback
 
 
 class _Job:
@@ -279,7 +279,7 @@ def _preload_forkserver(
     if server is None or getattr(server, "_forkserver_pid", None) is not None:
         return  # running already: its preloads are fixed
     current = list(getattr(server, "_preload_modules", None) or ["__main__"])
-    wanted = ["guideloom_pipes._reading", *_module_of(dataset), *_module_of(collate_fn)]
+    wanted = ["guideloom_pipes.pipes._worker", *_module_of(dataset), *_module_of(collate_fn)]
     added = [name for name in dict.fromkeys(wanted) if name not in current]
     if added:
         context.set_forkserver_preload(current + added)
@@ -317,7 +317,7 @@ class _ProcessPool:
     so no thread wake-ups): it sends each job to the worker with the fewest in flight and
     reads a worker's answers in order when it needs them. Large buffers of the results
     (tensors, numpy arrays) come back through the worker's shared-memory result ring
-    (:mod:`guideloom_pipes._results`), one copy out on this side.
+    (:mod:`guideloom_pipes.pipes._transport`), one copy out on this side.
     """
 
     def __init__(

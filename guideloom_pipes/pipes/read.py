@@ -14,14 +14,14 @@ import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes._reading import (
+from guideloom_pipes.pipes._pool import _ProcessPool, _ThreadPool
+from guideloom_pipes.pipes._worker import (
     _batch_read_fn,
     _Failed,
     _open_reader,
     _ReadTask,
     _RemoteTraceback,
 )
-from guideloom_pipes.pipes._pool import _ProcessPool, _ThreadPool
 from guideloom_pipes.pipes.positions import Positions
 
 __all__ = ["ReadSamples"]
@@ -105,7 +105,7 @@ class ReadSamples(BaseNode[Any]):
 
     Process workers hand results back through shared memory: a CPU tensor or numpy
     array travels as one copy into the worker's result ring and one copy out, not as a
-    pickle through a pipe (see :mod:`guideloom_pipes._results`). The default start method
+    pickle through a pipe (see :mod:`guideloom_pipes.pipes._transport`). The default start method
     is ``forkserver`` (``spawn`` where there is none), and the fork server preloads the
     modules of ``dataset`` and ``collate_fn``, so workers start in milliseconds per
     iterator after the first.

@@ -1,6 +1,6 @@
 """Reading samples from a map-style dataset a batch of ids at a time (numpy only).
 
-This module is what a process worker of :class:`guideloom_pipes.pipes.ReadSamples` imports,
+What a worker of :class:`guideloom_pipes.pipes.ReadSamples` runs; a process worker imports it,
 so it must stay free of torch: a worker whose dataset and ``collate_fn`` do not need torch
 starts without importing it.
 """
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from guideloom_pipes._results import ResultRing, dump_result
+from guideloom_pipes.pipes._transport import ResultRing, dump_result
 
 _Ids = npt.NDArray[np.int64]
 
