@@ -1,5 +1,6 @@
 """Process workers' result transport (``guideloom_pipes.pipes._transport``): the
-shared-memory ring and the pickling of results through it. The ring and numpy results need no torch."""
+shared-memory ring and the pickling of results through it. The ring and numpy results need no
+torch."""
 
 from __future__ import annotations
 
