@@ -1,4 +1,5 @@
-"""GuideLoom's module path for the formats (``guideloom.storage_format``); see :mod:`.formats`."""
+"""GuideLoom's module path ``guideloom.storage_format``: the formats, from
+:mod:`guideloom_pipes.formats`."""
 
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 

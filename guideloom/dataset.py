@@ -1,4 +1,4 @@
-"""GuideLoom's module path for the datasets (``guideloom.dataset``); see :mod:`.datasets`."""
+"""GuideLoom's module path ``guideloom.dataset``: the datasets of :mod:`guideloom_pipes`."""
 
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 
