@@ -1,0 +1,327 @@
+"""The contenders: the baselines, torch's ``DataLoader``, our loader, and a slow backend.
+
+The hand loop and memmap-backed torch ``Dataset`` s are the baselines; ``SlowIO`` is the
+read backend of the slow-storage scenario. The row names the targets refer to live here.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path, PurePath
+from typing import Any
+
+import numpy as np
+import torch
+
+from guideloom_pipes.bench.data import META_RECORD, SEED
+from guideloom_pipes.bench.harness import Contender
+from guideloom_pipes.io import MmapIO, PosixPreadIO
+from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
+
+CPU = torch.device("cpu")
+
+#: Row names the targets refer to.
+OURS_0 = "ours workers=0 prefetch=4"
+OURS_2 = "ours workers=2 threads prefetch=4"
+OURS_2P = "ours workers=2 processes prefetch=4"
+SLOW_PREAD = "ours workers=32 threads prefetch=32, sleep then pread"
+
+
+# Baselines ------------------------------------------------------------------------------------
+
+
+def _shard_paths(storage: Any, suffix: str) -> list[Path]:
+    directory = Path(storage.dir)
+    paths = sorted(directory.glob(f"*{suffix}"))
+    return [p for p in paths if p.name[:7].isdigit() and p.name.endswith(suffix)]
+
+
+class _ShardMaps:
+    """Per-shard ``np.memmap`` s of a stream, opened lazily (each process maps its own)."""
+
+    def __init__(self, paths: Sequence[Path], dtype: np.dtype[Any]) -> None:
+        self.paths = [str(p) for p in paths]
+        self.dtype = dtype
+        self.lengths = [os.path.getsize(p) // dtype.itemsize for p in self.paths]
+        self.starts = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.total = int(self.starts[-1])
+        self._maps: list[np.ndarray] | None = None
+
+    def maps(self) -> list[np.ndarray]:
+        if self._maps is None:
+            # np.memmap per shard; slices are taken from plain ndarray views of the maps
+            # (memmap's own __getitem__ adds per-slice overhead the limit should not pay).
+            self._maps = [
+                np.memmap(p, dtype=self.dtype, mode="r").view(np.ndarray) for p in self.paths
+            ]
+        return self._maps
+
+    def pieces(self, start: int, length: int) -> list[tuple[int, int, int]]:
+        """``(shard, local_start, count)`` pieces of the span ``[start, start + length)``."""
+        out = []
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while length > 0:
+            local = start - int(self.starts[shard])
+            take = min(length, self.lengths[shard] - local)
+            out.append((shard, local, take))
+            start += take
+            length -= take
+            shard += 1
+        return out
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        maps = self.maps()
+        shard = int(np.searchsorted(self.starts, start, side="right")) - 1
+        local = start - int(self.starts[shard])
+        if local + length <= self.lengths[shard]:
+            return maps[shard][local : local + length]
+        return np.concatenate([maps[s][a : a + n] for s, a, n in self.pieces(start, length)])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": None}
+
+
+class HandLoop:
+    """The limit: a precomputed permutation, windows copied out of memmaps, stack, tensor."""
+
+    def __init__(self, storage: StreamStorage, length: int, batch: int, seed: int) -> None:
+        self.maps = _ShardMaps(_shard_paths(storage, ".in_band.bin"), np.dtype("<i4"))
+        self.length = length
+        self.batch = batch
+        self.samples = self.maps.total // length
+        self.permutation = np.random.default_rng(seed).permutation(self.samples)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        length, batch, window = self.length, self.batch, self.maps.window
+        permutation = self.permutation
+        for step in range(self.samples // batch):
+            ids = permutation[step * batch : (step + 1) * batch]
+            windows = [window(int(i) * length, length) for i in ids]
+            yield torch.from_numpy(np.stack(windows))
+
+
+class MemmapWindows(torch.utils.data.Dataset):
+    """A map-style torch ``Dataset`` of ``L``-token windows over per-shard memmaps."""
+
+    def __init__(self, storage: StreamStorage, length: int) -> None:
+        self.maps = _ShardMaps(_shard_paths(storage, ".in_band.bin"), np.dtype("<i4"))
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.maps.total // self.length
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        window = self.maps.window(int(index) * self.length, self.length)
+        return {"tokens": np.array(window)}
+
+
+class MemmapMetaWindows(torch.utils.data.Dataset):
+    """``MemmapWindows`` for a stream with metadata: tokens, payload index, payload bytes."""
+
+    def __init__(self, storage: StreamWithMetaStorage, length: int) -> None:
+        self.records = _ShardMaps(_shard_paths(storage, ".in_band.bin"), META_RECORD)
+        self.index_paths = [str(p) for p in _shard_paths(storage, ".out_of_band.index")]
+        self.data_paths = [str(p) for p in _shard_paths(storage, ".out_of_band.bin")]
+        self.length = length
+        self._payload_maps: tuple[list[np.ndarray], list[np.ndarray]] | None = None
+
+    def __len__(self) -> int:
+        return self.records.total // self.length
+
+    def _payloads(self) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        if self._payload_maps is None:
+            self._payload_maps = (
+                [np.memmap(p, dtype="<i8", mode="r").view(np.ndarray) for p in self.index_paths],
+                [np.memmap(p, dtype="u1", mode="r").view(np.ndarray) for p in self.data_paths],
+            )
+        return self._payload_maps
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        maps = self.records.maps()
+        offsets, data = self._payloads()
+        tokens: list[np.ndarray] = []
+        payload_index: list[np.ndarray] = []
+        payloads: list[bytes] = []
+        for shard, local, count in self.records.pieces(int(index) * self.length, self.length):
+            records = maps[shard][local : local + count]
+            tokens.append(records["tokens"])
+            keys = records["index"]
+            change = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+            firsts = np.concatenate([[0], change])
+            run = np.zeros(count, dtype=np.int32)
+            run[change] = 1
+            payload_index.append(np.cumsum(run, dtype=np.int32) + len(payloads))
+            for key in keys[firsts].tolist():
+                payloads.append(
+                    data[shard][offsets[shard][key] : offsets[shard][key + 1]].tobytes()
+                )
+        return {
+            "tokens": np.concatenate(tokens),
+            "payload_index": np.concatenate(payload_index),
+            "payloads": payloads,
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_payload_maps": None}
+
+
+class MemmapDocuments(torch.utils.data.Dataset):
+    """A map-style torch ``Dataset`` of pickled documents over per-shard memmaps."""
+
+    def __init__(self, storage: DocumentStorage) -> None:
+        self.index_paths = [str(p) for p in _shard_paths(storage, ".out_of_band.index")]
+        self.data_paths = [str(p) for p in _shard_paths(storage, ".out_of_band.bin")]
+        counts = [os.path.getsize(p) // 8 - 1 for p in self.index_paths]
+        self.starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._maps: tuple[list[np.ndarray], list[np.ndarray]] | None = None
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, index: int) -> Any:
+        if self._maps is None:
+            self._maps = (
+                [np.memmap(p, dtype="<i8", mode="r").view(np.ndarray) for p in self.index_paths],
+                [np.memmap(p, dtype="u1", mode="r").view(np.ndarray) for p in self.data_paths],
+            )
+        offsets, data = self._maps
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        local = int(index) - int(self.starts[shard])
+        start, end = int(offsets[shard][local]), int(offsets[shard][local + 1])
+        return pickle.loads(data[shard][start:end].data)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_maps": None}
+
+
+def _torch_contender(
+    name: str,
+    dataset: torch.utils.data.Dataset,
+    collate: Callable[[Any], Any],
+    batch: int,
+    workers: int,
+    count: Callable[[Any], tuple[int, int]],
+) -> Contender:
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch,
+        shuffle=True,
+        num_workers=workers,
+        collate_fn=collate,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(SEED),
+    )
+    # torch keeps prefetch_factor (2) batches per worker in flight
+    return Contender(name, lambda: iter(loader), count, ahead=2 * workers)
+
+
+def _ours_contender(
+    name: str,
+    storage: Any,
+    collate: Callable[[Any], Any],
+    count: Callable[[Any], tuple[int, int]],
+    **options: Any,
+) -> Contender:
+    from guideloom_pipes.loader import StatefulDataLoader
+
+    options.setdefault("shuffle", True)
+    options.setdefault("shuffle_seed", SEED)
+    options.setdefault("device", CPU)
+    loader = StatefulDataLoader.from_storage(storage, collate, **options)
+    return Contender(
+        name,
+        lambda: iter(loader),
+        count,
+        setup=loader.open,
+        teardown=loader.close,
+        ahead=loader._batches_ahead(),
+    )
+
+
+# Slow storage ---------------------------------------------------------------------------------
+
+
+class _SlowReader:
+    """A reader of slow storage: every read sleeps ``delay`` (the GIL released), then hands
+    over the bytes.
+
+    Over a mapping (default), the bytes are copied from the page-cached file under the GIL:
+    like a blocking read from a parallel file system, a read is one call that gives up the
+    GIL once, for its latency. Over a ``pread`` reader, the read after the sleep is a
+    second system call that gives up the GIL again: two handoffs per read, more than a
+    real read costs.
+    """
+
+    def __init__(self, inner: Any, delay: float, mapped: bool) -> None:
+        self._inner = inner
+        self._delay = delay
+        self._mapped = mapped
+        self._view: memoryview | None = None
+
+    def open(self) -> None:
+        self._inner.open()
+        if self._mapped:
+            self._view = self._inner.buffer()
+
+    def close(self) -> None:
+        self._view = None
+        self._inner.close()
+
+    def filesize(self) -> int:
+        return int(self._inner.filesize())
+
+    def read(self, offset: int, size: int) -> Any:
+        time.sleep(self._delay)  # releases the GIL, as waiting on a network file system does
+        if self._view is None:
+            return self._inner.read(offset, size)
+        return bytes(self._view[offset : offset + size])
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        time.sleep(self._delay)
+        view = self._view
+        if view is None:
+            return int(self._inner.readinto(offset, buffer))
+        piece = view[offset : offset + len(buffer)]
+        buffer[: len(piece)] = piece
+        return len(piece)
+
+
+class SlowIO:
+    """A read backend that adds ``delay`` seconds of latency to every read.
+
+    Args:
+        delay: seconds slept before each read (default 1 ms).
+        pread: read with ``PosixPreadIO`` after the sleep (two GIL handoffs per read)
+            instead of copying from a mapping (one, as a blocking read has).
+    """
+
+    def __init__(self, delay: float = 0.001, pread: bool = False) -> None:
+        self.delay = delay
+        self.pread = pread
+        self._inner: Any = PosixPreadIO() if pread else MmapIO()
+
+    def sync_reader(self, path: PurePath) -> _SlowReader:
+        """A reader of ``path``."""
+        return _SlowReader(self._inner.sync_reader(path), self.delay, not self.pread)
+
+    def async_reader(self, path: PurePath) -> Any:
+        """An ``async`` reader of ``path`` (without the delay)."""
+        return self._inner.async_reader(path)
+
+    def list_dir(self, path: PurePath) -> list[str]:
+        """Names in directory ``path``."""
+        return os.listdir(os.fspath(path))
+
+    def __repr__(self) -> str:
+        return f"SlowIO(delay={self.delay}, pread={self.pread})"
+
+
+def _slow_prefetch(workers: int) -> int:
+    return max(2, workers)
+
+
+def _slow_name(workers: int) -> str:
+    return f"ours workers={workers} threads prefetch={_slow_prefetch(workers)}"

@@ -1,0 +1,185 @@
+"""Targets and the report: each target of issue 4 checked, and the tables printed at the end."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from guideloom_pipes.bench.contenders import OURS_0, OURS_2, OURS_2P, _slow_name
+from guideloom_pipes.bench.harness import Row
+
+
+@dataclass
+class Target:
+    """One target of issue 4 and how this run did."""
+
+    name: str
+    measured: float
+    threshold: float
+    higher_is_better: bool
+    unit: str = "x"
+
+    @property
+    def passed(self) -> bool:
+        if self.higher_is_better:
+            return self.measured >= self.threshold
+        return self.measured < self.threshold
+
+
+def _rate(rows: list[Row], scenario: str, contender: str) -> float:
+    for row in rows:
+        if row.scenario == scenario and row.contender == contender:
+            return row.samples_per_s
+    return float("nan")
+
+
+def targets(rows: list[Row], extra: dict[str, Any]) -> list[Target]:
+    """The targets of issue 4 that this run measured."""
+    out: list[Target] = []
+    scenarios = {row.scenario for row in rows}
+    for scenario in ("tokens-2048", "tokens-128"):
+        if scenario not in scenarios:
+            continue
+        hand = _rate(rows, scenario, "hand loop")
+        zero = _rate(rows, scenario, OURS_0)
+        two = _rate(rows, scenario, OURS_2)
+        out.append(Target(f"{scenario}: {OURS_0} / hand loop", zero / hand, 0.5, True))
+        out.append(Target(f"{scenario}: {OURS_2} / {OURS_0}", two / zero, 0.95, True))
+    if "documents" in scenarios:
+        threads = _rate(rows, "documents", OURS_2)
+        processes = _rate(rows, "documents", OURS_2P)
+        out.append(Target("documents: processes / threads", processes / threads, 1.3, True))
+    if "slow-storage" in scenarios:
+        one = _rate(rows, "slow-storage", _slow_name(1))
+        for workers, floor in ((8, 6.0), (32, 20.0)):
+            many = _rate(rows, "slow-storage", _slow_name(workers))
+            out.append(
+                Target(f"slow-storage: {workers} workers / 1 worker", many / one, floor, True)
+            )
+    for row in rows:
+        if row.scenario == "shuffle" and row.contender.startswith("blocks"):
+            out.append(
+                Target(f"shuffle: {row.contender}", row.samples_per_s / 1e6, 3.0, True, "M ids/s")
+            )
+    if "scale" in extra:
+        scale = extra["scale"]
+        out.append(Target("scale: first batch", scale["first_batch_s"], 1.0, False, "s"))
+        out.append(
+            Target(
+                "scale: peak RSS above post-import",
+                scale["peak_rss_above_import_mb"],
+                50.0,
+                False,
+                "MB",
+            )
+        )
+    if "resume" in extra:
+        resume = extra["resume"]
+        out.append(Target("resume: near end / offset 0", resume["resume_ratio"], 2.0, False))
+    for row in extra.get("train-loop", {}).get("rows", []):
+        if row["contender"].startswith("ours"):
+            out.append(
+                Target(
+                    f"train-loop: {row['contender']} waits",
+                    row["wait_fraction"] * 100,
+                    5.0,
+                    False,
+                    "% of time",
+                )
+            )
+    return out
+
+
+def _table(headers: Sequence[str], body: Sequence[Sequence[str]], right: set[int]) -> str:
+    widths = [
+        max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)
+    ]
+
+    def line(cells: Sequence[str]) -> str:
+        return (
+            "| "
+            + " | ".join(
+                c.rjust(w) if i in right else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths))
+            )
+            + " |"
+        )
+
+    rule = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if i in right else ("-" * (w + 2)) for i, w in enumerate(widths)
+        )
+        + "|"
+    )
+    return "\n".join([line(headers), rule, *(line(r) for r in body)])
+
+
+def report(rows: list[Row], extra: dict[str, Any], goals: list[Target]) -> str:
+    """The tables printed at the end of a run (markdown)."""
+    parts = []
+    body = [
+        [
+            row.scenario,
+            row.contender + (" (baseline)" if row.baseline else ""),
+            f"{row.samples_per_s:,.0f}",
+            f"{row.tokens_per_s:,.0f}" if row.tokens_per_s else "-",
+            f"{row.cpu_s_per_1m_samples:,.1f}",
+            f"{row.ratio_to_baseline:.2f}",
+            f"{row.first_batch_s:.3f}",
+        ]
+        for row in rows
+    ]
+    parts.append(
+        _table(
+            [
+                "scenario",
+                "contender",
+                "samples/s",
+                "tokens/s",
+                "CPU-s / 1M samples",
+                "vs baseline",
+                "first batch s",
+            ],
+            body,
+            {2, 3, 4, 5, 6},
+        )
+    )
+    latency: list[list[str]] = []
+    if "scale" in extra:
+        scale = extra["scale"]
+        latency.append(["scale", "open + first batch", f"{scale['first_batch_s']:.3f} s"])
+        latency.append(["scale", "of which open", f"{scale['open_s']:.3f} s"])
+        latency.append(
+            ["scale", "peak RSS above post-import", f"{scale['peak_rss_above_import_mb']:.1f} MB"]
+        )
+    if "resume" in extra:
+        resume = extra["resume"]
+        latency.append(["resume", "first batch at offset 0", f"{resume['resume_offset0_s']:.4f} s"])
+        latency.append(
+            ["resume", "first batch near the end", f"{resume['resume_near_end_s']:.4f} s"]
+        )
+    for row in extra.get("train-loop", {}).get("rows", []):
+        latency.append(
+            [
+                "train-loop",
+                row["contender"],
+                f"waits {row['wait_fraction']:.1%}; next(): {row['next_cpu_ms_per_batch']:.3f} ms "
+                f"CPU/batch; process {row['process_cpu_ms_per_batch']:.2f} ms CPU/batch",
+            ]
+        )
+    if latency:
+        parts.append(_table(["scenario", "measure", "value"], latency, set()))
+    goal_rows = [
+        [
+            goal.name,
+            f"{goal.measured:.3g} {goal.unit}".strip(),
+            f"{'>=' if goal.higher_is_better else '<'} {goal.threshold:g} {goal.unit}".strip(),
+            "PASS" if goal.passed else "MISS",
+        ]
+        for goal in goals
+    ]
+    if goal_rows:
+        parts.append(_table(["target", "measured", "target", "result"], goal_rows, {1}))
+    return "\n\n".join(parts)

@@ -1,0 +1,416 @@
+"""The scenarios: ``Bench`` builds each one's data and contenders, and measures them.
+
+The scale and resume figures come from a subprocess (see ``scale``); the train loop times
+``next()`` around a simulated training step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from guideloom_pipes.bench.contenders import (
+    CPU,
+    OURS_0,
+    OURS_2,
+    OURS_2P,
+    SLOW_PREAD,
+    HandLoop,
+    MemmapDocuments,
+    MemmapMetaWindows,
+    MemmapWindows,
+    SlowIO,
+    _ours_contender,
+    _slow_name,
+    _slow_prefetch,
+    _torch_contender,
+)
+from guideloom_pipes.bench.data import (
+    SEED,
+    TOKENS_DTYPE,
+    _count_padded,
+    _count_tokens,
+    build_documents,
+    build_meta,
+    build_sparse,
+    build_tokens,
+    collate_meta,
+    collate_pad,
+    collate_tokens,
+)
+from guideloom_pipes.bench.harness import Contender, Row, Sizes, _close_iterator, measure
+from guideloom_pipes.formats import StreamNumpyFormat
+from guideloom_pipes.storage import StreamStorage
+
+SCENARIOS = (
+    "tokens-2048",
+    "tokens-128",
+    "meta",
+    "documents",
+    "slow-storage",
+    "shuffle",
+    "scale",
+    "resume",
+    "train-loop",
+)
+
+
+@dataclass
+class Bench:
+    """One benchmark run: data in ``root``, figures in ``rows`` and ``extra``."""
+
+    root: Path
+    sizes: Sizes
+    log: Callable[[str], None]
+    rows: list[Row] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    _tokens: StreamStorage | None = None
+
+    def tokens(self) -> StreamStorage:
+        if self._tokens is None:
+            started = time.perf_counter()
+            self._tokens = build_tokens(self.root / "tokens", self.sizes.tokens, self.sizes.shards)
+            self.timings["build tokens"] = time.perf_counter() - started
+        return self._tokens
+
+    def stream_scenario(self, name: str, length: int, batch: int) -> None:
+        storage = self.tokens()
+        count = _count_tokens(length)
+        hand = HandLoop(storage, length, batch, SEED)
+        stream = {"sequence_length": length, "local_batch_size": batch}
+        contenders = [
+            Contender("hand loop", lambda: iter(hand), count),
+            _ours_contender(
+                OURS_0, storage, collate_tokens, count, num_workers=0, prefetch=4, **stream
+            ),
+            _ours_contender(
+                OURS_2, storage, collate_tokens, count, num_workers=2, prefetch=4, **stream
+            ),
+            _ours_contender(
+                "ours workers=0 prefetch=0 (inline)",
+                storage,
+                collate_tokens,
+                count,
+                num_workers=0,
+                prefetch=0,
+                **stream,
+            ),
+            _torch_contender(
+                "torch DataLoader workers=0",
+                MemmapWindows(storage, length),
+                collate_tokens,
+                batch,
+                0,
+                count,
+            ),
+            _torch_contender(
+                "torch DataLoader workers=2",
+                MemmapWindows(storage, length),
+                collate_tokens,
+                batch,
+                2,
+                count,
+            ),
+        ]
+        self.rows += measure(name, contenders, self.sizes, self.log)
+
+    def meta_scenario(self) -> None:
+        started = time.perf_counter()
+        storage = build_meta(
+            self.root / "meta", self.sizes.meta_tokens, self.sizes.shards, self.sizes.meta_chunk
+        )
+        self.timings["build meta"] = time.perf_counter() - started
+        length, batch = 2048, 8
+        count = _count_tokens(length)
+        contenders = [
+            _torch_contender(
+                "torch DataLoader workers=0",
+                MemmapMetaWindows(storage, length),
+                collate_meta,
+                batch,
+                0,
+                count,
+            ),
+            _ours_contender(
+                OURS_0,
+                storage,
+                collate_meta,
+                count,
+                sequence_length=length,
+                local_batch_size=batch,
+                num_workers=0,
+                prefetch=4,
+            ),
+            _ours_contender(
+                OURS_2,
+                storage,
+                collate_meta,
+                count,
+                sequence_length=length,
+                local_batch_size=batch,
+                num_workers=2,
+                parallel_method="thread",
+                prefetch=4,
+            ),
+            _torch_contender(
+                "torch DataLoader workers=2",
+                MemmapMetaWindows(storage, length),
+                collate_meta,
+                batch,
+                2,
+                count,
+            ),
+        ]
+        self.rows += measure("meta", contenders, self.sizes, self.log)
+
+    def documents_scenario(self) -> None:
+        started = time.perf_counter()
+        storage, _ = build_documents(
+            self.root / "documents", self.sizes.documents, self.sizes.shards
+        )
+        self.timings["build documents"] = time.perf_counter() - started
+        batch = 32
+        common = {"local_batch_size": batch, "prefetch": 4}
+        contenders = [
+            _torch_contender(
+                "torch DataLoader workers=0",
+                MemmapDocuments(storage),
+                collate_pad,
+                batch,
+                0,
+                _count_padded,
+            ),
+            _ours_contender(OURS_0, storage, collate_pad, _count_padded, num_workers=0, **common),
+            _ours_contender(
+                OURS_2,
+                storage,
+                collate_pad,
+                _count_padded,
+                num_workers=2,
+                parallel_method="thread",
+                **common,
+            ),
+            _ours_contender(
+                OURS_2P,
+                storage,
+                collate_pad,
+                _count_padded,
+                num_workers=2,
+                parallel_method="process",
+                **common,
+            ),
+            _torch_contender(
+                "torch DataLoader workers=2",
+                MemmapDocuments(storage),
+                collate_pad,
+                batch,
+                2,
+                _count_padded,
+            ),
+        ]
+        self.rows += measure("documents", contenders, self.sizes, self.log)
+
+    def slow_scenario(self) -> None:
+        started = time.perf_counter()
+        directory = self.root / "slow"
+        if self.sizes.slow_tokens == self.sizes.tokens:
+            directory = self.tokens().dir  # type: ignore[assignment]
+        else:
+            build_tokens(directory, self.sizes.slow_tokens, self.sizes.shards)
+        self.timings["build slow"] = time.perf_counter() - started
+        storage = StreamStorage(directory, StreamNumpyFormat(TOKENS_DTYPE), SlowIO(0.001))
+        preads = StreamStorage(directory, StreamNumpyFormat(TOKENS_DTYPE), SlowIO(0.001, True))
+        count = _count_tokens(2048)
+
+        def ours(name: str, store: StreamStorage, workers: int) -> Contender:
+            return _ours_contender(
+                name,
+                store,
+                collate_tokens,
+                count,
+                sequence_length=2048,
+                local_batch_size=32,
+                num_workers=workers,
+                parallel_method="thread",
+                prefetch=_slow_prefetch(workers),
+            )
+
+        contenders = [ours(_slow_name(workers), storage, workers) for workers in (1, 8, 32)]
+        contenders.append(ours(SLOW_PREAD, preads, 32))
+        self.rows += measure("slow-storage", contenders, self.sizes, self.log)
+
+    def shuffle_scenario(self) -> None:
+        from guideloom_pipes.shuffle import FeistelPermutation
+
+        block = self.sizes.shuffle_block
+        stream_samples = self.sizes.tokens // 2048
+
+        def blocks(n: int, size: int) -> Callable[[], Iterator[Any]]:
+            permutation = FeistelPermutation.for_epoch(n, SEED, 0)
+
+            def generate() -> Iterator[Any]:
+                for start in range(0, min(n, 1 << 40), size):
+                    positions = np.arange(start, min(n, start + size), dtype=np.int64)
+                    yield permutation(positions)
+
+            return generate
+
+        def per_index(n: int) -> Callable[[], Iterator[Any]]:
+            permutation = FeistelPermutation.for_epoch(n, SEED, 0)
+
+            def generate() -> Iterator[Any]:
+                for start in range(0, n, 256):
+                    yield [permutation(p) for p in range(start, min(n, start + 256))]
+
+            return generate
+
+        def count(ids: Any) -> tuple[int, int]:
+            return len(ids), 0
+
+        contenders = [
+            Contender(f"per-index calls, n={stream_samples:,}", per_index(stream_samples), count),
+            Contender(
+                f"blocks of {block}, n={stream_samples:,}", blocks(stream_samples, block), count
+            ),
+            Contender(f"blocks of {block}, n=2**29", blocks(2**29, block), count),
+            Contender(f"blocks of {block}, n=2**40", blocks(2**40, block), count),
+        ]
+        self.rows += measure("shuffle", contenders, self.sizes, self.log)
+
+    def scale_scenario(self) -> None:
+        started = time.perf_counter()
+        directory = self.root / "sparse"
+        build_sparse(directory, self.sizes.scale_tokens, self.sizes.scale_shards)
+        self.timings["build sparse"] = time.perf_counter() - started
+        command = [
+            sys.executable,
+            "-m",
+            "guideloom_pipes.bench",
+            "--child-scale",
+            str(directory),
+            "--resume-rounds",
+            str(self.sizes.resume_rounds),
+        ]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"the scale subprocess failed ({result.returncode}):\n{result.stderr[-4000:]}"
+            )
+        figures = json.loads(result.stdout.strip().splitlines()[-1])
+        figures["tokens"] = self.sizes.scale_tokens
+        figures["shards"] = self.sizes.scale_shards
+        self.extra["scale"] = {k: v for k, v in figures.items() if not k.startswith("resume")}
+        self.extra["resume"] = {k: v for k, v in figures.items() if k.startswith("resume")}
+        scale, resume = self.extra["scale"], self.extra["resume"]
+        self.log(
+            f"  scale         first batch {scale['first_batch_s']:.3f} s, peak "
+            f"{scale['peak_rss_above_import_mb']:.1f} MB above import"
+        )
+        self.log(
+            f"  resume        offset 0 {resume['resume_offset0_s']:.4f} s, near end "
+            f"{resume['resume_near_end_s']:.4f} s"
+        )
+
+    def train_loop_scenario(self) -> None:
+        from guideloom_pipes.loader import StatefulDataLoader
+
+        storage = self.tokens()
+        length, batch, steps = 2048, 8, self.sizes.train_steps
+        results = []
+        configurations: list[tuple[str, Callable[[], Any]]] = [
+            (
+                f"ours workers={workers} prefetch=2",
+                lambda workers=workers: StatefulDataLoader.from_storage(  # type: ignore[misc]
+                    storage,
+                    collate_tokens,
+                    sequence_length=length,
+                    local_batch_size=batch,
+                    num_workers=workers,
+                    parallel_method="thread",
+                    prefetch=2,
+                    shuffle=True,
+                    shuffle_seed=SEED,
+                    device=CPU,
+                ),
+            )
+            for workers in (0, 2)
+        ]
+        configurations.append(
+            (
+                "torch DataLoader workers=2 prefetch_factor=2",
+                lambda: torch.utils.data.DataLoader(
+                    MemmapWindows(storage, length),
+                    batch_size=batch,
+                    shuffle=True,
+                    num_workers=2,
+                    prefetch_factor=2,
+                    collate_fn=collate_tokens,
+                    drop_last=True,
+                ),
+            )
+        )
+        for name, make in configurations:
+            loader = make()
+            with contextlib.ExitStack() as stack:
+                if hasattr(loader, "__enter__"):
+                    stack.enter_context(loader)
+                figures = _train_loop(loader, steps)
+            results.append({"contender": name, **figures})
+            self.log(
+                f"  train-loop    {name:<34} waits {figures['wait_fraction']:.1%}, "
+                f"{figures['next_cpu_ms_per_batch']:.3f} ms CPU in next() per batch"
+            )
+        self.extra["train-loop"] = {
+            "step_s": 0.01,
+            "steps": steps,
+            "sequence_length": length,
+            "batch": batch,
+            "rows": results,
+        }
+
+
+def _train_loop(loader: Any, steps: int, step_s: float = 0.01) -> dict[str, float]:
+    """Run ``steps`` simulated training steps; how long and how much CPU ``next()`` took."""
+    iterator = iter(loader)
+    try:
+        for _ in range(3):  # start-up: worker start and the first batches are not a steady state
+            next(iterator)
+            time.sleep(step_s)
+        waited = next_cpu = 0.0
+        started = time.perf_counter()
+        cpu_started = time.process_time()
+        done = 0
+        while done < steps:
+            wall_mark, cpu_mark = time.perf_counter(), time.thread_time()
+            try:
+                next(iterator)
+            except StopIteration:
+                _close_iterator(iterator)
+                iterator = iter(loader)
+                continue
+            next_cpu += time.thread_time() - cpu_mark
+            waited += time.perf_counter() - wall_mark
+            done += 1
+            time.sleep(step_s)  # the training step: GIL released, as a GPU step's wait is
+        total = time.perf_counter() - started
+        process_cpu = time.process_time() - cpu_started
+    finally:
+        _close_iterator(iterator)
+    return {
+        "wait_fraction": waited / total,
+        "wait_ms_per_batch": waited / steps * 1e3,
+        "next_cpu_ms_per_batch": next_cpu / steps * 1e3,
+        "process_cpu_ms_per_batch": process_cpu / steps * 1e3,
+        "wall_s": total,
+    }
