@@ -1,0 +1,326 @@
+"""The loader's arguments: GuideLoom's keywords and torch ``DataLoader``'s, checked and
+translated into the one set of settings :class:`~guideloom_pipes.StatefulDataLoader` runs on.
+
+Keywords the loader cannot honour are refused here, each with what to pass instead.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing.context
+import operator
+import pickle
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from guideloom_pipes.datasets import DocumentDataset, StreamDataset
+from guideloom_pipes.pipes import draw_seed
+from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
+
+_METHODS = ("thread", "process")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _int_arg(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if number < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    return number
+
+
+def _bool_arg(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _check_picklable(name: str, value: Any) -> None:
+    try:
+        pickle.dumps(value)
+    except Exception as error:
+        raise TypeError(
+            f"{name} {value!r} cannot be pickled ({error}), and parallel_method='process' "
+            f"sends it to every worker process: define it at module level (not a lambda, a "
+            f"nested function or an object holding open files or locks), or use "
+            f"parallel_method='thread'"
+        ) from error
+
+
+def _reject_torch_keywords(
+    sampler: Any,
+    batch_sampler: Any,
+    worker_init_fn: Any,
+    persistent_workers: Any,
+    pin_memory_device: Any,
+    in_order: Any,
+) -> None:
+    """torch ``DataLoader`` keywords this loader cannot honour: say what to use instead."""
+    if sampler is not None:
+        raise ValueError(
+            f"sampler={sampler!r} is not supported: the loader orders samples itself so that "
+            "it can checkpoint and resume them exactly. Pass shuffle=True (with shuffle_seed=) "
+            "for a random order, and rank=/world_size= instead of a DistributedSampler"
+        )
+    if batch_sampler is not None:
+        raise ValueError(
+            f"batch_sampler={batch_sampler!r} is not supported: pass batch_size= (or "
+            "local_batch_size=), drop_last= and shuffle= instead"
+        )
+    if worker_init_fn is not None:
+        raise ValueError(
+            f"worker_init_fn={worker_init_fn!r} is not supported: workers read whole batches "
+            "through the dataset, so put per-worker setup in the dataset (our datasets open "
+            "one reader per worker process) or in collate_fn"
+        )
+    if persistent_workers:
+        raise ValueError(
+            "persistent_workers=True is not supported: workers start with each iterator and "
+            "stop with it, so no thread or process outlives an epoch; remove the keyword "
+            "(thread workers start in microseconds)"
+        )
+    if pin_memory_device:
+        raise ValueError(
+            f"pin_memory_device={pin_memory_device!r} is not supported: pass device= (the "
+            "device batches are moved to) with pin_memory=True"
+        )
+    if in_order is not True:
+        raise ValueError(
+            f"in_order={in_order!r} is not supported: batches always arrive in order, which is "
+            "what makes checkpoints exact; remove the keyword"
+        )
+
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """What a loader runs on, after :func:`resolve_arguments` checked and translated it."""
+
+    local_batch_size: int
+    rank: int
+    world_size: int
+    num_workers: int
+    parallel_method: str
+    multiprocessing_context: str | multiprocessing.context.BaseContext | None
+    timeout: float
+    shuffle: bool
+    #: The seed in use (drawn now when shuffling without one).
+    shuffle_seed: int | None
+    #: Whether the caller passed ``shuffle_seed`` (a loaded state's seed is adopted if not).
+    seed_given: bool
+    drop_last: bool
+    prefetch: int
+    pin_memory: bool
+    device: torch.device
+
+
+def resolve_arguments(
+    dataset: Any,
+    collate_fn: Any,
+    *,
+    device: torch.device | str | int | None,
+    local_batch_size: int,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    parallel_method: str,
+    shuffle: bool | None,
+    shuffle_seed: int | None,
+    pin_memory: bool,
+    drop_last: bool,
+    prefetch: int,
+    batch_size: Any,
+    prefetch_factor: int | None,
+    multiprocessing_context: str | multiprocessing.context.BaseContext | None,
+    timeout: float,
+    generator: torch.Generator | None,
+    sampler: Any,
+    batch_sampler: Any,
+    worker_init_fn: Any,
+    persistent_workers: bool,
+    pin_memory_device: str,
+    in_order: bool,
+    stacklevel: int = 2,
+) -> LoaderSettings:
+    """Check the constructor's arguments and translate torch's keywords into GuideLoom's.
+
+    Raises ``TypeError``/``ValueError`` naming the argument and the fix; warnings point
+    ``stacklevel`` frames above this function's caller, as ``warnings.warn`` counts them.
+    """
+    stacklevel += 1
+    if collate_fn is not None and not callable(collate_fn):
+        if isinstance(collate_fn, int) and not isinstance(collate_fn, bool):
+            raise TypeError(
+                f"the second positional argument is collate_fn, got {collate_fn!r}: for a "
+                f"batch size, pass batch_size={collate_fn} (or local_batch_size="
+                f"{collate_fn})"
+            )
+        raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
+    _reject_torch_keywords(
+        sampler, batch_sampler, worker_init_fn, persistent_workers, pin_memory_device, in_order
+    )
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise TypeError(
+            f"{type(dataset).__name__} is an iterable-style dataset; this loader needs a "
+            "map-style one (len() and [i]) to shuffle, shard and resume by position"
+        )
+    if not hasattr(dataset, "__len__") or not (
+        hasattr(dataset, "__getitem__") or hasattr(dataset, "sync_reader")
+    ):
+        raise TypeError(
+            f"dataset must be map-style (support len() and [i]), got {type(dataset).__name__}"
+        )
+
+    # torch's batch_size / prefetch_factor / shuffle=None / timeout
+    if batch_size is not _UNSET:
+        if batch_size is None:
+            raise ValueError(
+                "batch_size=None (torch's unbatched loading) is not supported: pass "
+                "batch_size=1 and take batch[0], or collate_fn=lambda samples: samples[0]"
+            )
+        batch_size = _int_arg("batch_size", batch_size, 1)
+        if local_batch_size not in (1, batch_size):
+            raise ValueError(
+                f"batch_size={batch_size} and local_batch_size={local_batch_size} disagree: "
+                "pass only one of them (they mean the same)"
+            )
+        local_batch_size = batch_size
+    if shuffle is None:
+        shuffle = False
+    num_workers = _int_arg("num_workers", num_workers, 0)
+    if prefetch_factor is not None:
+        prefetch_factor = _int_arg("prefetch_factor", prefetch_factor, 1)
+        if num_workers == 0:
+            raise ValueError(
+                f"prefetch_factor={prefetch_factor} applies only with num_workers > 0 (as "
+                "in torch); pass prefetch= for finished batches waiting ahead"
+            )
+        if prefetch != 0:
+            raise ValueError(
+                f"pass prefetch ({prefetch}) or prefetch_factor ({prefetch_factor}), not "
+                "both: prefetch = prefetch_factor * num_workers"
+            )
+        prefetch = prefetch_factor * num_workers
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+        raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+
+    local_batch_size = _int_arg("local_batch_size", local_batch_size, 1)
+    world_size = _int_arg("world_size", world_size, 1)
+    rank = _int_arg("rank", rank, 0)
+    if rank >= world_size:
+        raise ValueError(
+            f"rank must be < world_size ({world_size}), got {rank}: pass the "
+            "global rank, from 0 to world_size - 1"
+        )
+    if parallel_method not in _METHODS:
+        raise ValueError(f"parallel_method must be 'thread' or 'process', got {parallel_method!r}")
+    if multiprocessing_context is not None and parallel_method != "process":
+        raise ValueError(
+            f"multiprocessing_context={multiprocessing_context!r} applies only to process "
+            "workers: pass parallel_method='process' too (workers are threads by default)"
+        )
+    shuffle = _bool_arg("shuffle", shuffle)
+    drop_last = _bool_arg("drop_last", drop_last)
+    prefetch = _int_arg("prefetch", prefetch, 0)
+    pin_memory = _bool_arg("pin_memory", pin_memory)
+
+    if shuffle_seed is not None:
+        if generator is not None:
+            raise ValueError("pass shuffle_seed or generator, not both")
+        shuffle_seed = _int_arg("shuffle_seed", shuffle_seed, 0)
+    seed_given = shuffle_seed is not None
+    if shuffle_seed is None and shuffle:
+        if generator is not None:
+            shuffle_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
+        else:
+            shuffle_seed = draw_seed()
+
+    device = _default_device() if device is None else torch.device(device)
+    if pin_memory and device.type != "cuda":
+        warnings.warn(
+            f"pin_memory=True has no effect with device={device}: pinned memory only "
+            "speeds up copies to a CUDA device; ignoring it (GuideLoom raises ValueError)",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+        pin_memory = False
+    if device.type == "cuda" and not pin_memory:
+        warnings.warn(
+            f"device={device} without pin_memory=True: host-to-device copies will be "
+            "synchronous; pass pin_memory=True",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    if prefetch * local_batch_size < num_workers:
+        warnings.warn(
+            f"prefetch * local_batch_size = {prefetch * local_batch_size} < "
+            f"num_workers = {num_workers}: GuideLoom warns here because its "
+            "per-sample workers then idle. This loader reads whole batches and keeps "
+            "2 * num_workers of them in flight anyway; set prefetch >= "
+            f"{math.ceil(num_workers / local_batch_size)} to also let finished "
+            "batches wait ahead of the training loop",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
+    if parallel_method == "process" and num_workers > 0:
+        _check_picklable("collate_fn", collate_fn)
+        _check_picklable("dataset", dataset)
+
+    return LoaderSettings(
+        local_batch_size=local_batch_size,
+        rank=rank,
+        world_size=world_size,
+        num_workers=num_workers,
+        parallel_method=parallel_method,
+        multiprocessing_context=multiprocessing_context,
+        timeout=float(timeout),
+        shuffle=shuffle,
+        shuffle_seed=shuffle_seed,
+        seed_given=seed_given,
+        drop_last=drop_last,
+        prefetch=prefetch,
+        pin_memory=pin_memory,
+        device=device,
+    )
+
+
+def dataset_for_storage(storage: Any, sequence_length: int | None) -> Any:
+    """The dataset ``from_storage`` reads: ``StreamDataset`` or ``DocumentDataset``."""
+    if isinstance(storage, (StreamStorage, StreamWithMetaStorage)):
+        if sequence_length is None:
+            raise ValueError(
+                f"{type(storage).__name__} needs sequence_length= (the number of stream "
+                "elements per sample)"
+            )
+        return StreamDataset(storage, sequence_length)
+    if isinstance(storage, DocumentStorage):
+        if sequence_length is not None:
+            raise TypeError(
+                f"DocumentStorage takes no sequence_length (got {sequence_length!r}): each "
+                "document is one sample; remove the keyword"
+            )
+        return DocumentDataset(storage)
+    raise TypeError(
+        "storage must be a StreamStorage, StreamWithMetaStorage or DocumentStorage, "
+        f"got {type(storage).__name__}; wrap other data in a dataset and pass it to "
+        "StatefulDataLoader(dataset, ...)"
+    )
