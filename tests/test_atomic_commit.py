@@ -1,6 +1,6 @@
 """A shard becomes visible only when its writer closes successfully; never half-written.
 
-Covers the commit protocol of ``guideloom_pipes.storage.shards``: temporaries until close,
+Covers the commit protocol of ``guideloom_pipes.storage.commit``: temporaries until close,
 abort on an exception, a writer killed with SIGKILL mid-write or mid-commit, failures inside
 ``close``, the ``fsync`` calls, and the writer's refusals.
 """

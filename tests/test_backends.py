@@ -576,7 +576,7 @@ def test_a_reader_returning_a_non_contiguous_array_reads_right(datasets: dict[st
 def test_a_reader_returning_the_wrong_number_of_bytes_is_refused(
     datasets: dict[str, Any], extra: int
 ) -> None:
-    from guideloom_pipes.storage.shards import CorruptShardError
+    from guideloom_pipes.storage.errors import CorruptShardError
 
     class Reader(MemoryReader):
         def read(self, offset: int, size: int) -> Any:

@@ -15,7 +15,8 @@ from shard_kinds import KINDS, SUFFIXES, expected, read, storage, write
 
 from guideloom_pipes.storage import StaleWriteWarning
 from guideloom_pipes.storage.io import MmapIO
-from guideloom_pipes.storage.shards import _NAME, discover, shard_name
+from guideloom_pipes.storage.listing import discover
+from guideloom_pipes.storage.names import _NAME, shard_name
 
 
 def guideloom_stream(path: Path, lengths: Iterable[int], ids: Iterable[int] | None = None) -> None:

@@ -1,7 +1,7 @@
 """The storage layer: shard files, atomic commit, read backends and the three storages."""
 
 from guideloom_pipes.storage.document import DocumentStorage
-from guideloom_pipes.storage.shards import (
+from guideloom_pipes.storage.errors import (
     CorruptShardError,
     ShardLockedError,
     StaleWriteWarning,

@@ -9,17 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from guideloom_pipes.storage.commit import _fsync_directory, seal_shard
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
-from guideloom_pipes.storage.shards import (
-    ShardFiles,
-    ShardListing,
-    _fsync_directory,
-    check_listing,
-    discover,
-    seal_shard,
-    shard_name,
-    verify_checksums,
-)
+from guideloom_pipes.storage.listing import ShardListing, discover
+from guideloom_pipes.storage.names import shard_name
+from guideloom_pipes.storage.shard_files import ShardFiles
+from guideloom_pipes.storage.verify import check_listing, verify_checksums
 from guideloom_pipes.types import Storage
 
 

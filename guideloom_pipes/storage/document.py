@@ -16,14 +16,10 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
-from guideloom_pipes.storage.shards import (
-    INDEX,
-    OUT_OF_BAND,
-    CorruptShardError,
-    ShardListing,
-    ShardWriterBase,
-    _CountingFile,
-)
+from guideloom_pipes.storage.commit import ShardWriterBase, _CountingFile
+from guideloom_pipes.storage.errors import CorruptShardError
+from guideloom_pipes.storage.listing import ShardListing
+from guideloom_pipes.storage.names import INDEX, OUT_OF_BAND
 from guideloom_pipes.storage.stream import as_int
 from guideloom_pipes.types import (
     DocumentStorageAbstract,

@@ -14,13 +14,10 @@ from typing import Any, Generic
 import numpy as np
 
 from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
-from guideloom_pipes.storage.shards import (
-    IN_BAND,
-    CorruptShardError,
-    ShardListing,
-    ShardWriterBase,
-    shard_name,
-)
+from guideloom_pipes.storage.commit import ShardWriterBase
+from guideloom_pipes.storage.errors import CorruptShardError
+from guideloom_pipes.storage.listing import ShardListing
+from guideloom_pipes.storage.names import IN_BAND, shard_name
 from guideloom_pipes.types import (
     InDataT,
     OutDataT,

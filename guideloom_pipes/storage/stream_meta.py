@@ -14,20 +14,16 @@ from typing import Any, Generic
 import numpy as np
 
 from guideloom_pipes.storage.base import AsyncReaderBase, StorageBase
+from guideloom_pipes.storage.commit import ShardWriterBase
 from guideloom_pipes.storage.document import (
     INDEX_DTYPE,
     OffsetIndex,
     PayloadLog,
     index_counts,
 )
-from guideloom_pipes.storage.shards import (
-    IN_BAND,
-    INDEX,
-    OUT_OF_BAND,
-    CorruptShardError,
-    ShardListing,
-    ShardWriterBase,
-)
+from guideloom_pipes.storage.errors import CorruptShardError
+from guideloom_pipes.storage.listing import ShardListing
+from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
 from guideloom_pipes.storage.stream import (
     StreamReader,
     as_int,

@@ -1,0 +1,187 @@
+"""Reading shard files: :class:`ShardFiles` holds the byte readers of one file kind across the
+shards (opened lazily, descriptor-holding ones kept in an LRU) and reads or fills buffers."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import PurePath
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.storage.io import resolve_backend
+from guideloom_pipes.storage.names import shard_name
+
+
+def _fill_function(reader: Any) -> Callable[[int, memoryview], int]:
+    """``fill(offset, buffer)`` for ``reader``: its own ``readinto`` where it has one (our
+    byte-range backends: the system call fills ``buffer``), else ``read`` and a copy."""
+    readinto = getattr(reader, "readinto", None)
+    if callable(readinto):
+        return readinto
+    return functools.partial(_read_and_copy, reader)
+
+
+def _read_and_copy(reader: Any, offset: int, buffer: memoryview) -> int:
+    """``reader.read`` copied into ``buffer``; the bytes ``read`` returned.
+
+    The copy is a memoryview assignment, a ``memcpy`` under the GIL: numpy's copy of more
+    than a few hundred elements releases the GIL and takes it back, and with many reading
+    threads each such handoff costs more than the copy.
+    """
+    data = reader.read(offset, len(buffer))
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError:  # not contiguous, or not a plain buffer format
+        view = memoryview(memoryview(data).tobytes())
+    got = len(view)
+    if got <= len(buffer):
+        buffer[:got] = view
+    return got
+
+
+class ShardFiles:
+    """Byte readers of one file kind (``suffix``) across the shards, opened lazily.
+
+    Readers of backends that hold a descriptor per open file (``holds_fd``, and any custom
+    backend) are kept in an LRU of at most ``max_open``; memory-mapped ones hold none and
+    stay open. Thread-safe.
+
+    Args:
+        backend: the read backend.
+        directory: the dataset directory.
+        suffix: the file kind, e.g. ``".in_band.bin"``.
+        num_shards: how many shards there are.
+        max_open: most descriptor-holding readers kept open at once.
+    """
+
+    def __init__(
+        self, backend: Any, directory: PurePath, suffix: str, num_shards: int, max_open: int = 64
+    ) -> None:
+        self.backend = resolve_backend(backend)
+        self.directory = directory
+        self.suffix = suffix
+        self.num_shards = num_shards
+        self.bounded = self.backend.holds_fd
+        #: whether ``read`` returns fresh buffers nobody else holds (our local backends)
+        self.owned_reads = self.backend.local
+        #: whether readers may offer ``buffer()`` (only tried where no descriptor is held)
+        self._mappable = not self.bounded
+        self.max_open = max(1, max_open)
+        # with no more shards than max_open nothing is ever evicted: reads skip the LRU lock
+        self._never_evicts = num_shards <= self.max_open
+        self._readers: list[Any] = [None] * num_shards
+        # per shard, its reader's fill(offset, buffer) (only where readers are never evicted)
+        self._fills: list[Callable[[int, memoryview], int] | None] = [None] * num_shards
+        self._arrays: dict[tuple[int, str], np.ndarray] = {}
+        self._lru: OrderedDict[int, int] = OrderedDict()  # shard -> readers in use
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def path(self, shard: int) -> PurePath:
+        return self.directory / (shard_name(shard) + self.suffix)
+
+    def _open_reader(self, shard: int) -> Any:
+        reader = self.backend.reader(self.path(shard))
+        reader.open()
+        return reader
+
+    def array(self, shard: int, dtype: np.dtype[Any]) -> np.ndarray | None:
+        """The whole file as a read-only numpy array, when the backend maps files; else None."""
+        key = (shard, dtype.str if dtype.names is None else repr(dtype.descr))
+        found = self._arrays.get(key)
+        if found is not None:
+            return found
+        if not self._mappable:
+            return None
+        buffer = getattr(self._shared(shard), "buffer", None)  # mappable: never evicted
+        if buffer is None:
+            self._mappable = False  # a custom backend without buffers: use read()
+            return None
+        with self._lock:
+            found = self._arrays.get(key)
+            if found is None:
+                view = buffer()
+                usable = len(view) - len(view) % dtype.itemsize
+                found = self._arrays[key] = np.frombuffer(view[:usable], dtype=dtype)
+            return found
+
+    def read(self, shard: int, offset: int, size: int) -> Any:
+        """``size`` bytes at ``offset`` of the shard's file."""
+        if not self.bounded or self._never_evicts:
+            return self._shared(shard).read(offset, size)
+        reader = self._acquire(shard)
+        try:
+            return reader.read(offset, size)
+        finally:
+            self._release(shard)
+
+    def readinto(self, shard: int, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` (a writable, contiguous byte memoryview) with the bytes at ``offset``
+        of the shard's file; returns how many bytes the file had there (fewer than
+        ``len(buffer)`` only past its end)."""
+        if not self.bounded or self._never_evicts:
+            fill = self._fills[shard]
+            if fill is None:
+                fill = self._fills[shard] = _fill_function(self._shared(shard))
+            return int(fill(offset, buffer))
+        reader = self._acquire(shard)
+        try:
+            return int(_fill_function(reader)(offset, buffer))
+        finally:
+            self._release(shard)
+
+    def _shared(self, shard: int) -> Any:
+        """The shard's reader, opened on first use, where readers are never evicted."""
+        reader = self._readers[shard]
+        if reader is None:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("reader is closed")
+                reader = self._readers[shard]
+                if reader is None:
+                    reader = self._readers[shard] = self._open_reader(shard)
+        return reader
+
+    def _acquire(self, shard: int) -> Any:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("reader is closed")
+            reader = self._readers[shard]
+            if reader is None:
+                self._evict()
+                reader = self._readers[shard] = self._open_reader(shard)
+                self._lru[shard] = 0
+            self._lru[shard] += 1
+            self._lru.move_to_end(shard)
+            return reader
+
+    def _release(self, shard: int) -> None:
+        with self._lock:
+            self._lru[shard] -= 1
+
+    def _evict(self) -> None:
+        if len(self._lru) < self.max_open:
+            return
+        for shard, users in list(self._lru.items()):
+            if users == 0:
+                del self._lru[shard]
+                reader, self._readers[shard] = self._readers[shard], None
+                reader.close()
+                if len(self._lru) < self.max_open:
+                    return
+
+    def close(self) -> None:
+        """Close every open reader."""
+        with self._lock:
+            self._closed = True
+            self._arrays.clear()
+            self._fills = [None] * self.num_shards
+            for shard, reader in enumerate(self._readers):
+                if reader is not None:
+                    reader.close()
+                    self._readers[shard] = None
+            self._lru.clear()
