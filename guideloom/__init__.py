@@ -11,7 +11,8 @@ Every name and every submodule is the very object :mod:`guideloom_pipes` has:
 and pickles work across both names). Three module paths exist only in GuideLoom and live in
 this package as files of their own, re-exporting our classes: ``guideloom.dataset``,
 ``guideloom.storage_format`` and ``guideloom.pytorch``. ``__version__`` is the GuideLoom API
-level this package reproduces (``guideloom_pipes.GUIDELOOM_VERSION``); ``guideloom_pipes.__version__`` is our own.
+level this package reproduces (``guideloom_pipes.GUIDELOOM_VERSION``);
+``guideloom_pipes.__version__`` is our own.
 
 Importing ``guideloom`` does not import torch; ``StatefulDataLoader`` and ``pipes`` load it on
 first use, as in :mod:`guideloom_pipes`. Do not install this package next to GuideLoom itself:
