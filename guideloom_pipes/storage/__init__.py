@@ -3,6 +3,8 @@
 from guideloom_pipes.storage.document import DocumentStorage
 from guideloom_pipes.storage.errors import (
     CorruptShardError,
+    DatasetChangedError,
+    ShardDecodeError,
     ShardLockedError,
     StaleWriteWarning,
     StorageError,
@@ -13,7 +15,9 @@ from guideloom_pipes.storage.stream_meta import StreamWithMetaStorage
 
 __all__ = [
     "CorruptShardError",
+    "DatasetChangedError",
     "DocumentStorage",
+    "ShardDecodeError",
     "ShardLockedError",
     "StaleWriteWarning",
     "StorageError",

@@ -17,9 +17,14 @@ import numpy as np
 
 from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
 from guideloom_pipes.storage.commit import ShardWriterBase, _CountingFile
-from guideloom_pipes.storage.errors import CorruptShardError
+from guideloom_pipes.storage.errors import (
+    CorruptShardError,
+    ShardDecodeError,
+    StorageError,
+    decode_error,
+)
 from guideloom_pipes.storage.listing import ShardListing
-from guideloom_pipes.storage.names import INDEX, OUT_OF_BAND
+from guideloom_pipes.storage.names import INDEX, OUT_OF_BAND, shard_name
 from guideloom_pipes.storage.stream import as_int
 from guideloom_pipes.types import (
     DocumentStorageAbstract,
@@ -298,10 +303,37 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         return shard, global_index - int(self._starts[shard])
 
     def read(self, global_index: int) -> Any:
-        """Document ``global_index``, decoded by the format."""
+        """Document ``global_index``, decoded by the format.
+
+        A document the format cannot decode raises :class:`ShardDecodeError` (a
+        ``CorruptShardError``) naming the shard, the file and the document, with the
+        format's own exception chained (and mixed in, see :func:`decode_error`).
+        """
         self._check_open()
-        shard, local = self._locate(as_int(global_index, "global_index"))
-        return self.storage.format.unpack(self._index.payload(shard, local), shard)
+        global_index = as_int(global_index, "global_index")
+        shard, local = self._locate(global_index)
+        payload = self._index.payload(shard, local)
+        try:
+            return self.storage.format.unpack(payload, shard)
+        except StorageError:
+            raise
+        except Exception as error:
+            raise self._decode_failed(error, shard, local, global_index) from error
+
+    def _decode_failed(
+        self, error: Exception, shard: int, local: int, global_index: int
+    ) -> ShardDecodeError:
+        path = self._shard_path(shard, OUT_OF_BAND)
+        start, end = self._index.span(shard, local)
+        format_name = type(self.storage.format).__name__
+        return decode_error(
+            error,
+            f"document {global_index} (document {local} of shard {shard_name(shard)}, bytes "
+            f"[{start}, {end}) of {path}) could not be decoded: {format_name}.unpack raised "
+            f"{type(error).__name__}: {str(error).rstrip('.')}; the file is corrupt, or the "
+            f"shard was written with another format. Run storage.verify() (it checks every "
+            f"committed file against its checksum), then rewrite shard {shard}",
+        )
 
     def read_many(self, global_indexes: Iterable[int] | np.ndarray) -> list[Any]:
         """Documents at ``global_indexes`` (an int64 vector, or any iterable of ints), in
@@ -319,9 +351,17 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         shards = np.searchsorted(self._starts, ids, side="right") - 1
         locals_ = ids - self._starts[shards]
         unpack, payload = self.storage.format.unpack, self._index.payload
-        return [
-            unpack(memoryview(payload(s, k)), s) for s, k in zip(shards.tolist(), locals_.tolist())
-        ]
+        out: list[Any] = []
+        try:
+            for s, k in zip(shards.tolist(), locals_.tolist()):
+                out.append(unpack(memoryview(payload(s, k)), s))
+        except StorageError:
+            raise
+        except Exception as error:
+            failed = len(out)  # the position whose decode raised
+            shard, local = int(shards[failed]), int(locals_[failed])
+            raise self._decode_failed(error, shard, local, int(ids[failed])) from error
+        return out
 
 
 class AsyncDocumentReader(AsyncReaderBase, DocumentStorageAsyncReaderAbstract[Any]):

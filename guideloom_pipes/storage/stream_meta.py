@@ -21,7 +21,12 @@ from guideloom_pipes.storage.document import (
     PayloadLog,
     index_counts,
 )
-from guideloom_pipes.storage.errors import CorruptShardError
+from guideloom_pipes.storage.errors import (
+    CorruptShardError,
+    ShardDecodeError,
+    StorageError,
+    decode_error,
+)
 from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
 from guideloom_pipes.storage.stream import (
@@ -253,8 +258,34 @@ class StreamWithMetaReader(StreamReader):
         locals_ = ordered & 0xFFFFFFFF
         document_data = self._fetch(document_shard, locals_)
         stream_data = np.array(records["user"], copy=True)
-        return self.storage.format.unpack(
-            stream_data, document_shard, document_index, document_data
+        try:
+            return self.storage.format.unpack(
+                stream_data, document_shard, document_index, document_data
+            )
+        except StorageError:
+            raise
+        except Exception as error:
+            raise self._decode_failed(error, document_shard, locals_) from error
+
+    def _decode_failed(
+        self, error: Exception, shards: np.ndarray, locals_: np.ndarray
+    ) -> ShardDecodeError:
+        """The error for a span whose ``unpack`` raised: the payloads it touched, by shard."""
+        touched = []
+        for shard in dict.fromkeys(shards.tolist()):  # in order of first use
+            numbers = locals_[shards == shard]
+            low, high = int(numbers.min()), int(numbers.max())
+            span = f"payload {low}" if low == high else f"payloads {low}..{high}"
+            touched.append(f"{span} of {self._shard_path(shard, OUT_OF_BAND)}")
+        shard_list = ", ".join(str(s) for s in dict.fromkeys(shards.tolist()))
+        format_name = type(self.storage.format).__name__
+        return decode_error(
+            error,
+            f"a span touching {'; '.join(touched) or 'no payload'} could not be decoded: "
+            f"{format_name}.unpack raised {type(error).__name__}: {str(error).rstrip('.')}; a "
+            f"payload is corrupt, or the shard was written with another format. Run "
+            f"storage.verify() (it checks every committed file against its checksum), then "
+            f"rewrite shard {shard_list}",
         )
 
     def decode_windows(self, windows: np.ndarray, starts: np.ndarray) -> list[Any]:
@@ -292,11 +323,18 @@ class StreamWithMetaReader(StreamReader):
         stream = np.array(windows["user"][good], copy=True)
         unpack = self.storage.format.unpack
         begin = 0
-        for k, (row, end) in enumerate(zip(good.tolist(), np.cumsum(runs).tolist())):
-            out[row] = unpack(
-                stream[k], payload_shards[begin:end], document_index[k], fetched[begin:end]
-            )
-            begin = end
+        try:
+            for k, (row, end) in enumerate(zip(good.tolist(), np.cumsum(runs).tolist())):
+                out[row] = unpack(
+                    stream[k], payload_shards[begin:end], document_index[k], fetched[begin:end]
+                )
+                begin = end
+        except StorageError:
+            raise
+        except Exception as error:
+            raise self._decode_failed(
+                error, payload_shards[begin:end], locals_[begin:end]
+            ) from error
         return out
 
     def _fetch(self, shards: np.ndarray, locals_: np.ndarray) -> list[memoryview]:

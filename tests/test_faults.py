@@ -1,0 +1,155 @@
+"""Fault injection: corrupt bytes and records in every file kind, descriptor limits, files
+changing under a reader. Each error must name the file (and the value) and say what to do."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import shard_kinds
+
+from guideloom_pipes import DocumentDataset, DocumentPickleFormat, DocumentStorage, StreamDataset
+from guideloom_pipes.storage import CorruptShardError, ShardDecodeError
+
+pytestmark = pytest.mark.fault
+
+
+def _index(path: Path) -> np.ndarray:
+    return np.fromfile(path, dtype="<i8")
+
+
+def _poke(path: Path, offset: int, value: int) -> None:
+    """Overwrite one byte of ``path`` in place (its size stays the same)."""
+    raw = bytearray(path.read_bytes())
+    raw[offset] = value
+    path.write_bytes(raw)
+
+
+# --- decode errors --------------------------------------------------------------------
+
+
+@pytest.fixture
+def corrupt_documents(tmp_path: Path) -> DocumentStorage:
+    """Two shards of five pickled documents; document 2 of shard 1 (global 7) is garbage."""
+    shard_kinds.write("document", tmp_path, {0: range(5), 1: range(5, 10)})
+    start = int(_index(tmp_path / "0000001.out_of_band.index")[2])
+    _poke(tmp_path / "0000001.out_of_band.bin", start, 0x7F)  # not a pickle opcode
+    return DocumentStorage(tmp_path, DocumentPickleFormat())
+
+
+def _check_document_error(error: BaseException, directory: Path) -> None:
+    message = str(error)
+    assert str(directory / "0000001.out_of_band.bin") in message
+    assert "document 7 (document 2 of shard 0000001" in message
+    assert "invalid load key" in message
+    assert "storage.verify()" in message and "rewrite shard 1" in message
+    assert isinstance(error.__cause__, pickle.UnpicklingError)
+
+
+def test_a_corrupt_document_names_the_shard_file_and_document(
+    corrupt_documents: DocumentStorage,
+) -> None:
+    with corrupt_documents.sync_reader() as reader:
+        assert reader.read(6) == {"n": 6}
+        with pytest.raises(CorruptShardError) as caught:
+            reader.read(7)
+        _check_document_error(caught.value, corrupt_documents.dir)
+        with pytest.raises(CorruptShardError) as caught:
+            reader.read_many([0, 9, 7, 1])
+        _check_document_error(caught.value, corrupt_documents.dir)
+
+
+def test_a_corrupt_document_in_a_dataset_batch_names_the_document(
+    corrupt_documents: DocumentStorage,
+) -> None:
+    with DocumentDataset(corrupt_documents).sync_reader() as samples:
+        for read in (lambda: samples[7], lambda: samples[5:9], lambda: samples.read_batch([7])):
+            with pytest.raises(CorruptShardError) as caught:
+                read()
+            _check_document_error(caught.value, corrupt_documents.dir)
+
+
+def test_a_decode_error_is_still_the_formats_own_exception(
+    corrupt_documents: DocumentStorage,
+) -> None:
+    # code written against GuideLoom's raw UnpicklingError keeps catching it
+    with corrupt_documents.sync_reader() as reader, pytest.raises(pickle.UnpicklingError):
+        reader.read(7)
+
+
+def test_a_decode_error_survives_pickling(corrupt_documents: DocumentStorage) -> None:
+    # errors of process workers travel to the parent as pickles
+    with corrupt_documents.sync_reader() as reader, pytest.raises(ShardDecodeError) as caught:
+        reader.read(7)
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert isinstance(again, ShardDecodeError) and isinstance(again, pickle.UnpicklingError)
+    assert str(again) == str(caught.value)
+
+
+class _Refusing(DocumentPickleFormat[Any]):
+    """A user format whose ``unpack`` raises its own exception for document ``{"n": 3}``."""
+
+    class Bad(Exception):
+        def __init__(self, reason: str, code: int) -> None:  # not built from one message
+            super().__init__(reason, code)
+
+    def unpack(self, encoded_data: Any, shard: int) -> Any:
+        document = super().unpack(encoded_data, shard)
+        if document == {"n": 3}:
+            raise self.Bad("checksum field wrong", 3)
+        return document
+
+
+def test_a_user_formats_exception_is_wrapped_with_the_original_chained(tmp_path: Path) -> None:
+    shard_kinds.write("document", tmp_path, {0: range(5)})
+    storage = DocumentStorage(tmp_path, _Refusing())
+    with storage.sync_reader() as reader, pytest.raises(CorruptShardError) as caught:
+        reader.read_many([1, 3])
+    assert isinstance(caught.value.__cause__, _Refusing.Bad)
+    assert "_Refusing.unpack raised Bad" in str(caught.value)
+    assert "document 3 (document 3 of shard 0000000" in str(caught.value)
+
+
+class _StrictPayloads(shard_kinds.PayloadPerElement):
+    """Payloads must read ``p<digits>``; anything else raises ``UnicodeDecodeError``."""
+
+    def unpack(
+        self,
+        stream_data: np.ndarray,
+        document_shard: np.ndarray,
+        document_index: np.ndarray,
+        document_data: Sequence[memoryview],
+    ) -> list[tuple[int, str]]:
+        for payload in document_data:
+            bytes(payload).decode("ascii")
+        return super().unpack(stream_data, document_shard, document_index, document_data)
+
+
+@pytest.fixture
+def corrupt_payloads(tmp_path: Path) -> Any:
+    """Stream with metadata, 2 shards of 4 elements; payload 1 of shard 1 is not ascii."""
+    shard_kinds.write("stream_meta", tmp_path, {0: range(4), 1: range(4, 8)})
+    start = int(_index(tmp_path / "0000001.out_of_band.index")[1])
+    _poke(tmp_path / "0000001.out_of_band.bin", start, 0xFF)
+    return shard_kinds.StreamWithMetaStorage(tmp_path, _StrictPayloads())
+
+
+def test_a_corrupt_payload_names_the_shard_file_and_payload(corrupt_payloads: Any) -> None:
+    path = corrupt_payloads.dir / "0000001.out_of_band.bin"
+    with corrupt_payloads.sync_reader() as reader:
+        assert len(reader.read(0, 5)) == 5  # payload 0 of shard 1 is fine
+        with pytest.raises(CorruptShardError) as caught:
+            reader.read(3, 3)  # shard 0's payload 3, shard 1's payloads 0..1
+        message = str(caught.value)
+        assert f"payloads 0..1 of {path}" in message and "rewrite shard 0, 1" in message
+        assert isinstance(caught.value.__cause__, UnicodeDecodeError)
+    with StreamDataset(corrupt_payloads, 2).sync_reader() as samples:
+        samples[0]
+        with pytest.raises(CorruptShardError) as caught:
+            samples.read_batch(np.array([0, 2, 1]))
+        assert f"payloads 0..1 of {path}" in str(caught.value)
+        assert "storage.verify()" in str(caught.value)
