@@ -15,6 +15,7 @@ it only with samples of the same batch) and stay valid after the reader closes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import operator
 from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.storage.document import DocumentReader, DocumentStorage
-from guideloom_pipes.storage.stream import StreamReader, StreamStorage
+from guideloom_pipes.storage.stream import StreamReader, StreamStorage, as_indexes
 from guideloom_pipes.storage.stream_meta import StreamWithMetaReader, StreamWithMetaStorage
 from guideloom_pipes.types import (
     DatasetAbstract,
@@ -47,14 +48,14 @@ def _check_sequence_length(sequence_length: Any) -> int:
 
 
 def _as_ids(ids: Any, length: int) -> np.ndarray:
-    array = np.asarray(ids)
-    if array.dtype.kind not in "iu" and array.size:
-        raise TypeError(f"sample ids must be integers, got an array of {array.dtype}")
-    array = array.astype(np.int64, copy=False).reshape(-1)
-    if len(array) and (int(array.min()) < 0 or int(array.max()) >= length):
-        bad = int(array[(array < 0) | (array >= length)][0])
-        raise IndexError(f"sample index {bad} out of range for a dataset of {length} samples")
-    return array
+    return as_indexes(ids, length, "sample ids", functools.partial(_out_of_range, length))
+
+
+def _out_of_range(length: int, index: int) -> IndexError:
+    valid = f"valid: 0..{length - 1}" if length else "it is empty"
+    return IndexError(
+        f"sample index {index} out of range for a dataset of {length} samples ({valid})"
+    )
 
 
 class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
@@ -108,9 +109,7 @@ class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
                 f"dataset indices must be integers or slices, got {type(index).__name__}"
             ) from None
         if not 0 <= position < self._length:
-            raise IndexError(
-                f"sample index {position} out of range for a dataset of {self._length} samples"
-            )
+            raise _out_of_range(self._length, position)
         return position
 
     def __getitem__(self, index: int | slice) -> Any:

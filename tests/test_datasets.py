@@ -221,6 +221,33 @@ def test_read_batch_refuses_ids_out_of_range_and_names_the_first(root: Path) -> 
         document_reader.read_batch([6])
 
 
+@pytest.mark.parametrize(
+    "ids",
+    [np.array([0, 2**63 + 1], dtype=np.uint64), [2**63 + 1], [0, 2**64 + 5]],
+    ids=["uint64-array", "list-past-int64", "list-past-uint64"],
+)
+def test_read_batch_names_ids_past_int64_as_given_not_wrapped_negative(
+    root: Path, ids: Any
+) -> None:
+    bad = max(int(i) for i in ids)
+    for reader in (
+        StreamDataset(stream(root), 4).sync_reader(),
+        DocumentDataset(documents(root)).sync_reader(),
+    ):
+        with (
+            reader,
+            pytest.raises(IndexError, match=rf"sample index {bad} out of range.*valid: 0\.\.5"),
+        ):
+            reader.read_batch(ids)
+
+
+def test_an_index_past_int64_names_it_and_the_valid_range(root: Path) -> None:
+    with StreamDataset(stream(root), 4).sync_reader() as reader:
+        for index in (2**63 + 1, np.uint64(2**63 + 1)):
+            with pytest.raises(IndexError, match=r"9223372036854775809 .*valid: 0\.\.5"):
+                reader[index]
+
+
 @pytest.mark.parametrize("ids", [np.array([0.0, 1.0]), np.array([True, False]), ["0"]])
 def test_read_batch_refuses_ids_that_are_not_integers(root: Path, ids: Any) -> None:
     with (

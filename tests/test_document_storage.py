@@ -173,6 +173,14 @@ def test_read_many_refuses_an_index_out_of_range_and_names_it(written: Path) -> 
             reader.read_many(np.array([-2]))
 
 
+def test_read_many_names_an_index_past_int64_as_given(written: Path) -> None:
+    with pickled(written).sync_reader() as reader:
+        for ids in (np.array([2**63 + 1], dtype=np.uint64), [1, 2**63 + 1], [2**64]):
+            bad = max(int(i) for i in ids)
+            with pytest.raises(IndexError, match=rf"document index {bad} out of range.*0\.\.7"):
+                reader.read_many(ids)
+
+
 def test_read_refuses_an_index_that_is_not_an_int(written: Path) -> None:
     with pickled(written).sync_reader() as reader:
         with pytest.raises(TypeError, match=r"global_index must be an int, got 1\.5"):

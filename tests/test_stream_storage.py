@@ -507,6 +507,56 @@ def test_read_windows_refuses_a_window_past_the_end(
         reader.read_windows(np.array([0, 14]), 4)
 
 
+@pytest.mark.parametrize("length", [2**62, 2**40])
+def test_read_refuses_a_length_larger_than_memory_and_names_it(
+    three_shards: tuple[Path, np.ndarray], length: int
+) -> None:
+    directory, _ = three_shards
+    with (
+        tokens_storage(directory).sync_reader() as reader,
+        pytest.raises(ValueError, match=rf"global_length {length} is too large.*bytes of memory"),
+    ):
+        reader.read(0, length)
+
+
+@pytest.mark.parametrize(
+    "starts",
+    [np.array([0, 2**63 + 1], dtype=np.uint64), [2**63 + 1], [2**64]],
+    ids=["uint64-array", "list-past-int64", "list-past-uint64"],
+)
+def test_read_windows_names_starts_past_int64_as_given(
+    three_shards: tuple[Path, np.ndarray], starts: Any
+) -> None:
+    directory, _ = three_shards
+    bad = max(int(s) for s in starts)
+    with (
+        tokens_storage(directory).sync_reader() as reader,
+        pytest.raises(IndexError, match=rf"window \[{bad}, {bad + 4}\).*start at 0\.\.12"),
+    ):
+        reader.read_windows(starts, 4)
+
+
+@pytest.mark.parametrize("length", [17, 2**62])
+def test_read_windows_refuses_a_window_longer_than_the_stream(
+    three_shards: tuple[Path, np.ndarray], length: int
+) -> None:
+    directory, _ = three_shards
+    with (
+        tokens_storage(directory).sync_reader() as reader,
+        pytest.raises(IndexError, match=rf"window \[0, {length}\).*16 elements.*longer than"),
+    ):
+        reader.read_windows(np.array([0]), length)
+
+
+def test_read_windows_refuses_a_negative_length(three_shards: tuple[Path, np.ndarray]) -> None:
+    directory, _ = three_shards
+    with (
+        tokens_storage(directory).sync_reader() as reader,
+        pytest.raises(IndexError, match="window length must be >= 0, got -1"),
+    ):
+        reader.read_windows(np.array([0]), -1)
+
+
 def test_reading_before_open_is_a_runtime_error(
     three_shards: tuple[Path, np.ndarray],
 ) -> None:

@@ -25,7 +25,7 @@ from guideloom_pipes.storage.errors import (
 )
 from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import INDEX, OUT_OF_BAND, shard_name
-from guideloom_pipes.storage.stream import as_int
+from guideloom_pipes.storage.stream import as_indexes, as_int
 from guideloom_pipes.types import (
     DocumentStorageAbstract,
     DocumentStorageAsyncReaderAbstract,
@@ -293,12 +293,17 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         shard = self._check_shard(as_int(shard, "shard"))
         return int(self._counts[shard])
 
+    def _out_of_range(self, global_index: int) -> IndexError:
+        total = self._total
+        valid = f"valid: 0..{total - 1}" if total else "it is empty"
+        return IndexError(
+            f"document index {global_index} out of range for a dataset of {total} documents "
+            f"({valid})"
+        )
+
     def _locate(self, global_index: int) -> tuple[int, int]:
         if not 0 <= global_index < self._total:
-            raise IndexError(
-                f"document index {global_index} out of range for a dataset of "
-                f"{self._total} documents"
-            )
+            raise self._out_of_range(global_index)
         shard = int(np.searchsorted(self._starts, global_index, side="right")) - 1
         return shard, global_index - int(self._starts[shard])
 
@@ -341,13 +346,7 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         self._check_open()
         if not isinstance(global_indexes, (np.ndarray, Sequence)):
             global_indexes = list(global_indexes)  # any iterable of ints, e.g. a generator
-        ids = np.asarray(global_indexes)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TypeError(f"document indexes must be integers, got an array of {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False).reshape(-1)
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self._total):
-            bad = int(ids[(ids < 0) | (ids >= self._total)][0])
-            self._locate(bad)
+        ids = as_indexes(global_indexes, self._total, "document indexes", self._out_of_range)
         shards = np.searchsorted(self._starts, ids, side="right") - 1
         locals_ = ids - self._starts[shards]
         unpack, payload = self.storage.format.unpack, self._index.payload

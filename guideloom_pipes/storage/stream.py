@@ -8,6 +8,9 @@ the last element, wrap around to shard 0.
 from __future__ import annotations
 
 import operator
+import os
+import sys
+from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any, Generic
 
@@ -37,6 +40,66 @@ def as_int(value: Any, what: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+#: The largest int64, the last index numpy can hold in the int64 vectors the readers use.
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def as_indexes(
+    values: Any, length: int, kind: str, out_of_range: Callable[[int], IndexError]
+) -> np.ndarray:
+    """``values`` (an integer array, or a sequence or iterable of ints) as a 1-D int64
+    vector of indexes in ``[0, length)``.
+
+    Non-integers: ``TypeError`` naming ``kind`` (e.g. ``"sample ids"``) and the dtype. An
+    index outside the range: ``out_of_range(first bad value)``, the value as it was given,
+    also past int64 (where a cast would wrap it around to a negative number). One pass over
+    the whole vector (``min``/``max``), never a check per element.
+    """
+    given = isinstance(values, np.ndarray)
+    array = values if given else np.asarray(values)
+    if array.dtype.kind not in "iu":
+        if not array.size:
+            return np.zeros(0, dtype=np.int64)
+        if array.dtype.kind == "O" or not given:
+            # Python ints past int64 make numpy choose float64 or object: find them as given
+            flat = (array if given else np.asarray(values, dtype=object)).reshape(-1).tolist()
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+                bad = next((v for v in flat if not 0 <= v < length), None)
+                if bad is not None:
+                    raise out_of_range(bad)
+        raise TypeError(f"{kind} must be integers, got an array of {array.dtype}")
+    if array.dtype.kind == "u" and array.size and int(array.max()) > _INT64_MAX:
+        raise out_of_range(int(array[array > _INT64_MAX].flat[0]))
+    array = array.astype(np.int64, copy=False).reshape(-1)
+    if len(array) and (int(array.min()) < 0 or int(array.max()) >= length):
+        raise out_of_range(int(array[(array < 0) | (array >= length)][0]))
+    return array
+
+
+def _memory_bytes() -> int:
+    """The machine's physical memory in bytes (``sys.maxsize`` where it cannot tell)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):
+        return sys.maxsize
+
+
+def check_read_size(length: int, itemsize: int, what: str) -> None:
+    """Refuse a read of ``length`` elements of ``itemsize`` bytes that this machine could
+    not hold (more bytes than its memory): ``ValueError`` saying ``what`` was asked for
+    (e.g. ``"global_length 4611686018427387904"``) and the limit. Numpy's own errors for
+    such sizes name neither."""
+    if length * itemsize > _MEMORY:
+        raise ValueError(
+            f"{what} is too large: {length} elements of {itemsize} bytes are "
+            f"{length * itemsize} bytes, more than this machine's {_MEMORY} bytes of memory. "
+            f"Read at most {_MEMORY // itemsize} elements at a time (in practice far fewer)"
+        )
+
+
+_MEMORY = min(_memory_bytes(), sys.maxsize)
 
 
 def check_packed(array: Any, dtype: np.dtype[Any], what: str) -> np.ndarray:
@@ -241,6 +304,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         global_length = as_int(global_length, "global_length")
         if global_length < 0:
             raise IndexError(f"global_length must be >= 0, got {global_length}")
+        check_read_size(global_length, self.dtype.itemsize, f"global_length {global_length}")
         if not 0 <= global_index < self._total:
             raise IndexError(
                 f"global_index {global_index} out of range for a stream of {self._total} elements"
@@ -283,12 +347,26 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         Every span must lie inside the stream (no wrap-around); spans may cross shards.
         """
         self._check_open()
-        starts = np.asarray(starts, dtype=np.int64)
-        if len(starts) and (int(starts.min()) < 0 or int(starts.max()) + length > self._total):
-            bad = starts[(starts < 0) | (starts + length > self._total)][0]
-            raise IndexError(
-                f"window [{bad}, {bad + length}) is outside the stream of {self._total} elements"
+        length = as_int(length, "length")
+        if length < 0:
+            raise IndexError(f"window length must be >= 0, got {length}")
+        total = self._total
+
+        def outside(bad: int) -> IndexError:
+            valid = (
+                f"windows of {length} start at 0..{total - length}"
+                if length <= total
+                else f"a window of {length} is longer than the stream"
             )
+            return IndexError(
+                f"window [{bad}, {bad + length}) is outside the stream of {total} elements "
+                f"({valid})"
+            )
+
+        starts = as_indexes(starts, max(total - length + 1, 0), "window starts", outside)
+        check_read_size(
+            len(starts) * length, self.dtype.itemsize, f"{len(starts)} windows of {length}"
+        )
         return self._windows(starts, length)
 
     def _windows(self, starts: np.ndarray, length: int) -> np.ndarray:
