@@ -181,21 +181,21 @@ KILLED_MID_COMMIT = """
     import os, signal, sys
     from pathlib import Path
     from shard_kinds import SUFFIXES, append, storage, write
+    from guideloom_pipes.storage import commit
 
     kind, path = sys.argv[1], Path(sys.argv[2])
     write(kind, path, {0: [1, 2, 3]})
-    # Die at the rename of the shard's last data file: its pending record is in place, and
-    # (for the multi-file kinds) some of its final files are already new, others still old.
-    last = SUFFIXES[kind][-1] + ".tmp"
-    real_replace = os.replace
+    # Die as the last data file gets its canonical name: past the commit point (the record
+    # names the versioned files), and (for the multi-file kinds) some canonical files are
+    # already new, others still old.
+    last = SUFFIXES[kind][-1]
 
-    def replace(src, dst):
-        if os.fspath(src).endswith(last):
+    def fault(step, target):
+        if step == "link" and target.endswith(last + ".tmp"):
             print("committing", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        real_replace(src, dst)
 
-    os.replace = replace
+    commit._fault = fault
     with storage(kind, path).sync_writer() as writer:
         append(kind, writer, 0, range(100, 200))
 """
@@ -281,50 +281,71 @@ def test_the_next_writer_replaces_stale_temporaries_and_commits(
 
 
 @pytest.mark.timeout(60)
-def test_a_writer_killed_during_commit_leaves_a_shard_reported_as_uncommitted(
+def test_a_writer_killed_after_the_commit_point_leaves_the_new_version_readable(
     tmp_path: Path, killed_mid_commit: tuple[str, Path]
 ) -> None:
     kind, path = killed_mid_commit[0], copy_of(killed_mid_commit[1], tmp_path)
-    with pytest.warns(StaleWriteWarning), pytest.raises(UncommittedShardError) as error:
-        read(kind, path)
-    assert "shard 0000000" in str(error.value)
-    assert "Rewrite shard 0" in str(error.value)
+    assert any(".v2." in name for name in shard_kinds.names(path))  # not yet rolled forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StaleWriteWarning)  # the dead writer's lock file
+        assert read(kind, path) == expected(kind, {0: list(range(100, 200))})
 
 
 @pytest.mark.timeout(60)
-def test_the_next_writer_repairs_a_shard_whose_commit_was_killed(
+def test_the_next_writer_rolls_a_killed_commit_forward_to_the_canonical_names(
     tmp_path: Path, killed_mid_commit: tuple[str, Path]
 ) -> None:
     kind, path = killed_mid_commit[0], copy_of(killed_mid_commit[1], tmp_path)
+    with storage(kind, path).sync_writer():
+        pass
+    canonical = sorted(f"0000000{s}" for s in (*SUFFIXES[kind], ".shard.json"))
+    assert shard_kinds.names(path) == canonical
+    assert read(kind, path) == expected(kind, {0: list(range(100, 200))})
     write(kind, path, NEW)
     assert read(kind, path) == expected(kind, NEW)
     assert leftovers(path) == []
 
 
-def fail_replace_of(monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
-    """Make ``os.replace`` of a ``<suffix>.tmp`` file fail as a broken disk would."""
+def fail_replace_of(monkeypatch: pytest.MonkeyPatch, suffix: str, times: int = 0) -> None:
+    """Make the renames of a ``<suffix>.tmp`` file fail as a broken disk would: its rename
+    to the versioned name (before the commit point), or with ``times``, the first ``times``
+    renames to the canonical name (after it) instead."""
     real = os.replace
+    left = [times]
 
     def replace(src: Any, dst: Any) -> None:
-        if os.fspath(src).endswith(suffix + ".tmp"):
-            raise OSError(errno.EIO, "injected I/O error", os.fspath(src))
+        source, versioned = os.fspath(src), ".v" in os.path.basename(os.fspath(dst))
+        chosen = versioned if not times else not versioned
+        if source.endswith(suffix + ".tmp") and chosen and (left[0] > 0 or not times):
+            left[0] -= 1
+            raise OSError(errno.EIO, "injected I/O error", source)
         real(src, dst)
 
     monkeypatch.setattr(os, "replace", replace)
 
 
 @pytest.mark.parametrize("kind", ["document", "stream_meta"])
-def test_a_failure_between_the_renames_of_a_multi_file_shard_is_reported_as_uncommitted(
+def test_a_failure_between_the_renames_of_a_committed_shard_keeps_its_new_version_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
 ) -> None:
     write(kind, tmp_path, OLD)
-    fail_replace_of(monkeypatch, SUFFIXES[kind][-1])  # the first files are already renamed
-    with pytest.raises(OSError, match="injected"), storage(kind, tmp_path).sync_writer() as w:
+    # the first canonical file of shard 0 is already new when the last one's rename fails
+    fail_replace_of(monkeypatch, SUFFIXES[kind][-1], times=2)
+    committed = r"after shard\(s\) 0000000 were committed"
+    with (
+        pytest.raises(OSError, match=committed) as error,
+        storage(kind, tmp_path).sync_writer() as w,
+    ):
         append(kind, w, 0, range(100, 200))
+    assert "injected" in str(error.value)
+    assert "versioned names" in str(error.value)  # the retry failed too: GuideLoom warned
     monkeypatch.undo()
-    with pytest.raises(UncommittedShardError, match=r"shard 0000000 .*mix old and new"):
-        read(kind, tmp_path)
+    assert read(kind, tmp_path) == expected(kind, {0: list(range(100, 200))})
     assert leftovers(tmp_path) == []
+    with storage(kind, tmp_path).sync_writer():  # the next writer rolls it forward
+        pass
+    assert not [n for n in shard_kinds.names(tmp_path) if ".v" in n]
+    assert read(kind, tmp_path) == expected(kind, {0: list(range(100, 200))})
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -408,13 +429,13 @@ def test_commit_fsyncs_every_data_file_the_record_and_the_directory(
     for shard in ("0000000", "0000001"):
         for suffix in SUFFIXES["stream_meta"]:
             assert f"{base}/{shard}{suffix}.tmp" in synced
-        assert f"{base}/{shard}.shard.json.pending" in synced
-        assert f"{base}/{shard}.shard.json.tmp" in synced  # the committed record
-    assert synced.count(base + "/") == 3  # pending records, data renames, commit records
-    # the directory is synced after every step; the data before anything is renamed
+        # the committed record naming the versioned files, then the one naming canonical ones
+        assert synced.count(f"{base}/{shard}.shard.json.pending") == 2
+    # versioned names, commit points, canonical names, settled records
+    assert synced.count(base + "/") == 4
     assert synced[-1] == base + "/"
     first_dir = synced.index(base + "/")
-    assert all(p.endswith((".tmp", ".pending")) for p in synced[:first_dir])
+    assert all(p.endswith(".tmp") for p in synced[:first_dir])  # the data, before any rename
 
 
 def test_closing_a_writer_that_wrote_nothing_touches_nothing(

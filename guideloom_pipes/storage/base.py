@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.commit import _fsync_directory, seal_shard
+from guideloom_pipes.storage.commit import _fsync_directory, recover_directory, seal_shard
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing, discover
 from guideloom_pipes.storage.names import shard_name
@@ -124,6 +124,22 @@ class StorageBase(Storage):
         _fsync_directory(os.fspath(self.dir))
         return sealed
 
+    def recover(self) -> dict[str, list[int]]:
+        """Finish what writers that stopped (killed, out of space) left in the directory.
+
+        A commit that passed its commit point is rolled forward (its files get their
+        canonical names, which GuideLoom reads); a removal is finished; versioned files no
+        record names, stale temporaries and stale locks are deleted. Shards a live writer
+        holds are left alone. Every writer's ``open`` does the same. Returns the shard ids
+        ``{"rolled_forward": [...], "removed": [...], "cleaned": [...]}``.
+        """
+        if not self._resolve_io().local:
+            raise TypeError(
+                f"recover() changes files of the dataset directory, so it needs a local "
+                f"directory; {self.read_interface!r} is not a local backend"
+            )
+        return recover_directory(os.fspath(self.dir))
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({os.fspath(self.dir)!r}, {self.format!r})"
 
@@ -167,7 +183,7 @@ class ReaderBase:
         storage = self.storage
         self.listing = listing
         self._files = {
-            suffix: ShardFiles(self._io, storage.dir, suffix, listing.num_shards)
+            suffix: ShardFiles(self._io, storage.dir, suffix, listing.num_shards, listing=listing)
             for suffix in storage.suffixes
         }
         self._setup(listing, sizes)

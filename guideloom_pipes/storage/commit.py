@@ -1,35 +1,62 @@
 """The commit protocol: a writer's shard files stay temporary, under a per-shard write lock,
-until its close makes them visible atomically; shards written by GuideLoom are sealed with a record.
+until its close makes them visible atomically, replacing any earlier version of the shard in
+one step; shards written by GuideLoom are sealed with a record.
 
 On disk a shard ``k`` of a dataset directory is one to three files named by the 7-digit
 zero-padded id (``0000003.in_band.bin``, ``0000003.out_of_band.bin``,
 ``0000003.out_of_band.index``), byte for byte as GuideLoom 1.1 writes them. We add one
 file of our own per shard, the *commit record* ``0000003.shard.json`` (GuideLoom ignores
-it). It records the format kind, the stream dtype, the element or document count and each
-file's size and CRC-32.
+it). It records the format kind, the stream dtype, the element or document count, each
+file's size and CRC-32, and the shard's *generation* (how many times it was committed).
+Readers read the files the record names.
 
-Writing a shard never exposes half-written data:
+Writing shard ``k`` (generation ``g`` on disk, ``0`` if none) never exposes half-written data
+and never leaves it with neither its old nor its new version:
 
 1. The first ``append`` to shard ``k`` creates ``0000003.shard.json.tmp`` and takes an
-   exclusive ``flock`` on it (the *write lock*: a second writer of ``k`` fails at once; a
-   lock left by a dead process is released by the kernel, so its leftover files are stale
-   and the next writer replaces them). Data goes to ``<final name>.tmp`` files.
-2. On a successful close, for all the shards of the writer together, step by step:
-   (a) the data files are ``fsync``-ed and a *pending* record is written to
-   ``0000003.shard.json.pending`` and ``fsync``-ed; (b) the pending record replaces the
-   commit record (the old shard is no longer committed), then the directory is
-   ``fsync``-ed; (c) the data files are renamed over their final names, then the directory
-   is ``fsync``-ed; (d) the committed record is written into the lock file, ``fsync``-ed
-   and renamed over the record (the commit point), then the directory is ``fsync``-ed.
-   Three directory ``fsync`` calls per close, however many shards.
-3. On an error (or ``abort``) the temporary files are removed: readers keep seeing the
-   previous content of ``k``, or no shard ``k``. An error during (b) or (c) before any of
-   the shard's data files was renamed puts its previous record back.
+   exclusive ``flock`` on it (the *write lock*, held until the commit is over: a second
+   writer of ``k`` fails at once; a lock left by a dead process is released by the kernel,
+   so its leftover files are stale). Holding the lock, the writer first finishes whatever
+   a stopped writer of ``k`` left (see *Recovery*). Data goes to ``<final name>.tmp``.
+2. On a successful close, for all the shards of the writer together, step by step (each
+   step for every shard, then one ``fsync`` of the directory):
 
-A crash after step 2b and before 2d leaves a pending record, which readers report (an
-error during 2a leaves every shard as it was); once any shard of a dataset has a record, a
-shard without one is reported as uncommitted. Datasets without any record (written by
-GuideLoom) open as they are, with the checks their sizes allow.
+   a. the data files are ``fsync``-ed and renamed to their *versioned* names
+      ``0000003.v<g+1>.in_band.bin`` (GuideLoom never reads these names); directory
+      ``fsync``;
+   b. **the commit point**: a record of generation ``g + 1`` that names the versioned files
+      is written to ``0000003.shard.json.pending``, ``fsync``-ed and renamed over the
+      record; directory ``fsync``. Until this rename readers read the old version (or no
+      shard ``k``); from it on, the new one;
+   c. each versioned file is hard-linked to ``<final name>.tmp``, which is renamed over
+      the canonical name (``0000003.in_band.bin``); directory ``fsync``;
+   d. the record is rewritten (same way) to name the canonical files; directory ``fsync``;
+   e. the versioned names are unlinked and the write lock released.
+
+   Four directory ``fsync`` calls per close, however many shards. After a completed close
+   every file is at its canonical name, so GuideLoom reads the dataset.
+3. On an error (or ``abort``) before a shard's commit point its temporary and versioned
+   files are removed: readers keep seeing its previous content, or no shard ``k``. After
+   the commit point the shard is committed; an error in steps c-e leaves its record naming
+   files that exist (versioned, or canonical), and the close raises, saying so.
+
+*Recovery.* A crash at any moment leaves each shard's record naming a complete version
+(old before 2b, new from it on). Leftovers are finished by the next writer of the shard,
+by any writer's ``open`` (for the whole directory) and by ``storage.recover()``
+(:func:`recover_directory`), each holding the shard's write lock: a record that names
+versioned files is rolled forward (steps c-e again; each is idempotent), versioned files
+that no record names (a commit stopped before 2b) and stale temporaries are removed. Until
+then our readers read the committed version; GuideLoom, which reads canonical names only,
+may see a mix of a multi-file shard's old and new files.
+
+*Fault hook.* Every write, ``fsync``, rename, link and unlink of this protocol first calls
+:func:`_fault` (a no-op), which tests replace to inject an error or kill the process at
+that step.
+
+Once any shard of a dataset has a record, a shard without one is reported as
+uncommitted. Datasets without any record (written by GuideLoom) open as they are, with the
+checks their sizes allow. Records in state ``"pending"`` were left by the protocol of
+earlier versions of this package (interrupted commits) and are reported as such.
 """
 
 from __future__ import annotations
@@ -42,23 +69,112 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import PurePath
 from types import TracebackType
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from guideloom_pipes.storage.errors import CorruptShardError, ShardLockedError
-from guideloom_pipes.storage.names import PENDING, RECORD, TMP, check_shard_id, shard_name
+from guideloom_pipes.storage.errors import CorruptShardError, ShardLockedError, StorageError
+from guideloom_pipes.storage.names import (
+    _NAME,
+    IN_BAND,
+    INDEX,
+    OUT_OF_BAND,
+    PENDING,
+    RECORD,
+    TMP,
+    check_shard_id,
+    shard_name,
+    versioned_name,
+)
 from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord
+
+#: every data-file suffix (a stopped writer's leftovers may be of any kind)
+_DATA_SUFFIXES = (IN_BAND, OUT_OF_BAND, INDEX)
+
+
+def _fault(step: str, path: str) -> None:
+    """The fault-injection hook; does nothing.
+
+    Called just before each write, ``fsync``, rename, link and unlink that writing,
+    committing or recovering a shard makes, with the step (``"write"``, ``"fsync"``,
+    ``"rename"``, ``"link"``, ``"unlink"``) and the path acted on (for a rename or a link:
+    the new name). Tests replace it (``commit._fault = ...``) to raise an error or kill the
+    process at any step.
+    """
+
+
+def _fsync(fd: int, path: str) -> None:
+    _fault("fsync", path)
+    os.fsync(fd)
 
 
 def _fsync_directory(directory: str) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        _fsync(fd, directory)
     finally:
         os.close(fd)
+
+
+def _rename(source: str, target: str) -> None:
+    _fault("rename", target)
+    os.replace(source, target)
+
+
+def _link(source: str, target: str) -> None:
+    _fault("link", target)
+    os.link(source, target)
+
+
+def _remove(path: str) -> bool:
+    """Unlink ``path`` if it exists; whether it did."""
+    if not os.path.lexists(path):
+        return False
+    _fault("unlink", path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _unlink_quiet(path: str) -> None:
+    """Unlink ``path``, ignoring every error (cleanup after a failure)."""
+    with contextlib.suppress(OSError):
+        _remove(path)
+
+
+def _write_record(stem: str, data: bytes) -> None:
+    """Replace the commit record of ``stem`` with ``data``, atomically: written to
+    ``.shard.json.pending``, ``fsync``-ed, renamed over ``.shard.json``."""
+    pending = stem + RECORD + PENDING
+    _fault("write", pending)
+    fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        _fsync(fd, pending)
+    finally:
+        os.close(fd)
+    _rename(pending, stem + RECORD)
+
+
+def _read_record(stem: str) -> ShardRecord | None:
+    """The shard's commit record; None if it has none or it cannot be parsed (a reader
+    reports that; a new commit replaces it)."""
+    try:
+        with open(stem + RECORD, "rb") as file:
+            raw = file.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return ShardRecord.from_json(raw, stem + RECORD)
+    except StorageError:
+        return None
 
 
 class _CountingFile:
@@ -82,13 +198,15 @@ class _CountingFile:
             # Bytes of any dtype (memoryview refuses datetime64 and some structured ones).
             data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         view = memoryview(data).cast("B")
+        _fault("write", self.path)
         self.file.write(view)
         self.crc32 = zlib.crc32(view, self.crc32)
         self.size += len(view)
 
     def sync(self) -> None:
+        _fault("write", self.path)
         self.file.flush()
-        os.fsync(self.file.fileno())
+        _fsync(self.file.fileno(), self.path)
 
     def close(self) -> None:
         self.file.close()
@@ -100,9 +218,13 @@ class _CountingFile:
         _unlink_quiet(self.path)
 
 
-def _take_lock(path: str, shard: int, directory: str) -> int:
-    """Open ``path`` and hold an exclusive ``flock`` on it; the descriptor."""
-    deadline = time.monotonic() + 0.2  # a reader's stale-file probe holds it for microseconds
+def _take_lock(path: str, shard: int, directory: str, wait: float = 0.2) -> int:
+    """Open ``path`` and hold an exclusive ``flock`` on it; the descriptor.
+
+    Waits up to ``wait`` seconds for another holder (a reader's stale-file probe holds it
+    for microseconds), then raises :class:`ShardLockedError`.
+    """
+    deadline = time.monotonic() + wait
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
@@ -126,7 +248,15 @@ def _take_lock(path: str, shard: int, directory: str) -> int:
         if same:
             os.ftruncate(fd, 0)
             return fd
-        os.close(fd)  # the lock file was committed or removed under us: take the new one
+        os.close(fd)  # the lock file was removed under us: take the new one
+
+
+def _drop_lock(fd: int, path: str) -> None:
+    """Remove the lock file (still ours: nobody else can lock it) and release the lock."""
+    try:
+        _unlink_quiet(path)
+    finally:
+        os.close(fd)
 
 
 def _is_locked(path: str) -> bool:
@@ -148,12 +278,79 @@ def _is_locked(path: str) -> bool:
         os.close(fd)
 
 
-class ShardTransaction:
-    """The temporary files of one shard being written, committed or aborted as a unit.
+def _place(directory: str, record: ShardRecord) -> None:
+    """Step c for one shard: give each versioned file of ``record`` its canonical name too
+    (hard link to ``<name>.tmp``, renamed over ``<name>``). Idempotent."""
+    stem = os.path.join(directory, shard_name(record.shard))
+    for key in record.files:
+        suffix = "." + key
+        versioned = os.path.join(directory, record.file_name(suffix))
+        temporary = stem + suffix + TMP
+        _remove(temporary)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samefile(versioned, stem + suffix):
+                continue  # placed already (rename would do nothing and keep the link)
+        _link(versioned, temporary)
+        _rename(temporary, stem + suffix)
 
-    Committing runs in four steps (see the module docstring); :func:`commit_transactions`
-    runs each step for a group of shards before the next, so one ``fsync`` of the
-    directory per step covers the whole group.
+
+def _settle_record(directory: str, record: ShardRecord) -> ShardRecord:
+    """Step d for one shard: the record names the canonical files."""
+    settled = replace(record, versioned=False)
+    _write_record(os.path.join(directory, shard_name(record.shard)), settled.to_json())
+    return settled
+
+
+def _remove_versions(directory: str, shard: int, generations: Sequence[int]) -> None:
+    """Unlink the versioned files of ``generations`` of ``shard`` (step e, or cleanup)."""
+    for generation in generations:
+        for suffix in _DATA_SUFFIXES:
+            _remove(os.path.join(directory, versioned_name(shard, generation, suffix)))
+
+
+def _recover_shard(directory: str, shard: int) -> int:
+    """Finish what a stopped writer of ``shard`` left (the caller holds its write lock).
+
+    A committed record that names versioned files is rolled forward to the canonical names;
+    a shard being removed (record in state ``"deleted"``) is removed; versioned files no
+    record names are unlinked. Returns the shard's generation on disk.
+    """
+    stem = os.path.join(directory, shard_name(shard))
+    record = _read_record(stem)
+    if record is None:
+        _remove_versions(directory, shard, (0, 1))
+        return 0
+    generation = record.generation
+    if record.state == "committed" and record.versioned:
+        named = [os.path.join(directory, record.file_name("." + k)) for k in record.files]
+        if not all(os.path.exists(path) for path in named):
+            _remove_versions(directory, shard, (generation + 1,))
+            return generation  # a file it names is gone: readers report it, keep the rest
+        _place(directory, record)
+        _fsync_directory(directory)
+        _settle_record(directory, record)
+        _fsync_directory(directory)
+    elif record.state == "deleted":
+        _remove_shard_files(directory, shard)
+    _remove_versions(directory, shard, (generation, generation + 1))
+    return generation
+
+
+def _remove_shard_files(directory: str, shard: int) -> None:
+    """Remove a shard whose record says ``"deleted"``: its data files, then the record."""
+    stem = os.path.join(directory, shard_name(shard))
+    for suffix in _DATA_SUFFIXES:
+        _remove(stem + suffix)
+    _fsync_directory(directory)
+    _remove(stem + RECORD)
+
+
+class ShardTransaction:
+    """The files of one shard being written, committed or aborted as a unit.
+
+    Committing runs in steps (see the module docstring); :func:`commit_transactions` runs
+    each step for a group of shards before the next, so one ``fsync`` of the directory per
+    step covers the whole group.
 
     Args:
         directory: the dataset directory (a local path).
@@ -168,27 +365,33 @@ class ShardTransaction:
         self.kind = kind
         self.suffixes = tuple(suffixes)
         self.done = False
+        #: writing, prepared, versioned, committed (the commit point), placed, settled
         self.stage = "writing"
         self.record: ShardRecord | None = None
         stem = os.path.join(directory, shard_name(shard))
         self._stem = stem
-        self._record_path = stem + RECORD
         self._lock_path = stem + RECORD + TMP
-        self._pending_path = stem + RECORD + PENDING
-        self._old_record: bytes | None = None
-        self._renamed = 0
         self._lock_fd = _take_lock(self._lock_path, shard, directory)
-        self._lock_linked = True  # the lock file still has its .tmp name
         self.files: dict[str, _CountingFile] = {}
+        self.generation = 0  # none of ours yet: set once the shard's leftovers are recovered
         try:
+            self.generation = _recover_shard(directory, shard) + 1
             for suffix in self.suffixes:
                 self.files[suffix] = _CountingFile(stem + suffix + TMP)
         except BaseException:
             self.abort()
             raise
 
+    @property
+    def committed(self) -> bool:
+        """Whether this shard's commit point has passed (its new version is the one read)."""
+        return self.stage in ("committed", "placed", "settled")
+
+    def _versioned(self, suffix: str) -> str:
+        return os.path.join(self.directory, versioned_name(self.shard, self.generation, suffix))
+
     def prepare(self, count: int, dtype: np.dtype[Any] | None, payloads: int | None = None) -> None:
-        """Step 1: ``fsync`` the data files and write the pending record (not yet in place)."""
+        """Flush and ``fsync`` the data files; the record to commit."""
         for handle in self.files.values():
             handle.sync()
             handle.close()
@@ -199,77 +402,85 @@ class ShardTransaction:
             files={s.lstrip("."): FileRecord(h.size, h.crc32) for s, h in self.files.items()},
             dtype=dtype,
             payloads=payloads,
-            state="pending",
+            state="committed",
+            generation=self.generation,
+            versioned=True,
         )
-        try:
-            with open(self._record_path, "rb") as old:
-                self._old_record = old.read()
-        except FileNotFoundError:
-            self._old_record = None
-        with open(self._pending_path, "wb") as out:
-            out.write(self.record.to_json())
-            out.flush()
-            os.fsync(out.fileno())
         self.stage = "prepared"
 
-    def install(self) -> None:
-        """Step 2: the pending record replaces the committed one; the old shard is gone."""
-        os.replace(self._pending_path, self._record_path)
-        self.stage = "installed"
-
-    def publish(self) -> None:
-        """Step 3: rename the data files over their final names."""
+    def version(self) -> None:
+        """Step a: rename the data files to their versioned names."""
         for suffix in self.suffixes:
-            os.replace(self._stem + suffix + TMP, self._stem + suffix)
-            self._renamed += 1
-        self.stage = "published"
+            _rename(self._stem + suffix + TMP, self._versioned(suffix))
+        self.stage = "versioned"
 
-    def finish(self) -> None:
-        """Step 4 (the commit point): the committed record replaces the pending one."""
+    def install(self) -> None:
+        """Step b, the commit point: the record naming the versioned files replaces the old."""
         assert self.record is not None
-        self.record.state = "committed"
-        self._replace_record(self.record.to_json())
+        _write_record(self._stem, self.record.to_json())
         self.stage = "committed"
 
-    def _replace_record(self, data: bytes) -> None:
-        _install_record(self._lock_fd, self._lock_path, self._record_path, data)
-        self._lock_linked = False
+    def place(self) -> None:
+        """Step c: the versioned files get their canonical names too."""
+        assert self.record is not None
+        _place(self.directory, self.record)
+        self.stage = "placed"
+
+    def settle(self) -> None:
+        """Step d: the record names the canonical files."""
+        assert self.record is not None
+        self.record = _settle_record(self.directory, self.record)
+        self.stage = "settled"
+
+    def finish(self) -> None:
+        """Step e: unlink the versioned names, release the write lock."""
+        _remove_versions(self.directory, self.shard, (self.generation,))
+        self.release()
+
+    def roll_forward(self) -> None:
+        """Steps c-e for this shard alone (after a failure in a grouped commit)."""
+        if self.stage != "settled":
+            _place(self.directory, self.record)  # type: ignore[arg-type]
+            _fsync_directory(self.directory)
+            self.settle()
+            _fsync_directory(self.directory)
+        self.finish()
 
     def release(self) -> None:
-        """Drop the write lock (after the commit)."""
+        """Remove the lock file and drop the write lock."""
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            _remove(self._lock_path)  # on an error the lock is still held, the file ours
+            fd, self._lock_fd = self._lock_fd, -1
+            os.close(fd)
         self.done = True
 
     def commit(self, count: int, dtype: np.dtype[Any] | None, payloads: int | None = None) -> None:
-        """Make this shard visible (all four steps); see :func:`commit_transactions`."""
+        """Make this shard visible (all the steps); see :func:`commit_transactions`."""
         commit_transactions(
             self.directory, [self], lambda _: {"count": count, "dtype": dtype, "payloads": payloads}
         )
 
     def abort(self) -> None:
-        """Remove the temporary files; the committed shard (if any) stays as it was.
+        """Drop what this session wrote.
 
-        After step 2, and before any data file was renamed, the previous commit record is
-        put back. Once a data file was renamed, the pending record stays, so readers report
-        the shard as uncommitted rather than read a mix of old and new files.
+        Before the commit point: the temporary and versioned files are removed, and readers
+        keep the previous version of the shard (or none). After it the shard is committed
+        and stays so; only the write lock is released (its leftovers are rolled forward by
+        the next writer or ``recover``).
         """
-        for handle in self.files.values():
-            handle.discard()
-        _unlink_quiet(self._pending_path)
-        if self.stage == "installed" and self._renamed == 0 and self._lock_fd >= 0:
-            with contextlib.suppress(OSError):
-                if self._old_record is None:
-                    os.unlink(self._record_path)
-                else:
-                    self._replace_record(self._old_record)
-                _fsync_directory(self.directory)
+        if not self.committed:
+            for handle in self.files.values():
+                handle.discard()
+            for suffix in self.suffixes if self.generation else ():
+                _unlink_quiet(self._versioned(suffix))
+        else:
+            for suffix in self.suffixes:  # hard links of step c not yet renamed
+                _unlink_quiet(self._stem + suffix + TMP)
+        _unlink_quiet(self._stem + RECORD + PENDING)
         if self._lock_fd >= 0:
-            if self._lock_linked:
-                _unlink_quiet(self._lock_path)  # still ours: nobody else can lock it
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            fd, self._lock_fd = self._lock_fd, -1
+            with contextlib.suppress(OSError):
+                _drop_lock(fd, self._lock_path)
         self.done = True
 
 
@@ -277,46 +488,118 @@ def commit_transactions(
     directory: str,
     transactions: Sequence[ShardTransaction],
     commit_args: Callable[[ShardTransaction], dict[str, Any]],
+    before_commit: Callable[[], None] | None = None,
 ) -> None:
     """Commit a group of shards of ``directory``: each step for every shard, then the next.
 
     ``commit_args(transaction)`` gives the keyword arguments of
     :meth:`ShardTransaction.prepare` (it may still write to the transaction's files).
-    An error before any shard's pending record is in place (the usual case: a full disk
-    while flushing) leaves every shard as it was. On any error the unfinished shards are
-    aborted and the error re-raised.
+    ``before_commit()``, if given, runs once every shard's data is durable under its
+    versioned names, just before the first commit point. An error before a shard's commit
+    point leaves it as it was (the usual case: a full disk while flushing leaves every
+    shard as it was). An error after some commit points: those shards are committed (their
+    steps c-e are retried here once), the others aborted, and an ``OSError`` says which.
     """
     try:
         for transaction in transactions:
             transaction.prepare(**commit_args(transaction))
         if not transactions:
+            if before_commit is not None:
+                before_commit()
             return
         for transaction in transactions:
-            transaction.install()
-        _fsync_directory(directory)  # no data file is renamed before its pending record lands
+            transaction.version()
+        _fsync_directory(directory)  # the versioned files exist before any record names them
+        if before_commit is not None:
+            before_commit()
         for transaction in transactions:
-            transaction.publish()
-        _fsync_directory(directory)
+            transaction.install()
+        _fsync_directory(directory)  # the commit points are durable
+        for transaction in transactions:
+            transaction.place()
+        _fsync_directory(directory)  # canonical names in place before the records say so
+        for transaction in transactions:
+            transaction.settle()
+        _fsync_directory(directory)  # records settled before the versioned names go
         for transaction in transactions:
             transaction.finish()
-        _fsync_directory(directory)
-    except BaseException:
+    except BaseException as error:
+        committed = [t for t in transactions if t.committed and not t.done]
         for transaction in transactions:
-            if transaction.stage != "committed":
+            if not transaction.committed and not transaction.done:
                 transaction.abort()
+        unsettled = []
+        for transaction in committed:
+            try:
+                transaction.roll_forward()
+            except BaseException:
+                transaction.abort()  # committed all the same; only the lock is released
+                unsettled.append(transaction.shard)
+        if committed and isinstance(error, OSError):
+            done = ", ".join(shard_name(t.shard) for t in committed)
+            later = (
+                f"; the files of shard(s) {', '.join(shard_name(s) for s in unsettled)} are "
+                f"still under versioned names (.v<n>), which our readers read but GuideLoom "
+                f"does not: storage.recover() or the next writer moves them"
+                if unsettled
+                else ""
+            )
+            raise OSError(
+                error.errno,
+                f"closing the writer of {directory} failed ({error}) after shard(s) {done} "
+                f"were committed: those read as written, every other shard as before{later}",
+            ) from error
         raise
-    finally:
-        for transaction in transactions:
-            if transaction.stage == "committed":
-                transaction.release()
 
 
-def _install_record(lock_fd: int, lock_path: str, record_path: str, data: bytes) -> None:
-    """The lock file becomes the record: it is ours alone while we hold its lock."""
-    os.pwrite(lock_fd, data, 0)
-    os.ftruncate(lock_fd, len(data))
-    os.fsync(lock_fd)
-    os.replace(lock_path, record_path)
+def recover_directory(directory: str) -> dict[str, list[int]]:
+    """Finish or clean up what stopped writers left in ``directory``.
+
+    For every shard not being written right now (its write lock is free): a committed
+    record naming versioned files is rolled forward to the canonical names, a shard whose
+    removal was interrupted is removed, and versioned files no record names, stale
+    temporaries and stale locks are deleted. Shards a live writer holds are left alone.
+    Returns the shard ids ``{"rolled_forward": [...], "removed": [...], "cleaned": [...]}``.
+    """
+    result: dict[str, list[int]] = {"rolled_forward": [], "removed": [], "cleaned": []}
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return result
+    suspects: dict[int, str] = {}
+    records: list[int] = []
+    for name in names:
+        match = _NAME.match(name)
+        if match is None:
+            continue
+        shard = int(match.group("shard"))
+        if match.group("temporary") or match.group("generation") is not None:
+            suspects.setdefault(shard, "cleaned")
+        elif match.group("suffix") == RECORD:
+            records.append(shard)
+    for shard in records:
+        record = _read_record(os.path.join(directory, shard_name(shard)))
+        if record is not None and record.state == "deleted":
+            suspects[shard] = "removed"
+        elif record is not None and record.versioned:
+            suspects[shard] = "rolled_forward"
+    for shard, what in sorted(suspects.items(), reverse=True):  # removals from the top
+        stem = os.path.join(directory, shard_name(shard))
+        try:
+            fd = _take_lock(stem + RECORD + TMP, shard, directory, wait=0.0)
+        except ShardLockedError:
+            continue  # a live writer: its files are not leftovers
+        try:
+            _recover_shard(directory, shard)
+            for suffix in _DATA_SUFFIXES:
+                _remove(stem + suffix + TMP)
+            _remove(stem + RECORD + PENDING)
+        finally:
+            _drop_lock(fd, stem + RECORD + TMP)
+        result[what].append(shard)
+    if suspects:
+        _fsync_directory(directory)
+    return result
 
 
 def seal_shard(
@@ -340,7 +623,6 @@ def seal_shard(
     fd = _take_lock(lock_path, shard, directory)
     try:
         if os.path.exists(stem + RECORD):
-            _unlink_quiet(lock_path)
             return False
         files: dict[str, FileRecord] = {}
         for suffix in suffixes:
@@ -351,22 +633,16 @@ def seal_shard(
                     crc = zlib.crc32(chunk, crc)
                     size += len(chunk)
             if size != sizes[suffix]:
-                _unlink_quiet(lock_path)
                 raise CorruptShardError(
                     f"{path} changed while it was being sealed ({sizes[suffix]} -> {size} "
                     f"bytes); seal again once no other process writes it"
                 )
             files[suffix.lstrip(".")] = FileRecord(size, crc)
-        record = ShardRecord(kind, shard, count, files, dtype, payloads, state="committed")
-        _install_record(fd, lock_path, stem + RECORD, record.to_json())
+        record = ShardRecord(kind, shard, count, files, dtype, payloads, generation=1)
+        _write_record(stem, record.to_json())
         return True
     finally:
-        os.close(fd)
-
-
-def _unlink_quiet(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        _drop_lock(fd, lock_path)
 
 
 def _too_many_files(error: OSError, shard: int, open_shards: int, per_shard: int) -> OSError:
@@ -399,11 +675,17 @@ class ShardWriterBase:
         self._transactions: dict[int, ShardTransaction] = {}
         self._appended: set[int] = set()
         self._closed = False
+        self._opened = False
         self._lock = threading.Lock()
 
     def open(self) -> None:
-        """Create the directory if needed (also done by ``with``)."""
+        """Create the directory if needed and finish what stopped writers left in it (see
+        :func:`recover_directory`); also done by ``with`` and by the first ``append``."""
+        if self._opened:
+            return
         os.makedirs(self.directory, exist_ok=True)
+        recover_directory(self.directory)
+        self._opened = True
 
     def __enter__(self) -> Any:
         self.open()
@@ -432,7 +714,7 @@ class ShardWriterBase:
         self._check_open()
         transaction = self._transactions.get(shard)
         if transaction is None:
-            os.makedirs(self.directory, exist_ok=True)
+            self.open()
             try:
                 transaction = ShardTransaction(self.directory, shard, self.kind, self.suffixes)
             except OSError as error:
@@ -454,9 +736,9 @@ class ShardWriterBase:
     def close(self) -> None:
         """Commit every shard this writer touched, each atomically.
 
-        Either every shard is committed, or the error is raised; shards whose commit did
-        not finish then read as before, or (after a failure in the middle of renaming their
-        files) are reported as uncommitted, never as a mix of old and new.
+        Either every shard is committed, or the error is raised; each shard then reads as
+        its old version or its new one, never a mix or neither (see
+        :func:`commit_transactions`).
         """
         if self._closed:
             return

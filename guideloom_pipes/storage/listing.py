@@ -3,21 +3,24 @@ backend cannot list), with their file sizes and commit records; warns of stale t
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any
 
 from guideloom_pipes.storage.commit import _is_locked
-from guideloom_pipes.storage.errors import StaleWriteWarning
+from guideloom_pipes.storage.errors import DatasetChangedError, StaleWriteWarning
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.names import (
     _NAME,
     IN_BAND,
     INDEX,
     OUT_OF_BAND,
+    PENDING,
     RECORD,
     TMP,
     _display,
@@ -49,12 +52,34 @@ class ShardListing:
     sizes: dict[tuple[int, str], int] = field(default_factory=dict)
     records: dict[int, ShardRecord] = field(default_factory=dict)
     listed: bool = True
+    #: the file name of each (shard, suffix) whose record names a versioned file (a commit
+    #: whose files are not yet at their canonical names); others are the canonical name
+    names: dict[tuple[int, str], str] = field(default_factory=dict)
+    #: ``(st_dev, st_ino)`` of each (shard, suffix) file as listed (local backends only):
+    #: readers open exactly these files, or fail (see ``ShardFiles``)
+    identities: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+
+    def file_name(self, shard: int, suffix: str) -> str:
+        """The name of the file a reader reads for ``shard``'s ``suffix``."""
+        return self.names.get((shard, suffix)) or shard_name(shard) + suffix
 
 
-def _scan_local(directory: PurePath) -> dict[str, int]:
+#: an entry of a directory listing: size (-1: unknown), st_dev, st_ino (0: unknown)
+_Entry = tuple[int, int, int]
+
+
+def _scan_local(directory: PurePath) -> dict[str, _Entry]:
     try:
         with os.scandir(os.fspath(directory)) as entries:
-            return {e.name: e.stat().st_size for e in entries if e.is_file()}
+            found = {}
+            for entry in entries:
+                if _NAME.match(entry.name) is None:
+                    continue  # not ours: no stat
+                with contextlib.suppress(FileNotFoundError):  # gone since listed: a temporary
+                    if entry.is_file():
+                        info = entry.stat()
+                        found[entry.name] = (info.st_size, info.st_dev, info.st_ino)
+            return found
     except FileNotFoundError:
         raise FileNotFoundError(
             f"dataset directory {_display(directory)} does not exist; check the path, or "
@@ -99,6 +124,20 @@ def _backend_size(backend: ResolvedBackend, path: PurePath) -> int | None:
         reader.close()
 
 
+#: how many times an open lists a directory whose files a writer changes meanwhile
+_ATTEMPTS = 8
+
+
+class _Changed(Exception):
+    """The directory changed while it was being listed (a writer committed): list again."""
+
+
+def _committed_entries(entries: dict[str, _Entry]) -> dict[str, _Entry]:
+    """The entries a commit changes (records, data files, versioned files), not temporaries
+    (a live writer's ``.tmp`` files grow all the time)."""
+    return {n: e for n, e in entries.items() if not n.endswith((TMP, PENDING))}
+
+
 def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -> ShardListing:
     """Find the shards of ``directory``, a dataset whose shards consist of ``suffixes`` files.
 
@@ -109,39 +148,83 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
     probes ids 0, 1, 2, 4, ... for the first suffix's files and bisects the end, as
     GuideLoom does (a gap is then undetectable). ``backend``: a read backend in either
     convention, or a :class:`~guideloom_pipes.storage.io.ResolvedBackend`.
+
+    A local directory is listed, its records read, and listed again: the listing is used
+    only if nothing a commit changes differs between the two (a snapshot of the committed
+    version of every shard); else it tries again, a few times over about half a second,
+    then raises :class:`DatasetChangedError`.
     """
     backend = resolve_backend(backend)
     if isinstance(suffixes, str):
         suffixes = (suffixes,)
     ours = tuple(suffixes)
     if backend.local:
-        sizes_by_name: dict[str, int] | None = _scan_local(directory)
-    elif backend.list_dir is not None:
+        base = os.fspath(directory)
+
+        def read_local(name: str) -> ShardRecord:
+            path = os.path.join(base, name)
+            try:
+                raw = _read_local(path)
+            except FileNotFoundError:
+                raise _Changed from None
+            return ShardRecord.from_json(raw, path)
+
+        for attempt in range(_ATTEMPTS):
+            entries = _scan_local(directory)
+            try:
+                found = _assemble(directory, entries, ours, read_local)
+            except _Changed:
+                found = None
+            if found is not None and _committed_entries(_scan_local(directory)) == (
+                _committed_entries(entries)
+            ):
+                return _finish(backend, *found)
+            time.sleep(0.002 * 2**attempt)  # back off: a commit takes milliseconds
+        raise DatasetChangedError(
+            f"the shards of {_display(directory)} changed every time they were listed "
+            f"({_ATTEMPTS} times over about half a second): a writer is committing to this "
+            f"dataset right now. Open it again once the writer has closed"
+        )
+    if backend.list_dir is not None:
         try:
             names = list(backend.list_dir(directory))
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"dataset directory {_display(directory)} does not exist; check the path"
             ) from None
-        sizes_by_name = dict.fromkeys(names, -1)
-    else:
-        sizes_by_name = None
 
-    if sizes_by_name is None:
-        return _probe(backend, directory, ours[0])
+        def read_remote(name: str) -> ShardRecord:
+            path = directory / name
+            return ShardRecord.from_json(_read_whole(backend, path), _display(path))
 
+        entries = dict.fromkeys(names, (-1, 0, 0))
+        return _finish(backend, *_assemble(directory, entries, ours, read_remote))
+    return _probe(backend, directory, ours[0])
+
+
+def _assemble(
+    directory: PurePath,
+    entries: dict[str, _Entry],
+    ours: tuple[str, ...],
+    read_record: Callable[[str], ShardRecord],
+) -> tuple[ShardListing, dict[int, list[str]]]:
+    """The listing of ``entries`` (records read with ``read_record``), and the stale
+    temporaries by shard (checked and warned about by :func:`_finish`)."""
     ids: set[int] = set()
-    sizes: dict[tuple[int, str], int] = {}
     record_names: dict[int, str] = {}
     temporaries: dict[int, list[str]] = {}
+    versioned: dict[int, list[str]] = {}
     foreign: set[str] = set()
-    for name, size in sizes_by_name.items():
+    for name in entries:
         match = _NAME.match(name)
         if match is None:
             continue
-        shard, suffix, tmp = int(match.group(1)), match.group(2), match.group(3)
-        if tmp:
+        shard, suffix = int(match.group("shard")), match.group("suffix")
+        if match.group("temporary"):
             temporaries.setdefault(shard, []).append(name)
+            continue
+        if match.group("generation") is not None:
+            versioned.setdefault(shard, []).append(name)
             continue
         if suffix == RECORD:
             record_names[shard] = name
@@ -149,11 +232,40 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
         if suffix not in ours:
             foreign.add(suffix)
             continue
-        sizes[(shard, suffix)] = size
         ids.add(shard)
-    if temporaries and backend.local:
-        _warn_stale(directory, temporaries)
-    ids |= set(record_names)
+    records = {shard: read_record(name) for shard, name in record_names.items()}
+    for shard, found_record in list(records.items()):
+        if found_record.state == "deleted":  # being removed: absent, whatever files remain
+            del records[shard]
+            ids.discard(shard)
+    ids |= set(records)
+    sizes: dict[tuple[int, str], int] = {}
+    names: dict[tuple[int, str], str] = {}
+    identities: dict[tuple[int, str], tuple[int, int]] = {}
+    for shard in ids:
+        shard_record = records.get(shard)
+        for suffix in ours:
+            name = (
+                shard_record.file_name(suffix)
+                if shard_record is not None
+                else shard_name(shard) + suffix
+            )
+            if name != shard_name(shard) + suffix:
+                names[(shard, suffix)] = name
+            entry = entries.get(name)
+            if entry is None:
+                continue
+            size, device, inode = entry
+            if size >= 0:
+                sizes[(shard, suffix)] = size
+            if inode:
+                identities[(shard, suffix)] = (device, inode)
+    for shard, found in versioned.items():
+        owner = records.get(shard)
+        named = {owner.file_name(s) for s in ours} if owner is not None else set()
+        stale = [name for name in found if name not in named]
+        if stale:  # a commit that stopped before its commit point
+            temporaries.setdefault(shard, []).extend(stale)
     where = _display(directory)
     if foreign and not record_names:
         # Without commit records the kind is known only from the file names: GuideLoom's
@@ -175,27 +287,22 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
     if len(ids) != count:
         ordered = sorted(ids)  # O(shards found), however large the ids
         first_missing = next(i for i, shard in enumerate(ordered) if shard != i)
-        found = ", ".join(str(i) for i in ordered[:20]) + (", ..." if len(ids) > 20 else "")
+        found_ids = ", ".join(str(i) for i in ordered[:20]) + (", ..." if len(ids) > 20 else "")
         raise FileNotFoundError(
-            f"shard {shard_name(first_missing)} is missing from {where} (found {found}); "
+            f"shard {shard_name(first_missing)} is missing from {where} (found {found_ids}); "
             f"{count - len(ids)} missing in all. Rewrite the missing shard(s), or renumber the "
             f"shards so that ids run 0..N-1"
         )
-    if backend.local:
-        base = os.fspath(directory)
-        records = {}
-        for shard, name in record_names.items():
-            path = os.path.join(base, name)
-            records[shard] = ShardRecord.from_json(_read_local(path), path)
-    else:
-        records = {
-            shard: ShardRecord.from_json(
-                _read_whole(backend, directory / name), _display(directory / name)
-            )
-            for shard, name in record_names.items()
-        }
-    sizes = {key: value for key, value in sizes.items() if value >= 0}
-    return ShardListing(directory, count, sizes, records, listed=True)
+    listing = ShardListing(directory, count, sizes, records, True, names, identities)
+    return listing, temporaries
+
+
+def _finish(
+    backend: ResolvedBackend, listing: ShardListing, temporaries: dict[int, list[str]]
+) -> ShardListing:
+    if temporaries and backend.local:
+        _warn_stale(listing.directory, temporaries)
+    return listing
 
 
 def _warn_stale(directory: PurePath, temporaries: dict[int, list[str]]) -> None:
@@ -208,7 +315,7 @@ def _warn_stale(directory: PurePath, temporaries: dict[int, list[str]]) -> None:
             f"writer of shard {shard_name(shard)} stopped before committing. Readers ignore "
             f"them and the next writer of that shard replaces them; delete them to silence this",
             StaleWriteWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
@@ -231,8 +338,13 @@ def _probe(backend: ResolvedBackend, directory: PurePath, primary: str) -> Shard
         else:
             high = middle
     records: dict[int, ShardRecord] = {}
+    names: dict[tuple[int, str], str] = {}
     for shard in range(high):
         path = directory / (shard_name(shard) + RECORD)
         if _backend_size(backend, path) is not None:
-            records[shard] = ShardRecord.from_json(_read_whole(backend, path), _display(path))
-    return ShardListing(directory, high, {}, records, listed=False)
+            record = ShardRecord.from_json(_read_whole(backend, path), _display(path))
+            records[shard] = record
+            if record.versioned:
+                for suffix in record.files:
+                    names[(shard, "." + suffix)] = record.file_name("." + suffix)
+    return ShardListing(directory, high, {}, records, listed=False, names=names)

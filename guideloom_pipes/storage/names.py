@@ -1,5 +1,6 @@
-"""Shard file names: the suffix of each file kind, the 7-digit name stem of shard ``k``, and the
-pattern that recognises shard files (temporaries included) in a directory listing."""
+"""Shard file names: the suffix of each file kind, the 7-digit name stem of shard ``k``, the
+versioned names of a replacement being committed, and the pattern that recognises shard files
+(temporaries and versioned files included) in a directory listing."""
 
 from __future__ import annotations
 
@@ -18,17 +19,27 @@ TMP = ".tmp"
 PENDING = ".pending"
 
 #: Names of shard files: the id as ``shard_name`` writes it (7 digits, or more without a
-#: leading zero past 9,999,999), a known suffix, and ``.tmp``/``.pending`` for temporaries.
+#: leading zero past 9,999,999), ``.v<generation>`` for a versioned data file (see
+#: :func:`versioned_name`), a known suffix, and ``.tmp``/``.pending`` for temporaries.
+#: Groups: ``shard`` (also group 1), ``generation``, ``suffix``, ``temporary``.
 _NAME = re.compile(
-    r"^(\d{7}|[1-9]\d{7,})"
-    r"(\.in_band\.bin|\.out_of_band\.bin|\.out_of_band\.index|\.shard\.json)"
-    r"(\.tmp|\.pending)?$"
+    r"^(?P<shard>\d{7}|[1-9]\d{7,})"
+    r"(?:\.v(?P<generation>0|[1-9]\d*))?"
+    r"(?P<suffix>\.in_band\.bin|\.out_of_band\.bin|\.out_of_band\.index|\.shard\.json)"
+    r"(?P<temporary>\.tmp|\.pending)?$"
 )
 
 
 def shard_name(shard: int) -> str:
     """The file-name stem of shard ``shard``: its id zero-padded to 7 digits."""
     return f"{shard:07d}"
+
+
+def versioned_name(shard: int, generation: int, suffix: str) -> str:
+    """The name a data file of generation ``generation`` of ``shard`` has between its commit
+    and its move to the canonical name, e.g. ``0000003.v2.in_band.bin`` (GuideLoom does not
+    read it)."""
+    return f"{shard_name(shard)}.v{generation}{suffix}"
 
 
 def check_shard_id(shard: Any) -> int:

@@ -10,8 +10,12 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.storage.errors import CorruptShardError, StorageError
+from guideloom_pipes.storage.names import shard_name, versioned_name
 
-RECORD_VERSION = 1
+#: The newest record format this package reads. Version 2 records name versioned files (a
+#: commit whose files are not yet at their canonical names) or mark a removed shard; they are
+#: written only then, so that an older reader refuses them rather than misread them.
+RECORD_VERSION = 2
 #: bytes read at a time to checksum a file
 _CHUNK = 16 << 20
 
@@ -74,11 +78,25 @@ class ShardRecord:
     files: dict[str, FileRecord]
     dtype: np.dtype[Any] | None = None
     payloads: int | None = None
+    #: ``"committed"``; ``"deleted"`` (a shard being removed: read as absent); ``"pending"``
+    #: (left by the commit protocol of earlier versions: an interrupted commit)
     state: str = "committed"
+    #: the number of commits of this shard id (names its versioned files)
+    generation: int = 0
+    #: whether the files are still at their versioned names (``0000003.v2.in_band.bin``)
+    versioned: bool = False
+
+    def file_name(self, suffix: str) -> str:
+        """The name of the shard's ``suffix`` file that this record describes."""
+        if self.versioned:
+            return versioned_name(self.shard, self.generation, suffix)
+        return shard_name(self.shard) + suffix
 
     def to_json(self) -> bytes:
+        newer = self.versioned or self.state == "deleted"
         data: dict[str, Any] = {
-            "guideloom_pipes_record": RECORD_VERSION,
+            "guideloom_pipes_record": RECORD_VERSION if newer else 1,
+            "generation": self.generation,
             "state": self.state,
             "kind": self.kind,
             "shard": self.shard,
@@ -88,6 +106,8 @@ class ShardRecord:
         }
         if self.payloads is not None:
             data["payloads"] = self.payloads
+        if self.versioned:
+            data["versioned"] = True
         return json.dumps(data, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -116,6 +136,8 @@ class ShardRecord:
                 dtype=None if data.get("dtype") is None else dtype_from_json(data["dtype"]),
                 payloads=data.get("payloads"),
                 state=data["state"],
+                generation=int(data.get("generation", 0)),
+                versioned=bool(data.get("versioned", False)),
             )
         except (ValueError, KeyError, TypeError) as error:
             raise CorruptShardError(

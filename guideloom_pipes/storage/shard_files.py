@@ -4,6 +4,7 @@ shards (opened lazily, descriptor-holding ones kept in an LRU) and reads or fill
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -12,8 +13,14 @@ from typing import Any
 
 import numpy as np
 
+from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import resolve_backend
+from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import shard_name
+
+
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    return info.st_dev, info.st_ino
 
 
 def _fill_function(reader: Any) -> Callable[[int, memoryview], int]:
@@ -59,12 +66,20 @@ class ShardFiles:
     """
 
     def __init__(
-        self, backend: Any, directory: PurePath, suffix: str, num_shards: int, max_open: int = 64
+        self,
+        backend: Any,
+        directory: PurePath,
+        suffix: str,
+        num_shards: int,
+        max_open: int = 64,
+        *,
+        listing: ShardListing | None = None,
     ) -> None:
         self.backend = resolve_backend(backend)
         self.directory = directory
         self.suffix = suffix
         self.num_shards = num_shards
+        self._listing = listing
         self.bounded = self.backend.holds_fd
         #: whether ``read`` returns fresh buffers nobody else holds (our local backends)
         self.owned_reads = self.backend.local
@@ -82,11 +97,63 @@ class ShardFiles:
         self._closed = False
 
     def path(self, shard: int) -> PurePath:
+        if self._listing is not None:
+            return self.directory / self._listing.file_name(shard, self.suffix)
         return self.directory / (shard_name(shard) + self.suffix)
 
     def _open_reader(self, shard: int) -> Any:
-        reader = self.backend.reader(self.path(shard))
-        reader.open()
+        """Open the shard's reader; where the listing knows the file's identity (local
+        backends), only on that very file.
+
+        A writer may have replaced the shard since the dataset was listed: the file the
+        listing saw is then looked for under the names it may have (a versioned file also
+        gets its canonical name when its commit rolls forward), checked by device, inode
+        and size before and after opening, and otherwise the reader fails with
+        :class:`DatasetChangedError` rather than read another version. The same check runs
+        when a reader closed by the LRU opens again.
+        """
+        identity = None
+        if self._listing is not None:
+            identity = self._listing.identities.get((shard, self.suffix))
+        if identity is None:
+            reader = self.backend.reader(self.path(shard))
+            reader.open()
+            return reader
+        assert self._listing is not None
+        size = self._listing.sizes.get((shard, self.suffix), -1)
+        canonical = self.directory / (shard_name(shard) + self.suffix)
+        paths = [self.path(shard)]
+        if paths[0] != canonical:
+            paths.append(canonical)
+        for path in paths:
+            reader = self._open_same(path, identity, size)
+            if reader is not None:
+                return reader
+        raise DatasetChangedError(
+            f"shard {shard_name(shard)} of {os.fspath(self.directory)} was replaced by a "
+            f"writer after this reader opened the dataset ({os.fspath(paths[-1])} is now "
+            f"another file, or gone): the dataset was rewritten under an open reader, which "
+            f"reads only the version it opened. Open the dataset again (a new reader) to read "
+            f"the new version"
+        )
+
+    def _open_same(self, path: PurePath, identity: tuple[int, int], size: int) -> Any:
+        """The open reader of ``path`` if it is the file ``identity`` of ``size`` bytes."""
+        local = os.fspath(path)
+        try:
+            if _identity(os.stat(local)) != identity:
+                return None
+            reader = self.backend.reader(path)
+            reader.open()
+        except FileNotFoundError:
+            return None
+        try:
+            same = _identity(os.stat(local)) == identity and reader.filesize() == size
+        except FileNotFoundError:
+            same = False
+        if not same:  # replaced between the two looks: which one is open is unknown
+            reader.close()
+            return None
         return reader
 
     def array(self, shard: int, dtype: np.dtype[Any]) -> np.ndarray | None:

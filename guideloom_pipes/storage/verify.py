@@ -53,12 +53,13 @@ def check_listing(
             _check_record(record, listing, shard, kind, dtype, dtype_hint)
         sizes: dict[str, int] = {}
         for suffix in suffixes:
+            file_name = listing.file_name(shard, suffix)
             size = listing.sizes.get((shard, suffix))
             if size is None:
-                size = _backend_size(backend, directory / (name + suffix))
+                size = _backend_size(backend, directory / file_name)
             if size is None:
                 raise FileNotFoundError(
-                    f"shard {name} of {where} has no {name}{suffix}; the shard is incomplete "
+                    f"shard {name} of {where} has no {file_name}; the shard is incomplete "
                     f"(was it copied partially, or written with another storage class?). "
                     f"Rewrite shard {shard}"
                 )
@@ -74,7 +75,7 @@ def check_listing(
             if expected.size != size:
                 change = "was truncated" if size < expected.size else "grew"
                 raise CorruptShardError(
-                    f"{name}{suffix} in {where} is {size} bytes but was committed with "
+                    f"{file_name} in {where} is {size} bytes but was committed with "
                     f"{expected.size} bytes: the file {change} after it was written. "
                     f"Restore it or rewrite shard {shard}"
                 )
@@ -149,7 +150,7 @@ def verify_checksums(
             continue
         checked["shards"] += 1
         for suffix in suffixes:
-            name = shard_name(shard) + suffix
+            name = listing.file_name(shard, suffix)
             expected = record.files[suffix.lstrip(".")]
             reader = backend.reader(listing.directory / name)
             reader.open()
