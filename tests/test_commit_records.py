@@ -8,6 +8,7 @@ with the checks their file sizes allow.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import zlib
@@ -345,6 +346,71 @@ def test_a_record_of_a_newer_format_version_asks_for_an_upgrade(tmp_path: Path) 
     (tmp_path / "0000000.shard.json").write_text(json.dumps(record))
     with pytest.raises(StorageError, match=r"version 99.*upgrade guideloom_pipes"):
         read("stream", tmp_path)
+
+
+MALFORMED = [
+    ("files", [], "files"),
+    ("files", "in_band.bin", "files"),
+    ("files", {"in_band.bin": [8, 0]}, "files.in_band.bin"),
+    ("files", {"in_band.bin": {"size": 1e999, "crc32": 0}}, "files.in_band.bin.size"),
+    ("files", {"in_band.bin": {"size": -8, "crc32": 0}}, "files.in_band.bin.size"),
+    ("files", {"in_band.bin": {"size": 8.0, "crc32": 0}}, "files.in_band.bin.size"),
+    ("files", {"in_band.bin": {"size": 8, "crc32": "0x1"}}, "files.in_band.bin.crc32"),
+    ("files", {"in_band.bin": {"size": 8}}, "files.in_band.bin.crc32"),
+    ("count", "2", "count"),
+    ("count", 1e999, "count"),
+    ("count", True, "count"),
+    ("shard", None, "shard"),
+    ("kind", 5, "kind"),
+    ("state", 1, "state"),
+    ("state", "half", "state"),
+    ("dtype", 42, "dtype"),
+    ("dtype", [["tokens"]], "dtype"),
+    ("payloads", -1, "payloads"),
+    ("generation", "1", "generation"),
+    ("versioned", "yes", "versioned"),
+    ("guideloom_pipes_record", "1", "guideloom_pipes_record"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "named"), MALFORMED)
+def test_a_record_with_a_malformed_field_is_corrupt_naming_file_field_and_fix(
+    tmp_path: Path, field: str, value: Any, named: str
+) -> None:
+    write("stream", tmp_path, {0: [1, 2], 1: [3, 4]})
+    record = record_of(tmp_path, 1)
+    record[field] = value
+    (tmp_path / "0000001.shard.json").write_text(json.dumps(record))
+    with pytest.raises(CorruptShardError) as error:
+        read("stream", tmp_path)
+    message = str(error.value)
+    assert os.fspath(tmp_path / "0000001.shard.json") in message
+    assert f"field {named!r}" in message
+    assert "Rewrite the shard" in message
+
+
+@pytest.mark.parametrize("field", ["kind", "shard", "count", "files", "state"])
+def test_a_record_missing_a_field_is_corrupt_naming_it(tmp_path: Path, field: str) -> None:
+    write("stream", tmp_path, {0: [1, 2]})
+    record = record_of(tmp_path)
+    del record[field]
+    (tmp_path / "0000000.shard.json").write_text(json.dumps(record))
+    with pytest.raises(CorruptShardError, match=f"field '{field}' must be .* got nothing"):
+        read("stream", tmp_path)
+
+
+def test_a_record_that_is_not_a_json_object_is_corrupt(tmp_path: Path) -> None:
+    write("stream", tmp_path, {0: [1, 2]})
+    (tmp_path / "0000000.shard.json").write_text("[1, 2]")
+    with pytest.raises(CorruptShardError, match="must be a JSON object"):
+        read("stream", tmp_path)
+
+
+def test_a_rewrite_replaces_a_malformed_record(tmp_path: Path) -> None:
+    write("stream", tmp_path, {0: [1, 2]})
+    (tmp_path / "0000000.shard.json").write_text('{"guideloom_pipes_record": 1, "files": []}')
+    write("stream", tmp_path, {0: [5]})
+    assert read("stream", tmp_path) == [5]
 
 
 # Another storage class -------------------------------------------------------------------

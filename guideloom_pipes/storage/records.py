@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -112,35 +112,114 @@ class ShardRecord:
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> ShardRecord:
+        """The record in ``raw`` (the bytes of the file ``where``), its schema checked.
+
+        Unparseable JSON, or a field missing or of the wrong type or range, raises
+        :class:`CorruptShardError` naming the file and the field.
+        """
         try:
             data = json.loads(raw)
-            version = int(data["guideloom_pipes_record"])
-        except (ValueError, KeyError, TypeError) as error:
+        except ValueError as error:  # JSON syntax, or bytes that are not UTF-8
             raise CorruptShardError(
                 f"commit record {where} is unreadable ({type(error).__name__}: {error}); "
-                f"rewrite the shard"
+                f"rewrite the shard (storage.verify() checks the others)"
             ) from error
+        check = _Checker(where)
+        if not isinstance(data, dict):
+            check.fail("the record", "a JSON object", data)
+        version = check.integer(data, "guideloom_pipes_record", minimum=1)
         if version > RECORD_VERSION:
             raise StorageError(
                 f"commit record {where} has format version {version}, newer than this "
                 f"guideloom_pipes understands ({RECORD_VERSION}); upgrade guideloom_pipes"
             )
-        try:
-            return cls(
-                kind=data["kind"],
-                shard=int(data["shard"]),
-                count=int(data["count"]),
-                files={
-                    s: FileRecord(int(f["size"]), int(f["crc32"])) for s, f in data["files"].items()
-                },
-                dtype=None if data.get("dtype") is None else dtype_from_json(data["dtype"]),
-                payloads=data.get("payloads"),
-                state=data["state"],
-                generation=int(data.get("generation", 0)),
-                versioned=bool(data.get("versioned", False)),
+        files = check.field(data, "files", dict, "an object of file records")
+        file_records = {}
+        for suffix, entry in files.items():
+            if not isinstance(entry, dict):
+                check.fail(f"files.{suffix}", "an object with size and crc32", entry)
+            file_records[suffix] = FileRecord(
+                check.integer(entry, "size", within=f"files.{suffix}"),
+                check.integer(entry, "crc32", within=f"files.{suffix}", maximum=0xFFFFFFFF),
             )
-        except (ValueError, KeyError, TypeError) as error:
-            raise CorruptShardError(
-                f"commit record {where} is unreadable ({type(error).__name__}: {error}); "
-                f"rewrite the shard"
-            ) from error
+        descr = data.get("dtype")
+        dtype = None
+        if descr is not None:
+            try:
+                dtype = dtype_from_json(descr)
+            except (ValueError, TypeError, KeyError, IndexError) as error:
+                check.fail("dtype", f"a numpy dtype description ({error})", descr)
+        payloads = data.get("payloads")
+        state = check.field(data, "state", str, "a string")
+        if state not in _STATES:
+            check.fail("state", f"one of {', '.join(map(repr, _STATES))}", state)
+        versioned = data.get("versioned", False)
+        if not isinstance(versioned, bool):
+            check.fail("versioned", "true or false", versioned)
+        return cls(
+            kind=check.field(data, "kind", str, "a string"),
+            shard=check.integer(data, "shard"),
+            count=check.integer(data, "count"),
+            files=file_records,
+            dtype=dtype,
+            payloads=None if payloads is None else check.integer(data, "payloads"),
+            state=state,
+            generation=check.integer(data, "generation") if "generation" in data else 0,
+            versioned=versioned,
+        )
+
+
+_STATES = ("committed", "deleted", "pending")
+
+
+class _Checker:
+    """Checks fields of the commit record in file ``where``; a clear error for a bad one."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, name: str, wanted: str, value: Any) -> NoReturn:
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        if value is not _MISSING:
+            shown += f" ({type(value).__name__})"
+        raise CorruptShardError(
+            f"commit record {self.where} is corrupt: field {name!r} must be {wanted}, got "
+            f"{shown}. Rewrite the shard with a guideloom_pipes writer (storage.verify() "
+            f"checks the other shards)"
+        )
+
+    def field(self, data: dict[str, Any], name: str, kind: type, wanted: str) -> Any:
+        if name not in data:
+            self.fail(name, wanted, _MISSING)
+        value = data[name]
+        if not isinstance(value, kind):
+            self.fail(name, wanted, value)
+        return value
+
+    def integer(
+        self,
+        data: dict[str, Any],
+        name: str,
+        within: str = "",
+        minimum: int = 0,
+        maximum: int = 2**63 - 1,
+    ) -> int:
+        """``data[name]``: a JSON integer (not a float, not a bool) in range."""
+        label = f"{within}.{name}" if within else name
+        wanted = f"an integer from {minimum} to {maximum}"
+        if name not in data:
+            self.fail(label, wanted, _MISSING)
+        value = data[name]
+        if type(value) is not int or not minimum <= value <= maximum:
+            self.fail(label, wanted, value)
+        return value
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "nothing (the field is missing)"
+
+
+_MISSING = _Missing()
