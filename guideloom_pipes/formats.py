@@ -17,8 +17,14 @@ DocumentT = TypeVar("DocumentT")
 
 
 def _check_fits(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
-    """Refuse integers that a narrower integer field would silently wrap around."""
-    if column.dtype.kind not in "iu" or dtype.kind not in "iu" or not column.size:
+    """Refuse values that an integer field would silently change: integers it would wrap
+    around, floats it would truncate (not whole, NaN, infinite) or overflow."""
+    if dtype.kind not in "iu" or not column.size:
+        return
+    if column.dtype.kind == "f":
+        _check_whole(name, column, dtype)
+        return
+    if column.dtype.kind not in "iu":
         return
     if np.can_cast(column.dtype, dtype, "safe"):
         return
@@ -31,6 +37,29 @@ def _check_fits(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
             f"({info.min}..{info.max}); numpy would wrap it around silently. Fix the data or "
             f"widen the field"
         )
+
+
+def _check_whole(name: str, column: np.ndarray, dtype: np.dtype[Any]) -> None:
+    """Refuse floats that the integer ``dtype`` cannot hold exactly (one vectorised pass)."""
+    info = np.iinfo(dtype)
+    # both bounds are powers of two (or 0), exact as floats: [min, max + 1)
+    low, high = float(info.min), float(info.max + 1)
+    with np.errstate(invalid="ignore"):
+        bad = (np.trunc(column) != column) | ~(column >= low) | ~(column < high)
+    if not bad.any():
+        return
+    value = column.reshape(-1)[np.flatnonzero(bad.reshape(-1))[0]]
+    if np.isfinite(value) and value == np.trunc(value):
+        problem = f"does not fit its dtype {dtype} ({info.min}..{info.max})"
+    else:
+        problem = f"is not a whole number, so its dtype {dtype} cannot hold it"
+    with np.errstate(invalid="ignore", over="ignore"):
+        cast = int(np.array(value).astype(dtype))
+    raise ValueError(
+        f"field {name!r} holds {float(value)!r} ({column.dtype}), which {problem}; numpy "
+        f"would cast it silently (here to {cast}). Fix or round the data (e.g. "
+        f"np.rint(x).astype({dtype.str!r}) once it is in range), or make the field a float"
+    )
 
 
 class StreamNumpyFormat(StreamStorageFormat[DataT, DataT, DType]):

@@ -379,6 +379,38 @@ def test_pack_refuses_negative_integers_for_an_unsigned_field() -> None:
         StreamNumpyFormat(TOKENS).pack(columns)
 
 
+@pytest.mark.parametrize(
+    ("tokens", "shown", "problem"),
+    [
+        ([1.0, 2.5e10], "25000000000.0", r"does not fit its dtype int32 \(-2147483648\.\."),
+        ([2.0**31], "2147483648.0", "does not fit its dtype int32"),
+        ([1.0, 2.5], "2.5", "is not a whole number"),
+        ([float("nan")], "nan", "is not a whole number"),
+        ([-float("inf")], "-inf", "is not a whole number"),
+        (np.array([3, 1e12], dtype=np.float32), "999999995904.0", "does not fit"),
+    ],
+)
+def test_pack_refuses_floats_an_integer_field_would_change(
+    tokens: Any, shown: str, problem: str
+) -> None:
+    columns = {"tokens": np.asarray(tokens), "loss_mask": 0}
+    with pytest.raises(ValueError, match=rf"field 'tokens' holds {shown} .*{problem}"):
+        StreamNumpyFormat(TOKENS).pack(columns)
+
+
+def test_pack_refuses_a_negative_float_for_an_unsigned_field() -> None:
+    columns = {"tokens": np.arange(2), "loss_mask": np.array([0.0, -1.0])}
+    with pytest.raises(ValueError, match=r"'loss_mask' holds -1\.0 .*uint8 \(0\.\.255\)"):
+        StreamNumpyFormat(TOKENS).pack(columns)
+
+
+def test_pack_accepts_whole_floats_that_fit_the_field_exactly() -> None:
+    columns = {"tokens": np.array([-(2.0**31), 0.0, 2.0**31 - 1]), "loss_mask": np.float32(1)}
+    packed = StreamNumpyFormat(TOKENS).pack(columns)
+    assert packed["tokens"].tolist() == [-(2**31), 0, 2**31 - 1]
+    assert packed["loss_mask"].tolist() == [1, 1, 1]
+
+
 def test_pack_accepts_python_ints_and_bools_that_fit() -> None:
     packed = StreamNumpyFormat(TOKENS).pack({"tokens": [1, 2, 3], "loss_mask": [True, False, True]})
     assert packed.dtype == TOKENS
