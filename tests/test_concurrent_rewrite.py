@@ -1,0 +1,212 @@
+"""Readers see one version of the dataset while writers replace it.
+
+* An open lists the directory, reads the records and lists again: it uses a snapshot of the
+  committed version of every shard, tries again when a commit changed something in between,
+  and says that a writer is committing when that keeps happening.
+* A reader keeps reading the version it opened after the dataset is rewritten: memory maps
+  and held descriptors stay valid across the renames; a file opened (or reopened by the LRU)
+  after the rewrite is checked to be the one listed (device, inode, size), or the read fails
+  with :class:`DatasetChangedError`, never returning bytes of another version.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from shard_kinds import KINDS, expected, read, storage, write
+
+from guideloom_pipes import StreamDataset
+from guideloom_pipes.storage import DatasetChangedError, StaleWriteWarning, listing
+from guideloom_pipes.storage.io import MmapIO, PosixPreadIO, SeekIO
+
+OLD = {0: list(range(0, 7)), 1: list(range(100, 103)), 2: list(range(200, 209))}
+NEW = {0: list(range(1000, 1002)), 1: list(range(1100, 1111)), 2: list(range(1200, 1205))}
+BACKENDS = [MmapIO(), PosixPreadIO(), SeekIO()]
+
+
+def read_shard(kind: str, reader: Any, shard: int) -> list[Any]:
+    """Shard ``shard``'s values as ``expected(kind, {0: values})`` shows them."""
+    start = int(sum(reader.length(k) for k in range(shard)))
+    count = reader.length(shard)
+    if kind == "document":
+        return list(reader.read_many(np.arange(start, start + count)))
+    data = reader.read(start, count)
+    return [int(v) for v in data["tokens"]] if kind == "stream" else list(data)
+
+
+# An open while a writer commits --------------------------------------------------------
+
+
+def test_an_open_whose_records_changed_while_it_listed_lists_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write("stream", tmp_path, OLD)
+    real = listing._read_local
+    calls = []
+
+    def read_local(path: str) -> bytes:
+        if not calls:  # a writer commits between the listing and the first record read
+            write("stream", tmp_path, NEW)
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(listing, "_read_local", read_local)
+    assert read("stream", tmp_path) == expected("stream", NEW)
+    assert len(calls) > len(OLD)  # the records were read again
+
+
+def test_an_open_during_commit_after_commit_says_a_writer_is_committing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write("stream", tmp_path, OLD)
+    real = listing._read_local
+    versions = [NEW, OLD]
+
+    def read_local(path: str) -> bytes:
+        versions.reverse()
+        write("stream", tmp_path, versions[0])  # every listing sees a new commit
+        return real(path)
+
+    monkeypatch.setattr(listing, "_read_local", read_local)
+    monkeypatch.setattr(listing.time, "sleep", lambda seconds: None)
+    with pytest.raises(DatasetChangedError, match="a writer is committing to this dataset"):
+        read("stream", tmp_path)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_opens_racing_a_writer_that_commits_over_and_over_see_each_shard_old_or_new(
+    tmp_path: Path, kind: str
+) -> None:
+    write(kind, tmp_path, OLD)
+    done = threading.Event()
+
+    def rewrite() -> None:
+        for round_ in range(40):
+            write(kind, tmp_path, NEW if round_ % 2 == 0 else OLD)
+        done.set()
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    opens = reads = 0
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StaleWriteWarning)
+            while not done.is_set() or not opens:
+                with storage(kind, tmp_path).sync_reader() as reader:
+                    for shard in range(3):  # one commit is atomic per shard, not per dataset
+                        try:
+                            got = read_shard(kind, reader, shard)
+                        except DatasetChangedError:
+                            continue  # replaced between this open and the shard's first read
+                        assert got in (
+                            expected(kind, {0: OLD[shard]}),
+                            expected(kind, {0: NEW[shard]}),
+                        )
+                        reads += 1
+                opens += 1
+    finally:
+        writer.join()
+    assert reads > 0
+
+
+# A reader open while the dataset is rewritten ---------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=repr)
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_open_reader_reads_the_old_version_or_says_the_dataset_was_replaced(
+    tmp_path: Path, kind: str, backend: Any
+) -> None:
+    write(kind, tmp_path, OLD)
+    store = storage(kind, tmp_path)
+    store.read_interface = backend
+    with store.sync_reader() as reader:
+        assert read_shard(kind, reader, 0) == expected(kind, {0: OLD[0]})  # shard 0 open
+        write(kind, tmp_path, NEW)
+        assert read_shard(kind, reader, 0) == expected(kind, {0: OLD[0]})  # still the old
+        for shard in (1, 2):  # opened after the rewrite: never the new bytes
+            with pytest.raises(DatasetChangedError, match=f"shard 000000{shard} of .*replaced"):
+                read_shard(kind, reader, shard)
+        assert reader.total_length == len(expected(kind, OLD))
+    assert read(kind, tmp_path, backend) == expected(kind, NEW)  # a new reader: the new one
+
+
+@pytest.mark.parametrize("backend", [PosixPreadIO(), SeekIO()], ids=repr)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_descriptor_reopened_by_the_lru_after_a_rewrite_is_refused(
+    tmp_path: Path, kind: str, backend: Any
+) -> None:
+    write(kind, tmp_path, OLD)
+    store = storage(kind, tmp_path)
+    store.read_interface = backend
+    with store.sync_reader() as reader:
+        for files in reader._files.values():  # one descriptor per file kind: evict at once
+            files.max_open, files._never_evicts = 1, False
+        for shard in range(3):
+            assert read_shard(kind, reader, shard) == expected(kind, {0: OLD[shard]})
+        write(kind, tmp_path, NEW)
+        assert read_shard(kind, reader, 2) == expected(kind, {0: OLD[2]})  # still open
+        with pytest.raises(DatasetChangedError, match="Open the dataset again"):
+            read_shard(kind, reader, 0)  # closed by the LRU, reopened: another file now
+
+
+def test_a_reader_of_a_shard_being_rolled_forward_follows_its_file_to_the_canonical_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from guideloom_pipes.storage import commit
+
+    write("stream", tmp_path, OLD)
+    readers: list[Any] = []
+
+    def fault(step: str, target: str) -> None:  # open a reader while the record names .v2
+        if step == "link" and not readers:
+            reader = storage("stream", tmp_path).sync_reader()
+            reader.open()
+            readers.append(reader)
+
+    monkeypatch.setattr(commit, "_fault", fault)
+    write("stream", tmp_path, {0: NEW[0]})
+    monkeypatch.undo()
+    with readers[0] as reader:  # its shard 0 file is now only at the canonical name
+        assert read_shard("stream", reader, 0) == NEW[0]
+        assert read_shard("stream", reader, 1) == OLD[1]
+
+
+def test_a_loader_running_while_the_dataset_is_rewritten_delivers_only_old_samples(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torch")
+    from guideloom_pipes import StatefulDataLoader
+
+    length = 4
+    old = {k: list(range(k * 1000, k * 1000 + 40)) for k in range(6)}
+    write("stream", tmp_path, old)
+    stream = [v for k in sorted(old) for v in old[k]]
+    dataset = StreamDataset(storage("stream", tmp_path), length)
+    loader = StatefulDataLoader(
+        dataset,
+        lambda samples: [np.asarray(s["tokens"]).tolist() for s in samples],
+        local_batch_size=3,
+        num_workers=2,
+        parallel_method="thread",
+        prefetch=1,
+    )
+    delivered, refused = 0, False
+    try:
+        for number, batch in enumerate(loader):
+            if number == 0:
+                write("stream", tmp_path, {k: [-1] * 13 for k in range(3)})  # fewer, shorter
+            for sample in batch:
+                position = delivered * length
+                assert sample == stream[position : position + length]
+                delivered += 1
+    except DatasetChangedError as error:
+        assert "replaced" in str(error)
+        refused = True
+    assert delivered >= 3
+    assert refused or delivered == len(stream) // length
