@@ -662,9 +662,11 @@ def _too_many_files(error: OSError, shard: int, open_shards: int, per_shard: int
 class ShardWriterBase:
     """Bookkeeping shared by the writers: one transaction per touched shard, commit on close.
 
-    Subclasses implement ``append``: they check the record, call :meth:`_transaction` for
-    the shard, write, and call :meth:`_written` once the append succeeded. A shard whose
-    appends were all refused is not committed (it keeps its previous content).
+    Subclasses implement ``append``: they check the record, then, holding ``self._lock``,
+    call :meth:`_transaction` for the shard, write, and call :meth:`_written` once the
+    append succeeded. A shard whose appends were all refused is not committed (it keeps its
+    previous content). ``append``, ``close`` and ``abort`` hold the lock, so a writer may be
+    shared by threads: each append lands whole, before the commit or not at all.
     """
 
     kind = ""
@@ -676,7 +678,8 @@ class ShardWriterBase:
         self._appended: set[int] = set()
         self._closed = False
         self._opened = False
-        self._lock = threading.Lock()
+        #: serialises append, close and abort: a writer may be shared by threads
+        self._lock = threading.RLock()
 
     def open(self) -> None:
         """Create the directory if needed and finish what stopped writers left in it (see
@@ -740,6 +743,10 @@ class ShardWriterBase:
         its old version or its new one, never a mix or neither (see
         :func:`commit_transactions`).
         """
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
@@ -751,10 +758,11 @@ class ShardWriterBase:
 
     def abort(self) -> None:
         """Drop everything written in this session; committed shards stay as they were."""
-        self._closed = True
-        for transaction in self._transactions.values():
-            if not transaction.done:
-                transaction.abort()
+        with self._lock:
+            self._closed = True
+            for transaction in self._transactions.values():
+                if not transaction.done:
+                    transaction.abort()
 
     def __del__(self) -> None:
         # A writer dropped without close() must not leave locks or temporaries behind.

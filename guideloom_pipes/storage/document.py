@@ -243,12 +243,13 @@ class DocumentWriter(ShardWriterBase, DocumentStorageSyncWriterAbstract[Any]):
         """Encode the document ``data`` with the format and append it to shard ``shard``."""
         self._check_open()
         payload = check_payload(self.format.pack(data), f"{type(self.format).__name__}.pack")
-        transaction = self._transaction(shard)
-        log = self._logs.get(transaction.shard)
-        if log is None:
-            log = self._logs[transaction.shard] = PayloadLog(transaction.files[OUT_OF_BAND])
-        log.append(payload)
-        self._written(transaction.shard)
+        with self._lock:  # one append at a time: the file, its checksum, the offsets
+            transaction = self._transaction(shard)
+            log = self._logs.get(transaction.shard)
+            if log is None:
+                log = self._logs[transaction.shard] = PayloadLog(transaction.files[OUT_OF_BAND])
+            log.append(payload)
+            self._written(transaction.shard)
 
     def length(self, shard: int) -> int:
         """Documents appended to ``shard`` in this writer session (``KeyError`` if none)."""

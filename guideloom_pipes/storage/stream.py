@@ -189,10 +189,11 @@ class StreamWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
         array = check_packed(
             self.format.pack(data), self.dtype, f"{type(self.format).__name__}.pack"
         )
-        transaction = self._transaction(shard)
-        transaction.files[IN_BAND].write(array)
-        self._lengths[transaction.shard] = self._lengths.get(transaction.shard, 0) + len(array)
-        self._written(transaction.shard)
+        with self._lock:  # one append at a time: the file, its checksum, the length
+            transaction = self._transaction(shard)
+            transaction.files[IN_BAND].write(array)
+            self._lengths[transaction.shard] = self._lengths.get(transaction.shard, 0) + len(array)
+            self._written(transaction.shard)
 
     def length(self, shard: int) -> int:
         """Elements appended to ``shard`` in this writer session (``KeyError`` if none)."""

@@ -177,24 +177,25 @@ class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]
             raise ValueError(
                 f"{name}.pack returned a stream of {len(stream)} elements but size(data) is {size}"
             )
-        transaction = self._transaction(shard)
-        shard = transaction.shard
-        log = self._logs.get(shard)
-        if log is None:
-            log = self._logs[shard] = PayloadLog(transaction.files[OUT_OF_BAND])
-        if len(log) + len(payloads) > MAX_PAYLOADS:
-            raise ValueError(
-                f"shard {shard} would hold {len(log) + len(payloads)} payloads, more than "
-                f"{MAX_PAYLOADS} (the int32 index); spread the data over more shards"
-            )
-        records = np.empty(size, dtype=self.records)
-        records["index"] = index + len(log)
-        records["user"] = stream
-        for payload in payloads:
-            log.append(memoryview(payload))
-        transaction.files[IN_BAND].write(records)
-        self._lengths[shard] = self._lengths.get(shard, 0) + size
-        self._written(shard)
+        with self._lock:  # one append at a time: the files, their checksums, the offsets
+            transaction = self._transaction(shard)
+            shard = transaction.shard
+            log = self._logs.get(shard)
+            if log is None:
+                log = self._logs[shard] = PayloadLog(transaction.files[OUT_OF_BAND])
+            if len(log) + len(payloads) > MAX_PAYLOADS:
+                raise ValueError(
+                    f"shard {shard} would hold {len(log) + len(payloads)} payloads, more than "
+                    f"{MAX_PAYLOADS} (the int32 index); spread the data over more shards"
+                )
+            records = np.empty(size, dtype=self.records)
+            records["index"] = index + len(log)
+            records["user"] = stream
+            for payload in payloads:
+                log.append(memoryview(payload))
+            transaction.files[IN_BAND].write(records)
+            self._lengths[shard] = self._lengths.get(shard, 0) + size
+            self._written(shard)
 
     def length(self, shard: int) -> int:
         """Elements appended to ``shard`` in this writer session (``KeyError`` if none)."""
