@@ -13,6 +13,7 @@ import pytest
 import shard_kinds
 
 from guideloom_pipes import DocumentDataset, DocumentPickleFormat, DocumentStorage, StreamDataset
+from guideloom_pipes.io import MmapIO, PosixPreadIO, SeekIO
 from guideloom_pipes.storage import CorruptShardError, ShardDecodeError
 
 pytestmark = pytest.mark.fault
@@ -153,3 +154,36 @@ def test_a_corrupt_payload_names_the_shard_file_and_payload(corrupt_payloads: An
             samples.read_batch(np.array([0, 2, 1]))
         assert f"payloads 0..1 of {path}" in str(caught.value)
         assert "storage.verify()" in str(caught.value)
+
+
+# --- a directory where a data file should be ------------------------------------------
+
+BACKENDS = {"mmap": MmapIO, "pread": PosixPreadIO, "seek": SeekIO}
+FILE_KINDS = [(kind, suffix) for kind in shard_kinds.KINDS for suffix in shard_kinds.SUFFIXES[kind]]
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "guideloom"])
+@pytest.mark.parametrize(("kind", "suffix"), FILE_KINDS)
+def test_a_directory_where_a_data_file_should_be_is_named_when_the_reader_opens(
+    tmp_path: Path, kind: str, suffix: str, recorded: bool, backend: str
+) -> None:
+    shard_kinds.write(kind, tmp_path, {0: range(3), 1: range(3, 6), 2: range(6, 9)})
+    if not recorded:  # as GuideLoom wrote it
+        for record in tmp_path.glob("*.shard.json"):
+            record.unlink()
+    victim = tmp_path / f"0000001{suffix}"
+    victim.unlink()
+    victim.mkdir()
+    storage = shard_kinds.storage(kind, tmp_path)
+    storage.read_interface = BACKENDS[backend]()
+    with pytest.raises(IsADirectoryError, match=rf"{victim} is a directory.*Move it out"):
+        storage.sync_reader().open()
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+def test_a_byte_reader_opened_on_a_directory_names_it(tmp_path: Path, backend: str) -> None:
+    # a directory that appears after the listing: the backend's own error names it
+    reader = BACKENDS[backend]().sync_reader()(tmp_path)
+    with pytest.raises(IsADirectoryError, match=rf"{tmp_path} is a directory"):
+        reader.open()

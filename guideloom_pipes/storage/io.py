@@ -30,6 +30,7 @@ import functools
 import inspect
 import mmap
 import os
+import stat
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -49,6 +50,20 @@ from guideloom_pipes.types import (
 def _not_open(path: PurePath) -> RuntimeError:
     return RuntimeError(
         f"reader of {os.fspath(path)} is not open; call open() or use it in a `with` block"
+    )
+
+
+def _regular_size(fd: int, path: PurePath) -> int:
+    """The size of the open file ``fd``; a clear error naming ``path`` if it is not a
+    regular file (a directory, say: mapping or reading it fails with a bare errno)."""
+    info = os.fstat(fd)
+    if stat.S_ISREG(info.st_mode):
+        return info.st_size
+    what = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+    error = IsADirectoryError if stat.S_ISDIR(info.st_mode) else OSError
+    raise error(
+        f"{os.fspath(path)} is {what}, so it cannot be read as a shard file; move it away "
+        f"and put the shard's file there (rewrite the shard if it is lost)"
     )
 
 
@@ -219,7 +234,7 @@ class _MmapReader(IOSyncReaderAbstract):
             return
         fd = os.open(os.fspath(self.path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            size = os.fstat(fd).st_size
+            size = _regular_size(fd, self.path)
             self._map = _map_file(fd, size) if size else None
         finally:
             os.close(fd)  # the mapping keeps the file; no descriptor stays open
@@ -283,7 +298,11 @@ class _PreadReader(IOSyncReaderAbstract):
         if self._fd >= 0:
             return
         fd = os.open(os.fspath(self.path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        self._size = os.fstat(fd).st_size
+        try:
+            self._size = _regular_size(fd, self.path)
+        except OSError:
+            os.close(fd)
+            raise
         if self.advice and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._fd = fd

@@ -68,10 +68,37 @@ class ShardListing:
 _Entry = tuple[int, int, int]
 
 
+def _shard_of(name: str) -> int:
+    match = _NAME.match(name)
+    return int(match.group("shard")) if match else -1
+
+
+def _check_strays(
+    directory: PurePath, strays: list[os.DirEntry[str]], found: dict[str, _Entry]
+) -> None:
+    """Refuse an entry with a shard file's name that is not a file (a directory, say) where
+    a shard file belongs: its shard has other files or a record, or later shards exist.
+    Reading would fail with a bare errno (``mmap failed``). Others are ignored."""
+    if not strays:
+        return
+    last = max(map(_shard_of, found), default=-1)
+    for entry in strays:
+        shard = _shard_of(entry.name)
+        if shard <= last:
+            what = "a directory" if entry.is_dir() else "not a regular file"
+            error = IsADirectoryError if entry.is_dir() else OSError
+            raise error(
+                f"{_display(directory / entry.name)} is {what}, but shard {shard_name(shard)}'s "
+                f"file of that name belongs there. Move it out of {_display(directory)} and "
+                f"put the file back (or rewrite shard {shard})"
+            )
+
+
 def _scan_local(directory: PurePath) -> dict[str, _Entry]:
     try:
         with os.scandir(os.fspath(directory)) as entries:
             found = {}
+            strays: list[os.DirEntry[str]] = []  # shard names that are not files
             for entry in entries:
                 if _NAME.match(entry.name) is None:
                     continue  # not ours: no stat
@@ -79,6 +106,9 @@ def _scan_local(directory: PurePath) -> dict[str, _Entry]:
                     if entry.is_file():
                         info = entry.stat()
                         found[entry.name] = (info.st_size, info.st_dev, info.st_ino)
+                    else:
+                        strays.append(entry)
+            _check_strays(directory, strays, found)
             return found
     except FileNotFoundError:
         raise FileNotFoundError(
