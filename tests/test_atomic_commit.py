@@ -8,6 +8,7 @@ abort on an exception, a writer killed with SIGKILL mid-write or mid-commit, fai
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import shutil
 import signal
@@ -110,7 +111,9 @@ def test_a_writer_dropped_without_close_leaves_nothing_behind(tmp_path: Path) ->
     write("stream", tmp_path, OLD)
     writer = storage("stream", tmp_path).sync_writer()
     append("stream", writer, 0, NEW[0])
-    del writer
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del writer
+        gc.collect()
     assert read("stream", tmp_path) == expected("stream", OLD)
     assert leftovers(tmp_path) == []
 

@@ -67,6 +67,8 @@ import fcntl
 import os
 import threading
 import time
+import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -680,6 +682,11 @@ class ShardWriterBase:
         self._opened = False
         #: serialises append, close and abort: a writer may be shared by threads
         self._lock = threading.RLock()
+        # A writer dropped (or left open at exit) without close() or abort(): warn, and
+        # remove its temporaries and locks as abort() would. Holds no reference to self.
+        self._finalizer = weakref.finalize(
+            self, _abandon, self._transactions, self.directory, type(self).__name__
+        )
 
     def open(self) -> None:
         """Create the directory if needed and finish what stopped writers left in it (see
@@ -750,6 +757,7 @@ class ShardWriterBase:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         for shard, transaction in self._transactions.items():
             if shard not in self._appended and not transaction.done:
                 transaction.abort()  # every append to it was refused: keep the old shard
@@ -760,14 +768,26 @@ class ShardWriterBase:
         """Drop everything written in this session; committed shards stay as they were."""
         with self._lock:
             self._closed = True
+            self._finalizer.detach()
             for transaction in self._transactions.values():
                 if not transaction.done:
                     transaction.abort()
 
-    def __del__(self) -> None:
-        # A writer dropped without close() must not leave locks or temporaries behind.
-        try:
-            if not self._closed:
-                self.abort()
-        except Exception:
-            pass
+
+def _abandon(transactions: dict[int, ShardTransaction], directory: str, writer: str) -> None:
+    """What a writer garbage-collected (or left at interpreter exit) unclosed leaves: its
+    uncommitted shards are aborted, with a :class:`ResourceWarning` naming them."""
+    pending = sorted(shard for shard, t in transactions.items() if not t.done)
+    if not pending:
+        return
+    names = ", ".join(shard_name(shard) for shard in pending)
+    warnings.warn(
+        f"a {writer} of {directory} was dropped without close() or abort(), with shard(s) "
+        f"{names} uncommitted: they were discarded (their previous versions stay). Use the "
+        f"writer in a `with` block, or call close() to commit",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    for shard in pending:
+        with contextlib.suppress(Exception):
+            transactions[shard].abort()
