@@ -34,6 +34,7 @@ from guideloom_pipes.pipes import (
     close_pipeline,
     default_collate,
 )
+from guideloom_pipes.pipes._pool import after_orphaned_jobs
 from guideloom_pipes.pipes._worker import _open_reader
 from guideloom_pipes.types import SyncContextManager
 
@@ -300,7 +301,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             self._is_open = False
             if self._owns_reader:
                 self._owns_reader = False
-                reader.close()
+                # Once worker threads still finishing a batch of a closed iterator are done.
+                after_orphaned_jobs(reader.close)
 
     def __enter__(self) -> StatefulDataLoader[SourceT, BatchT]:
         self.open()

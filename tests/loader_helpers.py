@@ -6,9 +6,13 @@ fraction of the time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -155,3 +159,115 @@ def lock_collate(samples: list[Any]) -> Any:
 def big_collate(samples: list[Any]) -> np.ndarray:
     """A 2 MiB batch (more than a pipe holds)."""
     return np.full(1 << 18, int(samples[0]), dtype=np.int64)
+
+
+class Gate:
+    """Where a read or ``collate_fn`` blocks until the test releases it, in a thread or in a
+    worker process: a localhost socket, so no sleeps. The blocked side connects and waits
+    for the test to close the connection; the test learns that it blocks by accepting.
+
+    A pickled gate (what a worker process gets) holds only the port. After
+    :meth:`release` the gate lets nothing block any more (connecting fails).
+    """
+
+    def __init__(self) -> None:
+        self._server: socket.socket | None = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._accepted: list[socket.socket] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"port": self.port}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.port = state["port"]
+        self._server = None
+        self._accepted = []
+
+    def block(self) -> None:
+        """Block until the test calls :meth:`release` (or the gate is gone)."""
+        with socket.create_connection(("127.0.0.1", self.port)) as connection:
+            connection.sendall(b"b")
+            connection.recv(1)
+
+    def wait_blocked(self, timeout: float = 60) -> None:
+        """Return once something blocks at the gate (``TimeoutError`` after ``timeout``)."""
+        assert self._server is not None, "only the test's own gate can be waited on"
+        self._server.settimeout(timeout)
+        connection, _ = self._server.accept()
+        connection.settimeout(timeout)
+        assert connection.recv(1) == b"b"
+        self._accepted.append(connection)
+
+    def release(self) -> None:
+        """Let everything blocked at the gate go on, and stop it blocking anything else."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for connection in self._accepted:
+            connection.close()
+        self._accepted.clear()
+
+
+class BlocksAt(Ids):
+    """Blocks at ``gate`` while reading sample ``bad`` (a read that hangs, or a slow one)."""
+
+    def __init__(self, n: int, bad: int, gate: Gate) -> None:
+        super().__init__(n)
+        self.bad = bad
+        self.gate = gate
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.bad:
+            self.gate.block()
+        return super().__getitem__(index)
+
+
+class BlockingCollate:
+    """``ids_collate`` that blocks at ``gate`` for a batch holding sample ``bad``."""
+
+    def __init__(self, bad: int, gate: Gate) -> None:
+        self.bad = bad
+        self.gate = gate
+
+    def __call__(self, samples: list[Any]) -> list[int]:
+        if self.bad in samples:
+            self.gate.block()
+        return ids_collate(samples)
+
+
+class SlowCollate:
+    """``ids_collate`` that takes ``seconds`` per batch (sleeping: a slow collate, not a sync)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __call__(self, samples: list[Any]) -> list[int]:
+        time.sleep(self.seconds)
+        return ids_collate(samples)
+
+
+def our_threads() -> list[threading.Thread]:
+    """The threads of this package (workers, prefetch) alive now."""
+    return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
+
+
+def threads_end(timeout: float = 5) -> list[threading.Thread]:
+    """Our threads still alive after waiting up to ``timeout`` seconds for them to end (a
+    worker thread finishing a batch of a closed iterator ends with that batch)."""
+    deadline = time.monotonic() + timeout
+    for thread in our_threads():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return our_threads()
+
+
+@contextlib.contextmanager
+def watchdog(gate: Gate, seconds: float = 30) -> Iterator[threading.Timer]:
+    """Opens ``gate`` after ``seconds`` if the test has not (so a test of something that must
+    not wait for a blocked batch fails instead of hanging), and at the end in any case."""
+    timer = threading.Timer(seconds, gate.release)
+    timer.start()
+    try:
+        yield timer
+    finally:
+        timer.cancel()
+        gate.release()

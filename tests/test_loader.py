@@ -20,13 +20,17 @@ pytest.importorskip("torch")
 import numpy as np
 import torch
 from loader_helpers import (
+    BlocksAt,
     FailsAt,
+    Gate,
     HangsInWorker,
     Ids,
     KillsItsWorker,
     ReadError,
     expected_batches,
     ids_collate,
+    threads_end,
+    watchdog,
 )
 from storage_formats import ChunkMetaFormat
 
@@ -49,10 +53,6 @@ TOKENS = np.dtype([("tokens", "<i4")])
 def _loader(dataset: Any = None, collate_fn: Any = ids_collate, **kw: Any) -> StatefulDataLoader:
     kw.setdefault("device", "cpu")
     return StatefulDataLoader(Ids(22) if dataset is None else dataset, collate_fn, **kw)
-
-
-def _our_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
 
 
 def _state(epoch: int, offset: int, **kw: Any) -> dict[str, Any]:
@@ -469,7 +469,7 @@ def test_breaking_out_of_a_for_loop_frees_the_iterator():
     for batch in loader:
         assert batch == [0]
         break
-    assert _our_threads() == []
+    assert threads_end() == []
     assert loader.state_dict()["observation_offset"] == 0
     assert next(iter(loader)) == [0]
 
@@ -486,22 +486,74 @@ def test_breaking_out_of_a_for_loop_frees_the_iterator():
 def test_no_thread_outlives_its_iterator(kw):
     loader = _loader(**kw)
     list(loader)  # drained
-    assert _our_threads() == []
+    assert threads_end() == []
     it = iter(loader)
     next(it)
     it.close()  # closed
-    assert _our_threads() == []
+    assert threads_end() == []
     it = iter(loader)
     next(it)
     del it  # abandoned
     gc.collect()
-    assert _our_threads() == []
+    assert threads_end() == []
     it = iter(loader)
     next(it)
     loader.close()  # the loader closed
-    assert _our_threads() == []
+    assert threads_end() == []
     with pytest.raises(StopIteration):
         next(it)
+
+
+_SLOW_BATCH_MODES = {
+    "2-threads": {"num_workers": 2},
+    "prefetch-thread": {"prefetch": 1},
+    "2-processes": {"num_workers": 2, "parallel_method": "process"},
+}
+
+
+@pytest.mark.filterwarnings("ignore:prefetch \\* local_batch_size")
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("closing", ["iterator", "loader"])
+@pytest.mark.parametrize("kw", _SLOW_BATCH_MODES.values(), ids=_SLOW_BATCH_MODES.keys())
+def test_close_does_not_wait_for_a_batch_being_read(kw, closing):
+    gate = Gate()
+    loader = _loader(BlocksAt(22, 1, gate), **kw)
+    with watchdog(gate) as timer:
+        it = iter(loader)
+        assert next(it) == [0]
+        gate.wait_blocked()  # a worker reads sample 1, blocked until the gate opens
+        if closing == "iterator":
+            it.close()
+        else:
+            loader.close()
+        assert not timer.finished.is_set()  # close() returned with the batch still blocked
+        assert multiprocessing.active_children() == []  # worker processes are stopped
+        assert loader._active_iterator() is None
+    assert threads_end() == []  # a thread busy with the batch ends when it does
+
+
+@pytest.mark.filterwarnings("ignore:prefetch \\* local_batch_size")
+@pytest.mark.timeout(120)
+def test_the_reader_closes_only_after_the_batches_still_being_read():
+    gate = Gate()
+
+    class Blocking(_Recording):
+        def read_batch(self, ids: np.ndarray) -> list[int]:
+            if 1 in ids:
+                gate.block()
+            return super().read_batch(ids)
+
+    dataset = Blocking(22)
+    loader = _loader(dataset, num_workers=2)
+    with watchdog(gate) as timer:
+        it = iter(loader)
+        assert next(it) == [0]
+        gate.wait_blocked()
+        loader.close()
+        assert not timer.finished.is_set()
+        assert dataset.events == ["open"]  # not closed under the worker still reading
+    assert threads_end() == []
+    assert dataset.events == ["open", "close"]  # closed by the worker once its batch ended
 
 
 def test_a_read_exception_reaches_the_loop_with_its_type_and_traceback():
@@ -511,7 +563,7 @@ def test_a_read_exception_reaches_the_loop_with_its_type_and_traceback():
     with pytest.raises(ReadError, match="cannot read sample 9") as info:
         next(it)
     assert "__getitem__" in "".join(traceback.format_tb(info.value.__traceback__))
-    assert _our_threads() == []
+    assert threads_end() == []
     assert loader.state_dict()["observation_offset"] == 8  # what was delivered
     with pytest.raises(ReadError):
         next(iter(loader))  # the next iterator retries the failed batch

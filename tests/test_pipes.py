@@ -19,7 +19,18 @@ pytest.importorskip("torch")
 import numpy as np
 import torch
 import torchdata.nodes as tn
-from loader_helpers import FailsAt, Ids, ReadError, expected_batches, ids_collate
+from loader_helpers import (
+    BlocksAt,
+    FailsAt,
+    Gate,
+    Ids,
+    ReadError,
+    expected_batches,
+    ids_collate,
+    our_threads,
+    threads_end,
+    watchdog,
+)
 
 from guideloom_pipes import pipes
 from guideloom_pipes.pipes import (
@@ -35,10 +46,6 @@ from guideloom_pipes.pipes import (
 )
 from guideloom_pipes.pipes._pool import _ThreadPool
 from guideloom_pipes.shuffle import FeistelPermutation
-
-
-def _our_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
 
 
 def _positions(node: Any) -> list[list[int]]:
@@ -308,7 +315,7 @@ def test_read_samples_with_thread_workers_keeps_the_order(workers):
         101, world_size=3, local_batch_size=2, rank=1, drop_last=False, shuffle_seed=7
     )
     close_pipeline(node)
-    assert _our_threads() == []
+    assert threads_end() == []
 
 
 @pytest.mark.timeout(60)
@@ -343,15 +350,15 @@ def test_read_samples_reraises_a_worker_exception_with_its_type_and_traceback():
         next(node)
     assert "__getitem__" in "".join(traceback.format_tb(info.value.__traceback__))
     node.close()
-    assert _our_threads() == []
+    assert threads_end() == []
 
 
 def test_read_samples_close_stops_its_threads_and_reset_restarts_them():
     node = _pipeline(200, workers=3)
     next(node)
-    assert _our_threads()
+    assert our_threads()
     close_pipeline(node)
-    assert _our_threads() == []
+    assert threads_end() == []
     node.reset()
     assert (
         next(node)
@@ -360,7 +367,7 @@ def test_read_samples_close_stops_its_threads_and_reset_restarts_them():
         )[0]
     )
     close_pipeline(node)
-    assert _our_threads() == []
+    assert threads_end() == []
 
 
 class _Requests(Ids):
@@ -399,7 +406,7 @@ def test_chunked_jobs_keep_the_order_and_an_exact_state_at_every_batch(workers, 
     assert node.state_dict() == reference.state_dict()
     assert steps == 34 and max(dataset.sizes) > 2  # batches were read together
     node.close()
-    assert _our_threads() == []
+    assert threads_end() == []
 
 
 @pytest.mark.parametrize("stop", [0, 1, 6, 17, 33])
@@ -641,7 +648,7 @@ def test_prefetcher_keeps_order_and_counts_only_delivered_batches():
     assert list(node) == list(reference)
     assert node.state_dict()["source"] == reference.state_dict()  # the next epoch's start
     close_pipeline(node)
-    assert _our_threads() == []
+    assert threads_end() == []
 
 
 def test_prefetcher_reraises_source_exceptions_with_their_type():
@@ -652,14 +659,26 @@ def test_prefetcher_reraises_source_exceptions_with_their_type():
     assert "__getitem__" in "".join(traceback.format_tb(info.value.__traceback__))
     with pytest.raises(StopIteration):
         next(node)
-    assert _our_threads() == []
+    assert threads_end() == []
 
 
 def test_prefetcher_close_joins_its_thread_even_when_blocked_on_a_full_queue():
     node = Prefetcher(ReadSamples(RankPositions(1000, 2), Ids(1000)), 1)
     next(node)
     node.close()
-    assert _our_threads() == []
+    assert threads_end() == []
+
+
+@pytest.mark.timeout(120)
+def test_prefetcher_close_does_not_wait_for_a_batch_being_pulled():
+    gate = Gate()
+    node = Prefetcher(ReadSamples(RankPositions(20, 2), BlocksAt(20, 2, gate)), 2)
+    with watchdog(gate) as timer:
+        assert next(node) == [0, 1]
+        gate.wait_blocked()  # the prefetch thread reads sample 2, blocked
+        close_pipeline(node)
+        assert not timer.finished.is_set()  # returned with the batch still blocked
+    assert threads_end() == []  # the thread drops that batch and ends
 
 
 def test_prefetcher_rejects_zero():

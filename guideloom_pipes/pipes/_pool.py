@@ -17,6 +17,43 @@ from typing import Any
 from guideloom_pipes.pipes._transport import ResultRing, load_result
 from guideloom_pipes.pipes._worker import _Failed, _process_worker, _RemoteTraceback
 
+# -- orphaned jobs ------------------------------------------------------------------------------
+# A thread pool closed while its workers run jobs does not wait for them: each such worker
+# finishes its job in the background (its result is dropped) and then exits. Closing what
+# those jobs may still use (the dataset's reader) waits for them: see after_orphaned_jobs.
+_orphans_lock = threading.Lock()
+_orphans = 0  # jobs of closed pools still running
+_after_orphans: list[Callable[[], None]] = []
+
+
+def after_orphaned_jobs(fn: Callable[[], None]) -> None:
+    """Call ``fn`` now if no job of a closed thread pool is still running, else as soon as
+    the last one ends (in the worker thread that ran it)."""
+    with _orphans_lock:
+        if _orphans:
+            _after_orphans.append(fn)
+            return
+    fn()
+
+
+def _orphaned(count: int) -> None:
+    global _orphans
+    with _orphans_lock:
+        _orphans += count
+
+
+def _orphan_ended() -> None:
+    """One job of a closed pool ended; run what waited for the last of them."""
+    global _orphans
+    with _orphans_lock:
+        _orphans -= 1
+        if _orphans:
+            return
+        callbacks = _after_orphans[:]
+        _after_orphans.clear()
+    for fn in callbacks:
+        fn()
+
 
 class _Job:
     """One job (a chunk of batches): its argument, then its result or the exception it
@@ -124,6 +161,7 @@ class _ThreadPool:
         self._limit = num_workers  # most jobs running at once (see set_limit)
         self._running = 0  # jobs running (the caller's included)
         self._starts = 0  # jobs started so far
+        self._busy: set[threading.Thread] = set()  # workers running a job
         self._stopping = False
         self._threads = [
             threading.Thread(target=self._loop, name=f"guideloom-read-{i}", daemon=True)
@@ -147,24 +185,34 @@ class _ThreadPool:
     def _loop(self) -> None:
         fn = self._fn
         clock = _thread_clock()
-        lock, queue = self._lock, self._queue
+        lock, queue, busy = self._lock, self._queue, self._busy
+        me = threading.current_thread()
         job: _Job | None = None
         alone, cpu = 0, 0.0
         while True:
             with lock:
+                orphan = False
                 if job is not None:
                     self._end(job, alone, cpu)
                     job.done = True
+                    busy.discard(me)
+                    orphan = self._stopping  # the pool was closed while it ran
                     if self._awaited is job:
                         self._finished.notify()
                 while (not queue or self._running >= self._limit) and not self._stopping:
                     self._idle += 1
                     self._work.wait()
                     self._idle -= 1
-                if self._stopping:
-                    return
-                job = queue.popleft()
-                alone = self._start()
+                stop = self._stopping
+                if not stop:
+                    job = queue.popleft()
+                    busy.add(me)
+                    alone = self._start()
+            if orphan:
+                _orphan_ended()
+            if stop:
+                return
+            assert job is not None
             cpu = _run(fn, job, clock)
 
     def submit(self, arg: Any) -> _Job:
@@ -217,6 +265,8 @@ class _ThreadPool:
                 self._awaited = job
                 try:
                     while not job.done:
+                        if self._stopping:
+                            raise RuntimeError("the read workers were stopped (closed)")
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             raise _timed_out("thread", timeout)  # type: ignore[arg-type]
@@ -235,13 +285,22 @@ class _ThreadPool:
         return job.result, job.elapsed, job.cpu_share
 
     def close(self) -> None:
+        """Stop the workers without waiting for the jobs they run: idle workers exit now,
+        busy ones once their job ends (its result is dropped). A caller waiting in
+        :meth:`result` (another thread) gets a ``RuntimeError``."""
         with self._lock:
+            if self._stopping:
+                return
             self._stopping = True
             self._queue.clear()
             self._work.notify_all()
+            self._finished.notify_all()
+            busy = set(self._busy)
+            if busy:
+                _orphaned(len(busy))  # under the pool's lock: before any of them can end
         current = threading.current_thread()
         for thread in self._threads:
-            if thread is not current:
+            if thread is not current and thread not in busy:
                 thread.join()
 
 
@@ -405,15 +464,41 @@ class _ProcessPool:
 
     def close(self) -> None:
         # Reads have no side effects, so workers still busy (a hung read, an early close)
-        # are terminated rather than waited for: no process outlives its iterator.
-        workers, self._workers = self._workers, []
-        for worker in workers:
-            if worker.process.pid is not None and worker.process.is_alive():
-                worker.process.terminate()
-        for worker in workers:
-            if worker.process.pid is not None:
-                worker.process.join()
-                worker.process.close()
+        # are terminated rather than waited for: no process outlives its iterator. One that
+        # ignores SIGTERM gets SIGKILL; one that not even that ends at once (stuck in the
+        # kernel, such as a read of a hung network file system) is left to the system.
+        workers = self._workers
+        alive = [w.process for w in workers if w.process.pid is not None]
+        for process in alive:
+            if process.exitcode is None:
+                process.terminate()
+        alive = _wait_for_exit(alive, _EXIT_SECONDS)
+        for process in alive:
+            process.kill()
+        _wait_for_exit(alive, _EXIT_SECONDS)
+        while workers:  # (an interrupted close leaves the rest for the next)
+            worker = workers[0]
+            process = worker.process
+            if process.pid is not None and process.exitcode is not None:
+                process.close()
             worker.conn.close()
             if worker.ring is not None:
                 worker.ring.close()
+            workers.pop(0)
+
+
+#: How long a worker process has to exit after SIGTERM, and then after SIGKILL.
+_EXIT_SECONDS = 2.0
+
+
+def _wait_for_exit(processes: list[Any], seconds: float) -> list[Any]:
+    """Wait up to ``seconds`` for ``processes`` to exit; those still running."""
+    deadline = time.monotonic() + seconds
+    alive = [p for p in processes if p.exitcode is None]
+    while alive:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        multiprocessing.connection.wait([p.sentinel for p in alive], left)
+        alive = [p for p in alive if p.exitcode is None]
+    return alive

@@ -125,33 +125,57 @@ class ToDevice(BaseNode[Any]):
 _ITEM, _END, _ERROR = 0, 1, 2
 
 
-def _prefetch_loop(
-    source: BaseNode[Any],
-    out: queue.SimpleQueue[tuple[int, Any, Any]],
-    slots: threading.Semaphore,
-    stop: threading.Event,
-) -> None:
-    """Pull from ``source`` into ``out`` while a slot is free; always end with _END/_ERROR."""
-    try:
-        while True:
-            slots.acquire()
-            if stop.is_set():
-                return
-            try:
-                item = next(source)
-            except StopIteration:
-                out.put((_END, None, source.state_dict()))
-                return
-            out.put((_ITEM, item, source.state_dict()))
-    except BaseException as error:
-        out.put((_ERROR, error, None))
+class _Puller:
+    """The prefetch thread's loop: pull from ``source`` into ``out`` while a slot is free;
+    always end with _END or _ERROR. :meth:`halt` stops it without waiting for a pull."""
+
+    __slots__ = ("busy", "lock", "out", "slots", "source", "stop")
+
+    def __init__(self, source: BaseNode[Any], prefetch: int) -> None:
+        self.source = source
+        self.out: queue.SimpleQueue[tuple[int, Any, Any]] = queue.SimpleQueue()
+        self.slots = threading.Semaphore(prefetch)
+        self.lock = threading.Lock()
+        self.stop = False
+        self.busy = False  # inside next(source)
+
+    def run(self) -> None:
+        source, out, lock = self.source, self.out, self.lock
+        try:
+            while True:
+                self.slots.acquire()
+                with lock:
+                    if self.stop:
+                        return
+                    self.busy = True
+                try:
+                    item = next(source)
+                except StopIteration:
+                    out.put((_END, None, source.state_dict()))
+                    return
+                finally:
+                    with lock:
+                        self.busy = False
+                out.put((_ITEM, item, source.state_dict()))
+        except BaseException as error:
+            out.put((_ERROR, error, None))
+
+    def halt(self) -> bool:
+        """Ask the loop to stop; whether it is pulling from ``source`` right now (it then
+        stops once that pull returns, and drops the item)."""
+        with self.lock:
+            self.stop = True
+            busy = self.busy
+        self.slots.release()  # wake the thread if it waits for a slot
+        return busy
 
 
 class Prefetcher(BaseNode[Any]):
     """Keeps up to ``prefetch`` finished batches waiting, pulled from ``source`` by a thread.
 
-    Unlike torchdata's ``Prefetcher`` it never polls: the thread sleeps until a slot frees,
-    and :meth:`close` (or the next ``reset()``) stops and joins it at once. The state is that
+    Unlike torchdata's ``Prefetcher`` it never polls: the thread sleeps until a slot frees.
+    :meth:`close` stops it at once, without waiting for a batch being pulled; the next
+    ``reset()`` stops and joins it before resetting the source. The state is that
     of ``source`` as of the last batch delivered, so prefetched batches never count.
     Exceptions from ``source`` are re-raised in the caller with their type and traceback.
 
@@ -171,39 +195,31 @@ class Prefetcher(BaseNode[Any]):
             raise ValueError(f"prefetch must be >= 1 for a Prefetcher, got {self.prefetch}")
         self.source = source
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._slots = threading.Semaphore(0)
-        self._queue: queue.SimpleQueue[tuple[int, Any, Any]] = queue.SimpleQueue()
+        self._puller: _Puller | None = None
         self._snapshot: Any = None
         self._done = False
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self.close()
+        self._halt(wait=True)  # the source is reset next: no pull of the old thread may run
         _source_reset(self.source, initial_state, self.SOURCE_KEY)
         self._snapshot = self.source.state_dict()
         self._done = False
-        self._stop = threading.Event()
-        self._slots = threading.Semaphore(self.prefetch)
-        self._queue = queue.SimpleQueue()
-        self._thread = threading.Thread(
-            target=_prefetch_loop,
-            args=(self.source, self._queue, self._slots, self._stop),
-            name="guideloom-prefetch",
-            daemon=True,
-        )
+        self._puller = puller = _Puller(self.source, self.prefetch)
+        self._thread = threading.Thread(target=puller.run, name="guideloom-prefetch", daemon=True)
         self._thread.start()
 
     def next(self) -> Any:
-        if self._done:
+        if self._done or self._puller is None:
             raise StopIteration()
-        kind, value, snapshot = self._queue.get()
+        puller = self._puller
+        kind, value, snapshot = puller.out.get()
         if kind == _ITEM:
-            self._slots.release()
+            puller.slots.release()
             self._snapshot = snapshot
             return value
         self._done = True
-        self._join()
+        self._halt(wait=True)  # it has ended
         if kind == _END:
             self._snapshot = snapshot
             raise StopIteration()
@@ -213,16 +229,18 @@ class Prefetcher(BaseNode[Any]):
         return {self.SOURCE_KEY: self._snapshot}
 
     def close(self) -> None:
-        """Stop and join the prefetch thread (the stage can be reset again)."""
-        if self._thread is None:
-            return
-        self._stop.set()
-        self._slots.release()  # wake the thread if it waits for a slot
-        self._join()
+        """Stop the prefetch thread (the stage can be reset again). It is joined unless it
+        is inside ``next(source)`` (a slow batch): then it ends when that returns, and the
+        batch is dropped; close the source too (:func:`close_pipeline` does) to stop it."""
+        self._halt(wait=False)
 
-    def _join(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
+    def _halt(self, wait: bool) -> None:
+        thread, puller = self._thread, self._puller
+        self._thread = self._puller = None
+        if thread is None or puller is None:
+            return
+        busy = puller.halt()
+        if thread is not threading.current_thread() and (wait or not busy):
             thread.join()
 
     def __del__(self) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.pipes._pool import _ProcessPool, _ThreadPool
+from guideloom_pipes.pipes._pool import _ProcessPool, _ThreadPool, after_orphaned_jobs
 from guideloom_pipes.pipes._worker import (
     _batch_read_fn,
     _Failed,
@@ -216,12 +216,17 @@ class ReadSamples(BaseNode[Any]):
             self._task = _ReadTask(_batch_read_fn(self._reader), self.collate_fn)
 
     def close(self) -> None:
-        """Stop the workers and close the reader this stage opened (it can be reset again)."""
+        """Stop the workers and close the reader this stage opened (it can be reset again).
+
+        It does not wait for batches being read: worker processes are terminated, and a
+        worker thread finishes its batch in the background (the result is dropped) and
+        exits; the reader closes once no such batch is left.
+        """
         self._stop_workers()
         if self._owns_reader and self._reader is not None:
             reader, self._reader, self._task = self._reader, None, None
             self._owns_reader = False
-            reader.close()
+            after_orphaned_jobs(reader.close)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
@@ -291,14 +296,16 @@ class ReadSamples(BaseNode[Any]):
             raise StopIteration()
         job, index, last, snapshot = self._pending.popleft()
         if job is not self._job:
-            assert self._pool is not None
+            pool = self._pool
+            assert pool is not None
             probing = self._probing
             if probing:
                 self._probe(job)
             try:
-                outcomes, elapsed, cpu_share = self._pool.result(job, self.timeout)
+                outcomes, elapsed, cpu_share = pool.result(job, self.timeout)
             except BaseException:
-                self._drop_job(job, last)
+                if self._pool is pool:  # (else closed meanwhile, by another thread)
+                    self._drop_job(job, last)
                 raise
             self._job, self._outcomes = job, outcomes
             self._learn(elapsed / len(outcomes), cpu_share)
