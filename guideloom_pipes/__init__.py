@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from guideloom_pipes import io, types
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
+from guideloom_pipes.mixture import MixtureDataset
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "DocumentPickleFormat",
     "DocumentStorage",
     "GUIDELOOM_VERSION",
+    "MixtureDataset",
     "StatefulDataLoader",
     "StreamDataset",
     "StreamNumpyFormat",
