@@ -13,6 +13,7 @@ from guideloom_pipes import io, types
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.mixture import MixtureDataset
+from guideloom_pipes.packing import PackedDataset
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
 __version__ = "0.1.0"
@@ -22,10 +23,12 @@ GUIDELOOM_VERSION = "1.1.0"
 if TYPE_CHECKING:
     from guideloom_pipes import pipes
     from guideloom_pipes.loader import StatefulDataLoader
+    from guideloom_pipes.pipes.packed import collate_packed
 
 _LAZY = {
     "StatefulDataLoader": ("guideloom_pipes.loader", "StatefulDataLoader"),
     "pipes": ("guideloom_pipes.pipes", None),
+    "collate_packed": ("guideloom_pipes.pipes.packed", "collate_packed"),
 }
 
 
@@ -51,12 +54,14 @@ __all__ = [
     "DocumentStorage",
     "GUIDELOOM_VERSION",
     "MixtureDataset",
+    "PackedDataset",
     "StatefulDataLoader",
     "StreamDataset",
     "StreamNumpyFormat",
     "StreamStorage",
     "StreamWithMetaStorage",
     "__version__",
+    "collate_packed",
     "io",
     "pipes",
     "types",

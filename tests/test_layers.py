@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.formats": 2,
     "guideloom_pipes.datasets": 3,
     "guideloom_pipes.mixture": 3,
+    "guideloom_pipes.packing": 3,
     "guideloom_pipes.shuffle": 3,
     "guideloom_pipes.pipes": 4,
     "guideloom_pipes.loader_args": 5,

@@ -21,8 +21,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
     from guideloom_pipes.pipes.collate import Collate, default_collate
     from guideloom_pipes.pipes.device import PinMemory, Prefetcher, ToDevice, apply_to_tensors
+    from guideloom_pipes.pipes.packed import collate_packed
     from guideloom_pipes.pipes.positions import Positions, RankPositions, num_steps
     from guideloom_pipes.pipes.read import ReadSamples
     from guideloom_pipes.pipes.shuffle import Shuffle, draw_seed
@@ -30,8 +32,10 @@ if TYPE_CHECKING:
 # The stages load on first use: a process worker imports ``guideloom_pipes.pipes._worker``
 # (torch-free), and importing this package must not import torch for it.
 _STAGES = {
+    "DataLoaderTimeoutError": "_pool",
     "Collate": "collate",
     "default_collate": "collate",
+    "collate_packed": "packed",
     "PinMemory": "device",
     "Prefetcher": "device",
     "ToDevice": "device",
@@ -61,6 +65,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Collate",
+    "DataLoaderTimeoutError",
     "PinMemory",
     "Positions",
     "Prefetcher",
@@ -70,6 +75,7 @@ __all__ = [
     "ToDevice",
     "apply_to_tensors",
     "close_pipeline",
+    "collate_packed",
     "default_collate",
     "draw_seed",
     "num_steps",

@@ -1,0 +1,531 @@
+"""Packed documents with boundaries: ``PackedDataset``, fixed windows over a concatenation of
+documents that say where each document starts (Megatron's reset of positions and attention).
+
+Sample ``i`` is the window ``[i*L, (i+1)*L)`` of the concatenated documents, with
+``tokens``, ``position_ids`` (restarting at 0 at the window start and at each document
+start), ``document_ids`` (the documents of the window numbered from 0) and ``labels`` (the
+next token; ``-100`` across a document boundary and at the last position), all int64.
+
+* A **stream** (``StreamStorage`` whose documents end with ``eos_token``): the boundaries are
+  found inside each window (a document starts after each EOS); nothing of the dataset's size
+  is ever held.
+* **Documents** (a map-style dataset of token arrays, lists, or dicts with ``field``; an
+  ``eos_token`` is appended to each when given): the windows are located through prefix
+  sums of the document lengths (one int64 per document, in storage order or, with ``seed``,
+  in the seeded document order), built on first use and kept as a *sidecar* file next to a
+  ``DocumentStorage`` (or under ``cache_dir``), keyed to the storage's commit records and
+  file sizes: a sidecar of a dataset that changed is refused and rebuilt. Listing,
+  ``verify`` and the readers ignore these files (their names are not shard names).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from guideloom_pipes.datasets import (
+    DocumentDataset,
+    StreamDataset,
+    _as_ids,
+    _AsyncDatasetReader,
+    _check_sequence_length,
+    _DatasetReaderBase,
+)
+from guideloom_pipes.shuffle import FeistelPermutation
+from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
+
+__all__ = ["IGNORE_INDEX", "PackedDataset"]
+
+#: The label of positions that predict nothing (torch's ``cross_entropy`` ignore_index).
+IGNORE_INDEX = -100
+#: Prefix of the sidecar files (not a shard name: listing and verify ignore them).
+SIDECAR_PREFIX = "guideloom-packing"
+_SIDECAR_VERSION = 1
+#: Documents read at a time while the prefix sums are built.
+_BUILD_BATCH = 1024
+#: Positions permuted at a time while the seeded order's prefix sums are built.
+_ORDER_CHUNK = 1 << 20
+_I64 = npt.NDArray[np.int64]
+
+
+def boundaries(tokens: _I64, starts: npt.NDArray[np.bool_]) -> dict[str, _I64]:
+    """``position_ids``, ``document_ids`` and ``labels`` of ``(B, L)`` windows.
+
+    Args:
+        tokens: ``(B, L)`` int64 tokens.
+        starts: ``(B, L)`` booleans, True where a document starts (column 0 is taken as a
+            start whatever it holds).
+
+    Returns:
+        The three ``(B, L)`` int64 arrays, window-local as described in the module docstring.
+    """
+    rows, length = tokens.shape
+    starts = starts.copy()
+    starts[:, :1] = True
+    document_ids = np.cumsum(starts, axis=1, dtype=np.int64)
+    document_ids -= 1
+    steps = np.arange(length, dtype=np.int64)
+    last_start = np.maximum.accumulate(np.where(starts, steps, 0), axis=1)
+    position_ids = steps - last_start
+    labels = np.full((rows, length), IGNORE_INDEX, dtype=np.int64)
+    labels[:, :-1] = np.where(starts[:, 1:], IGNORE_INDEX, tokens[:, 1:])
+    return {"position_ids": position_ids, "document_ids": document_ids, "labels": labels}
+
+
+def _samples(tokens: _I64, fields: dict[str, _I64]) -> list[dict[str, _I64]]:
+    columns = [("tokens", tokens), *fields.items()]
+    return [{name: column[row] for name, column in columns} for row in range(len(tokens))]
+
+
+def _check_token(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int token id or None, got {value!r}")
+    return int(value)
+
+
+def _order_key(seed: int) -> int:
+    """The Feistel key of the seeded document order."""
+    sequence = np.random.SeedSequence(seed, spawn_key=(0x7061636B,))  # "pack"
+    return int(sequence.generate_state(1, dtype=np.uint64)[0])
+
+
+def _document_tokens(document: Any, field: str) -> Any:
+    if isinstance(document, Mapping):
+        try:
+            return document[field]
+        except KeyError:
+            raise KeyError(
+                f"a document has no {field!r} field (it has {sorted(map(str, document))}); "
+                f"pass field= the name of its tokens"
+            ) from None
+    return document
+
+
+class PackedDataset:
+    """Fixed windows over concatenated documents, with document boundaries.
+
+    ``len`` is the total number of tokens // ``sequence_length`` (a trailing partial
+    window is dropped). Each sample is a dict of four ``(sequence_length,)`` int64 arrays:
+    ``tokens``, ``position_ids``, ``document_ids`` and ``labels`` (see the module
+    docstring); :func:`guideloom_pipes.collate_packed` batches them into the inputs of
+    flash-attention's varlen kernels. Works in ``StatefulDataLoader`` and as a component of
+    a ``MixtureDataset``.
+
+    Args:
+        source: A ``StreamStorage`` whose documents each end with ``eos_token``; or a
+            map-style dataset of documents (``DocumentDataset``, a ``DocumentStorage``, or
+            any ``len`` + ``[i]`` dataset) whose documents are 1-D token arrays or lists, or
+            dicts with a ``field`` entry. A ``StreamDataset`` is refused: pass its storage.
+        sequence_length: ``L``, tokens per window (>= 1).
+        eos_token: The end-of-document token: required for a stream; for documents,
+            appended after each one when given.
+        seed: For documents, an int >= 0 that fixes a document order (a Feistel
+            permutation of the documents); ``None`` keeps storage order. Refused for a
+            stream (its order is the storage's).
+        field: The stream's field, or the documents' dict key, holding the tokens.
+        cache_dir: Where to keep the prefix-sum sidecar when the dataset's directory is
+            read-only or remote (by default: next to the dataset, else in memory only).
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        sequence_length: int,
+        *,
+        eos_token: int | None = None,
+        seed: int | None = None,
+        field: str = "tokens",
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.sequence_length = _check_sequence_length(sequence_length)
+        self.eos_token = _check_token(eos_token, "eos_token")
+        self.field = field
+        self.cache_dir = None if cache_dir is None else Path(cache_dir)
+        if isinstance(source, (StreamDataset,)):
+            raise TypeError(
+                "PackedDataset reads a stream's storage, not a StreamDataset: pass "
+                "dataset.storage, e.g. PackedDataset(dataset.storage, sequence_length, "
+                "eos_token=...)"
+            )
+        if isinstance(source, StreamWithMetaStorage):
+            raise TypeError(
+                "PackedDataset packs a StreamStorage (documents separated by eos_token) or a "
+                "dataset of documents; a StreamWithMetaStorage is neither"
+            )
+        if isinstance(source, DocumentStorage):
+            source = DocumentDataset(source)
+        self.source = source
+        self.stream = isinstance(source, StreamStorage)
+        if self.stream:
+            if self.eos_token is None:
+                raise ValueError(
+                    "a stream's documents are found by their end token: pass eos_token=<the "
+                    "id that ends each document>"
+                )
+            if seed is not None:
+                raise ValueError(
+                    f"seed={seed!r} orders documents, but a stream is packed in storage "
+                    f"order; drop seed (the loader's shuffle reorders windows)"
+                )
+            names = source.format.stream_dtype.names or ()
+            if field not in names:
+                raise ValueError(
+                    f"the stream has no field {field!r} (its fields: {list(names)}); pass "
+                    f"field= the name of its tokens"
+                )
+            self.seed = None
+        else:
+            if not (hasattr(source, "__len__") and hasattr(source, "__getitem__")) and not (
+                hasattr(source, "sync_reader")
+            ):
+                raise TypeError(
+                    f"source must be a StreamStorage or a map-style dataset of documents "
+                    f"(len and [i]), got {type(source).__name__}"
+                )
+            if seed is not None and (
+                isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
+            ):
+                raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+            self.seed = None if seed is None else int(seed)
+
+    def __len__(self) -> int:
+        with self.sync_reader() as reader:
+            return len(reader)
+
+    def sync_reader(self) -> PackedReader:
+        """A reader (context manager) with ``len``, ``[i]``, slices and ``read_batch(ids)``."""
+        return PackedReader(self)
+
+    def async_reader(self) -> _AsyncDatasetReader:
+        """An ``async`` reader (``async with``) with ``read`` and ``read_batch``."""
+        return _AsyncDatasetReader(PackedReader(self))
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """Sample ``index`` (or a list for a slice), through a reader opened for this call;
+        use :meth:`sync_reader` for many reads."""
+        with self.sync_reader() as reader:
+            return reader[index]
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedDataset({self.source!r}, sequence_length={self.sequence_length}, "
+            f"eos_token={self.eos_token}, seed={self.seed}, field={self.field!r})"
+        )
+
+    # -- sidecars ---------------------------------------------------------------------------
+
+    def _variant(self) -> str:
+        eos = "eos" if self.eos_token is not None else "plain"
+        order = "storage" if self.seed is None else f"seed{self.seed}"
+        field = hashlib.sha256(self.field.encode()).hexdigest()[:8]
+        return f"{field}-{eos}-{order}"
+
+    def sidecar_paths(self) -> list[Path]:
+        """Where this dataset's prefix sums are looked for, first to last (documents of a
+        local ``DocumentStorage``: next to the dataset, then under ``cache_dir``)."""
+        paths = []
+        storage = getattr(self.source, "storage", None)
+        if isinstance(storage, DocumentStorage) and storage._resolve_io().local:
+            paths.append(Path(storage.dir) / f".{SIDECAR_PREFIX}-{self._variant()}.bin")
+        if self.cache_dir is not None and isinstance(storage, DocumentStorage):
+            where = hashlib.sha256(os.fsencode(os.path.abspath(os.fspath(storage.dir))))
+            name = f"{SIDECAR_PREFIX}-{where.hexdigest()[:16]}-{self._variant()}.bin"
+            paths.append(self.cache_dir / name)
+        return paths
+
+
+def _fingerprint(document_reader: Any) -> str | None:
+    """A digest of a document storage's shards (commit records, else file sizes), or None
+    when ``document_reader`` is not one of ours."""
+    storage_reader = getattr(document_reader, "storage_reader", None)
+    listing = getattr(storage_reader, "listing", None)
+    if listing is None:
+        return None
+    shards = []
+    for shard in range(listing.num_shards):
+        record = listing.records.get(shard)
+        if record is not None:
+            files = {name: [f.size, f.crc32] for name, f in sorted(record.files.items())}
+            shards.append({"generation": record.generation, "count": record.count, **files})
+        else:
+            sizes = {
+                suffix: listing.sizes.get((shard, suffix))
+                for suffix in document_reader.storage_reader.storage.suffixes
+            }
+            shards.append(
+                {
+                    "sizes": sizes,
+                    "files": [
+                        listing.identities.get((shard, s))
+                        for s in document_reader.storage_reader.storage.suffixes
+                    ],
+                }
+            )
+    text = json.dumps({"documents": len(document_reader), "shards": shards}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_sidecar(path: Path, fingerprint: str) -> _I64 | None:
+    """The prefix sums in ``path`` if it exists and was built from ``fingerprint``."""
+    try:
+        with open(path, "rb") as file:
+            header = file.readline(4096)
+        meta = json.loads(header)
+        if meta.get("version") != _SIDECAR_VERSION or meta.get("fingerprint") != fingerprint:
+            return None  # another version of the dataset: refused, rebuilt by the caller
+        count = int(meta["count"])
+        array = np.memmap(path, dtype="<i8", mode="r", offset=len(header), shape=(count,))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return array.view(np.ndarray)
+
+
+def _write_sidecar(path: Path, fingerprint: str, sums: _I64) -> bool:
+    """Write ``sums`` to ``path`` atomically (temporary file, fsync, rename); False if the
+    directory cannot be written."""
+    meta = json.dumps(
+        {"version": _SIDECAR_VERSION, "fingerprint": fingerprint, "count": len(sums)}
+    ).encode()
+    header = meta + b" " * (-(len(meta) + 1) % 64) + b"\n"  # the data starts 64-aligned
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(header)
+            file.write(np.ascontiguousarray(sums, dtype="<i8").tobytes())
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        return False
+    return True
+
+
+def _open(dataset: Any) -> tuple[Any, bool]:
+    factory = getattr(dataset, "sync_reader", None)
+    if callable(factory):
+        reader = factory()
+        reader.open()
+        return reader, True
+    return dataset, False
+
+
+def _reader_fn(reader: Any) -> Any:
+    read_batch = getattr(reader, "read_batch", None)
+    if callable(read_batch):
+        return read_batch
+    getitem = reader.__getitem__
+    return lambda ids: [getitem(i) for i in ids.tolist()]
+
+
+class PackedReader(_DatasetReaderBase):
+    """Reader of a :class:`PackedDataset`: a batch of windows per ``read_batch`` call."""
+
+    def __init__(self, dataset: PackedDataset) -> None:
+        super().__init__(None)
+        self.dataset = dataset
+        self._source: Any = None
+        self._owns_source = False
+        self._read: Any = None
+        self._sums: _I64 | None = None  # prefix sums in the packing order (documents)
+        self._permutation: FeistelPermutation | None = None
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        """Open the source; for documents, load (or build) the prefix sums."""
+        if self._length >= 0:
+            return
+        dataset = self.dataset
+        if dataset.stream:
+            reader = StreamDataset(dataset.source, dataset.sequence_length).sync_reader()
+            reader.open()
+            self._source, self._owns_source = reader, True
+            self._length = len(reader)
+            return
+        source, owns = _open(dataset.source)
+        try:
+            sums = self._load_sums(source)
+        except BaseException:
+            if owns:
+                source.close()
+            raise
+        self._source, self._owns_source = source, owns
+        self._read = _reader_fn(source)
+        self._sums = sums
+        documents = len(sums) - 1
+        if dataset.seed is not None and documents > 0:
+            self._permutation = FeistelPermutation(documents, _order_key(dataset.seed))
+        self._length = int(sums[-1]) // dataset.sequence_length
+
+    def close(self) -> None:
+        """Close the source reader (if opened here) and drop the prefix sums."""
+        source, self._source = self._source, None
+        if source is not None and self._owns_source:
+            source.close()
+        self._sums = None
+        self._permutation = None
+        self._length = -1
+
+    def _compute_length(self) -> int:
+        raise NotImplementedError  # open() sets the length
+
+    # -- prefix sums ------------------------------------------------------------------------
+
+    def _load_sums(self, source: Any) -> _I64:
+        dataset = self.dataset
+        fingerprint = _fingerprint(source)
+        paths = dataset.sidecar_paths() if fingerprint is not None else []
+        for path in paths:
+            found = _read_sidecar(path, fingerprint)  # type: ignore[arg-type]
+            if found is not None:
+                return found
+        storage_sums = None
+        if dataset.seed is not None and fingerprint is not None:
+            # the storage-order sums of the same dataset give the lengths without a read
+            plain = PackedDataset(
+                dataset.source,
+                dataset.sequence_length,
+                eos_token=dataset.eos_token,
+                field=dataset.field,
+                cache_dir=dataset.cache_dir,
+            )
+            for path in plain.sidecar_paths():
+                storage_sums = _read_sidecar(path, fingerprint)
+                if storage_sums is not None:
+                    break
+        if storage_sums is None:
+            storage_sums = self._build_storage_sums(source)
+            if fingerprint is not None and dataset.seed is not None:
+                self._store(plain.sidecar_paths(), fingerprint, storage_sums, quiet=True)
+        sums = storage_sums if dataset.seed is None else self._order_sums(storage_sums)
+        if fingerprint is not None:
+            self._store(paths, fingerprint, sums)
+        return sums
+
+    def _store(self, paths: list[Path], fingerprint: str, sums: _I64, quiet: bool = False) -> None:
+        for path in paths:
+            if _write_sidecar(path, fingerprint, sums):
+                return
+        if not quiet:
+            warnings.warn(
+                f"PackedDataset could not write its prefix sums next to the dataset"
+                f"{' or under cache_dir' if self.dataset.cache_dir else ''}: they are kept in "
+                f"memory only and rebuilt by every process. Pass cache_dir= a writable "
+                f"directory to keep them",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    def _build_storage_sums(self, source: Any) -> _I64:
+        dataset = self.dataset
+        count = len(source)
+        extra = 1 if dataset.eos_token is not None else 0
+        sums = np.zeros(count + 1, dtype=np.int64)
+        read = _reader_fn(source)
+        for start in range(0, count, _BUILD_BATCH):
+            ids = np.arange(start, min(count, start + _BUILD_BATCH), dtype=np.int64)
+            lengths = [len(_document_tokens(d, dataset.field)) + extra for d in read(ids)]
+            sums[start + 1 : start + 1 + len(ids)] = lengths
+        np.cumsum(sums, out=sums)
+        return sums
+
+    def _order_sums(self, storage_sums: _I64) -> _I64:
+        count = len(storage_sums) - 1
+        sums = np.zeros(count + 1, dtype=np.int64)
+        if count == 0:
+            return sums
+        permutation = FeistelPermutation(count, _order_key(self.dataset.seed or 0))
+        lengths = np.diff(storage_sums)
+        total = 0
+        for start in range(0, count, _ORDER_CHUNK):
+            positions = np.arange(start, min(count, start + _ORDER_CHUNK), dtype=np.int64)
+            chunk = np.cumsum(lengths[permutation(positions)]) + total
+            sums[start + 1 : start + 1 + len(positions)] = chunk
+            total = int(chunk[-1])
+        return sums
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
+        """The windows at ``ids``, each a dict of four int64 arrays, in that order."""
+        self._check_open()
+        ids = _as_ids(ids, self._length)
+        if self.dataset.stream:
+            tokens, starts = self._stream_windows(ids)
+        else:
+            tokens, starts = self._document_windows(ids)
+        return _samples(tokens, boundaries(tokens, starts))
+
+    def _stream_windows(self, ids: _I64) -> tuple[_I64, npt.NDArray[np.bool_]]:
+        dataset = self.dataset
+        length = dataset.sequence_length
+        windows = self._source.storage_reader._windows(ids * length, length)
+        tokens = windows[dataset.field].astype(np.int64)
+        starts = np.zeros(tokens.shape, dtype=bool)
+        eos = np.int64(dataset.eos_token or 0)  # a stream always has one (checked when built)
+        np.equal(tokens[:, :-1], eos, out=starts[:, 1:])
+        return tokens, starts
+
+    def _document_windows(self, ids: _I64) -> tuple[_I64, npt.NDArray[np.bool_]]:
+        dataset = self.dataset
+        length = dataset.sequence_length
+        sums = self._sums
+        assert sums is not None
+        rows = len(ids)
+        if rows == 0:
+            return np.zeros((0, length), dtype=np.int64), np.zeros((0, length), dtype=bool)
+        begin = ids * length
+        first = np.searchsorted(sums, begin, side="right") - 1
+        last = np.searchsorted(sums, begin + (length - 1), side="right") - 1
+        counts = last - first + 1
+        group_start = np.zeros(rows, dtype=np.int64)
+        np.cumsum(counts[:-1], out=group_start[1:])
+        total = int(counts.sum())
+        owner = np.repeat(np.arange(rows, dtype=np.int64), counts)
+        rank = np.arange(total, dtype=np.int64) - group_start[owner]
+        order = first[owner] + rank  # positions in the packing order
+        doc_ids = order if self._permutation is None else self._permutation(order)
+        expected = sums[order + 1] - sums[order]
+        documents = self._read(doc_ids)
+        eos = dataset.eos_token
+        pieces: list[Any] = []
+        for k, document in enumerate(documents):
+            array = np.asarray(_document_tokens(document, dataset.field))
+            size = len(array) + (eos is not None)
+            if size != expected[k]:
+                raise RuntimeError(
+                    f"document {int(doc_ids[k])} has {size} tokens, but the prefix sums "
+                    f"count {int(expected[k])}: the dataset changed after they were built. "
+                    f"Open the PackedDataset again (a sidecar of a changed DocumentStorage is "
+                    f"rebuilt; an in-memory dataset must not change while it is read)"
+                )
+            pieces.append(array)
+            if eos is not None:
+                pieces.append(np.array([eos]))
+        flat = np.concatenate(pieces).astype(np.int64, copy=False)
+        offsets = np.zeros(total, dtype=np.int64)
+        np.cumsum(expected[:-1], out=offsets[1:])
+        head = offsets[group_start] + (begin - sums[first])
+        tokens = flat[head[:, None] + np.arange(length, dtype=np.int64)]
+        starts = np.zeros((rows, length), dtype=bool)
+        inner = rank > 0
+        starts[owner[inner], sums[order[inner]] - begin[owner[inner]]] = True
+        return tokens.astype(np.int64, copy=False), starts

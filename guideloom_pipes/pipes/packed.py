@@ -1,0 +1,62 @@
+"""``collate_packed``: windows of a ``PackedDataset`` -> the inputs of flash-attention's varlen
+kernels (tokens, positions, document ids, labels, ``cu_seqlens``, ``max_seqlen``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["collate_packed"]
+
+_FIELDS = ("tokens", "position_ids", "document_ids", "labels")
+
+
+def _stack(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any], name: str) -> np.ndarray:
+    if isinstance(samples, Mapping):
+        column = samples[name]
+        array = column.numpy() if isinstance(column, torch.Tensor) else np.asarray(column)
+    else:
+        array = np.stack([np.asarray(sample[name]) for sample in samples])
+    if array.ndim != 2:
+        raise ValueError(
+            f"collate_packed needs windows of one length: {name!r} stacks to shape "
+            f"{array.shape}, not (batch, sequence_length); pass samples of a PackedDataset"
+        )
+    return array.astype(np.int64, copy=False)
+
+
+def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> Any:
+    """Batch the windows of a :class:`~guideloom_pipes.PackedDataset` for varlen attention.
+
+    Args:
+        samples: A list of samples (dicts with ``tokens``, ``position_ids``,
+            ``document_ids`` and ``labels``, each of shape ``(L,)``), or one dict of those
+            fields already stacked to ``(B, L)``.
+
+    Returns:
+        A dict: ``tokens``, ``position_ids``, ``document_ids``, ``labels`` as ``(B, L)``
+        int64 tensors; ``cu_seqlens``, a 1-D int32 tensor of the sequence boundaries over the
+        flattened ``B * L`` tokens (0, every document start and every window start, then
+        ``B * L``), and ``max_seqlen``, the longest sequence as a Python int. An empty rank
+        batch (``drop_last=False``) stays ``[]``.
+
+    Raises:
+        KeyError: A sample lacks one of the four fields.
+        ValueError: The samples have different lengths.
+    """
+    if not isinstance(samples, Mapping) and len(samples) == 0:
+        return []
+    arrays = {name: _stack(samples, name) for name in _FIELDS}
+    positions = arrays["position_ids"].reshape(-1)
+    starts = np.flatnonzero(positions == 0)
+    cu_seqlens = np.empty(len(starts) + 1, dtype=np.int32)
+    cu_seqlens[:-1] = starts
+    cu_seqlens[-1] = positions.size
+    max_seqlen = int(np.diff(cu_seqlens).max()) if positions.size else 0
+    out: dict[str, Any] = {name: torch.from_numpy(array) for name, array in arrays.items()}
+    out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
+    out["max_seqlen"] = max_seqlen
+    return out
