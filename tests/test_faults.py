@@ -3,7 +3,13 @@ changing under a reader. Each error must name the file (and the value) and say w
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import pickle
+import subprocess
+import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -187,3 +193,133 @@ def test_a_byte_reader_opened_on_a_directory_names_it(tmp_path: Path, backend: s
     reader = BACKENDS[backend]().sync_reader()(tmp_path)
     with pytest.raises(IsADirectoryError, match=rf"{tmp_path} is a directory"):
         reader.open()
+
+
+# --- descriptor limits ----------------------------------------------------------------
+
+SHARDS_PAST_THE_LIMIT = 100  # more shards (of each file kind) than the 64 descriptors allowed
+
+LIMIT_SCRIPT = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+    from pathlib import Path
+    import numpy as np
+    sys.path.insert(0, sys.argv[2])
+    import shard_kinds
+    from guideloom_pipes import DocumentDataset, StreamDataset
+    from guideloom_pipes.io import MmapIO, PosixPreadIO, SeekIO
+
+    root, shards = Path(sys.argv[1]), int(sys.argv[3])
+    order = np.random.default_rng(0).permutation(shards * 2)  # elements 2k, 2k+1: shard k
+    result = {}
+    for name, backend in (("mmap", MmapIO), ("pread", PosixPreadIO), ("seek", SeekIO)):
+        for kind in shard_kinds.KINDS:
+            storage = shard_kinds.storage(kind, root / kind)
+            storage.read_interface = backend()
+            key = f"{kind}/{name}"
+            try:
+                everything = shard_kinds.read(kind, root / kind, backend())
+                if kind == "document":
+                    dataset = DocumentDataset(storage)
+                else:
+                    dataset = StreamDataset(storage, 1)
+                with dataset.sync_reader() as samples:
+                    shuffled = samples.read_batch(order)
+                    again = samples.read_batch(order[::-1])  # every shard reopened
+                result[key] = [
+                    everything == shard_kinds.expected(kind, {0: range(shards * 2)}),
+                    len(shuffled) == len(again) == shards * 2,
+                ]
+            except OSError as error:
+                result[key] = str(error)
+    # every descriptor taken by something else: the reader's error says what to raise
+    storage = shard_kinds.storage("stream", root / "stream")
+    storage.read_interface = PosixPreadIO()
+    hog = []
+    with storage.sync_reader() as reader:
+        try:
+            while True:
+                hog.append(open(os.devnull))
+        except OSError:
+            pass
+        try:
+            reader.read(0, 4)
+            result["exhausted"] = "read"
+        except OSError as error:
+            result["exhausted"] = str(error)
+    for file in hog:
+        file.close()
+    print(json.dumps(result))
+    """
+)
+
+
+def _guideloom_shards(root: Path, shards: int) -> None:
+    """Each kind's shards in GuideLoom's layout, written directly (fast): shard ``k`` holds
+    the values ``2k, 2k+1``, as :mod:`shard_kinds` stores them."""
+    for kind in shard_kinds.KINDS:
+        (root / kind).mkdir()
+    for k in range(shards):
+        values = [2 * k, 2 * k + 1]
+        name = f"{k:07d}"
+        np.asarray(values, "<i4").tofile(root / "stream" / f"{name}.in_band.bin")
+        for kind, payloads in (
+            ("document", [pickle.dumps({"n": v}) for v in values]),
+            ("stream_meta", [f"p{v}".encode() for v in values]),
+        ):
+            (root / kind / f"{name}.out_of_band.bin").write_bytes(b"".join(payloads))
+            offsets = np.cumsum([0, *map(len, payloads)]).astype("<i8")
+            offsets.tofile(root / kind / f"{name}.out_of_band.index")
+        records = np.zeros(2, dtype=[("index", "<i4"), ("user", "<i4")])
+        records["index"], records["user"] = [0, 1], values
+        records.tofile(root / "stream_meta" / f"{name}.in_band.bin")
+
+
+def test_readers_stay_under_a_64_descriptor_limit_across_100_shards(tmp_path: Path) -> None:
+    _guideloom_shards(tmp_path, SHARDS_PAST_THE_LIMIT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            LIMIT_SCRIPT,
+            str(tmp_path),
+            str(Path(__file__).parent),
+            str(SHARDS_PAST_THE_LIMIT),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout)
+    exhausted = result.pop("exhausted")
+    assert result == {
+        f"{kind}/{backend}": [True, True]
+        for backend in ("mmap", "pread", "seek")
+        for kind in shard_kinds.KINDS
+    }
+    assert exhausted.startswith("[Errno 24] too many open files opening ")
+    assert "0000000.in_band.bin" in exhausted and "Raise that limit (ulimit -n" in exhausted
+
+
+def test_a_read_error_is_not_reported_as_a_decode_error(
+    corrupt_documents: DocumentStorage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from guideloom_pipes.storage import io
+
+    readinto = io._PreadReader.readinto
+
+    def failing(self: Any, offset: int, buffer: memoryview) -> int:
+        if str(self.path).endswith(".out_of_band.bin"):  # the data file; the index reads
+            raise OSError(errno.EIO, "injected I/O error")
+        return readinto(self, offset, buffer)
+
+    monkeypatch.setattr(io._PreadReader, "readinto", failing)
+    corrupt_documents.read_interface = PosixPreadIO()
+    with corrupt_documents.sync_reader() as reader:
+        for read in (lambda: reader.read(1), lambda: reader.read_many([1])):
+            with pytest.raises(OSError, match="injected") as caught:
+                read()
+            assert not isinstance(caught.value, CorruptShardError)

@@ -330,12 +330,15 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         self, error: Exception, shard: int, local: int, global_index: int
     ) -> ShardDecodeError:
         path = self._shard_path(shard, OUT_OF_BAND)
-        start, end = self._index.span(shard, local)
+        try:
+            where = "bytes [{}, {}) of {}".format(*self._index.span(shard, local), path)
+        except Exception:  # the index itself unreadable now: name the file alone
+            where = path
         format_name = type(self.storage.format).__name__
         return decode_error(
             error,
-            f"document {global_index} (document {local} of shard {shard_name(shard)}, bytes "
-            f"[{start}, {end}) of {path}) could not be decoded: {format_name}.unpack raised "
+            f"document {global_index} (document {local} of shard {shard_name(shard)}, {where}) "
+            f"could not be decoded: {format_name}.unpack raised "
             f"{type(error).__name__}: {str(error).rstrip('.')}; the file is corrupt, or the "
             f"shard was written with another format. Run storage.verify() (it checks every "
             f"committed file against its checksum), then rewrite shard {shard}",
@@ -352,15 +355,14 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         locals_ = ids - self._starts[shards]
         unpack, payload = self.storage.format.unpack, self._index.payload
         out: list[Any] = []
-        try:
-            for s, k in zip(shards.tolist(), locals_.tolist()):
-                out.append(unpack(memoryview(payload(s, k)), s))
-        except StorageError:
-            raise
-        except Exception as error:
-            failed = len(out)  # the position whose decode raised
-            shard, local = int(shards[failed]), int(locals_[failed])
-            raise self._decode_failed(error, shard, local, int(ids[failed])) from error
+        for s, k in zip(shards.tolist(), locals_.tolist()):
+            data = memoryview(payload(s, k))  # read errors are not decode errors
+            try:
+                out.append(unpack(data, s))
+            except StorageError:
+                raise
+            except Exception as error:
+                raise self._decode_failed(error, s, k, int(ids[len(out)])) from error
         return out
 
 

@@ -67,6 +67,31 @@ def _regular_size(fd: int, path: PurePath) -> int:
     )
 
 
+#: Most descriptors one file kind of a storage reader keeps open (an LRU closes the rest).
+MAX_OPEN_PER_KIND = 64
+
+
+def descriptor_limit() -> int | None:
+    """The process's soft limit on open file descriptors (``ulimit -n``), or None where it
+    is unlimited or unknown."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return None if soft == resource.RLIM_INFINITY or soft <= 0 else int(soft)
+
+
+def max_open_per_kind(kinds: int = 3) -> int:
+    """How many descriptor-holding readers each of a storage reader's ``kinds`` file kinds
+    may keep open: :data:`MAX_OPEN_PER_KIND`, but together at most half the process limit
+    (the other half is left to the rest of the process), and at least 1 each."""
+    limit = descriptor_limit()
+    if limit is None:
+        return MAX_OPEN_PER_KIND
+    return max(1, min(MAX_OPEN_PER_KIND, limit // 2 // max(1, kinds)))
+
+
 class _AsyncAdapter(IOAsyncReaderAbstract):
     """Runs a sync byte reader's calls in a worker thread so an event loop never blocks."""
 

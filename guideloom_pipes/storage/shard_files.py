@@ -3,6 +3,7 @@ shards (opened lazily, descriptor-holding ones kept in an LRU) and reads or fill
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import threading
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.storage.errors import DatasetChangedError
-from guideloom_pipes.storage.io import resolve_backend
+from guideloom_pipes.storage.io import descriptor_limit, max_open_per_kind, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import shard_name
 
@@ -62,7 +63,11 @@ class ShardFiles:
         directory: the dataset directory.
         suffix: the file kind, e.g. ``".in_band.bin"``.
         num_shards: how many shards there are.
-        max_open: most descriptor-holding readers kept open at once.
+        max_open: most descriptor-holding readers kept open at once (default:
+            :func:`~guideloom_pipes.storage.io.max_open_per_kind`, 64 or less under a low
+            ``ulimit -n``). Where opening one more fails for want of descriptors, idle
+            readers are closed and the open tried again; if every open one is in use, an
+            ``OSError`` says which limit to raise.
     """
 
     def __init__(
@@ -71,7 +76,7 @@ class ShardFiles:
         directory: PurePath,
         suffix: str,
         num_shards: int,
-        max_open: int = 64,
+        max_open: int | None = None,
         *,
         listing: ShardListing | None = None,
     ) -> None:
@@ -85,7 +90,7 @@ class ShardFiles:
         self.owned_reads = self.backend.local
         #: whether readers may offer ``buffer()`` (only tried where no descriptor is held)
         self._mappable = not self.bounded
-        self.max_open = max(1, max_open)
+        self.max_open = max(1, max_open_per_kind() if max_open is None else max_open)
         # with no more shards than max_open nothing is ever evicted: reads skip the LRU lock
         self._never_evicts = num_shards <= self.max_open
         self._readers: list[Any] = [None] * num_shards
@@ -210,8 +215,44 @@ class ShardFiles:
                     raise RuntimeError("reader is closed")
                 reader = self._readers[shard]
                 if reader is None:
-                    reader = self._readers[shard] = self._open_reader(shard)
+                    reader = self._readers[shard] = self._open_within_limit(shard)
         return reader
+
+    def _open_within_limit(self, shard: int) -> Any:
+        """:meth:`_open_reader`; out of descriptors (``EMFILE``/``ENFILE``), close the idle
+        readers of the LRU and try once more, then raise an error saying what to raise."""
+        try:
+            return self._open_reader(shard)
+        except OSError as error:
+            if error.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            failure = error
+        if self.bounded and not self._never_evicts and self._close_idle():
+            try:
+                return self._open_reader(shard)
+            except OSError as error:
+                if error.errno not in (errno.EMFILE, errno.ENFILE):
+                    raise
+                failure = error
+        held = sum(reader is not None for reader in self._readers) if self.bounded else 0
+        mmap = ", or read with MmapIO(), which holds no descriptor per open file"
+        raise OSError(
+            failure.errno,
+            f"too many open files opening {os.fspath(self.path(shard))}: this reader holds "
+            f"{held} {self.suffix} files open, all in use, and the process may have "
+            f"{descriptor_limit() or 'its maximum of'} descriptors open in all (ulimit -n). "
+            f"Raise that limit (ulimit -n, or resource.setrlimit(resource.RLIMIT_NOFILE, "
+            f"...)), or read with fewer threads{mmap if self.bounded else ''}",
+        ) from failure
+
+    def _close_idle(self) -> bool:
+        """Close every reader of the LRU that no read is using; whether any was closed."""
+        idle = [shard for shard, users in self._lru.items() if users == 0]
+        for shard in idle:
+            del self._lru[shard]
+            reader, self._readers[shard] = self._readers[shard], None
+            reader.close()
+        return bool(idle)
 
     def _acquire(self, shard: int) -> Any:
         with self._lock:
@@ -220,7 +261,7 @@ class ShardFiles:
             reader = self._readers[shard]
             if reader is None:
                 self._evict()
-                reader = self._readers[shard] = self._open_reader(shard)
+                reader = self._readers[shard] = self._open_within_limit(shard)
                 self._lru[shard] = 0
             self._lru[shard] += 1
             self._lru.move_to_end(shard)
