@@ -34,11 +34,12 @@ from guideloom_pipes.pipes import (
     close_pipeline,
     default_collate,
 )
-from guideloom_pipes.pipes._pool import after_orphaned_jobs
+from guideloom_pipes.pipes._pool import DataLoaderTimeoutError, after_orphaned_jobs, seconds_text
 from guideloom_pipes.pipes._worker import _open_reader
+from guideloom_pipes.pipes.read import _CHUNK_SECONDS, _together
 from guideloom_pipes.types import SyncContextManager
 
-__all__ = ["StatefulDataLoader"]
+__all__ = ["DataLoaderTimeoutError", "StatefulDataLoader"]
 
 _STATE_KEYS = ("epoch", "observation_offset", "shuffle", "shuffle_seed", "drop_last")
 #: Extra key of ours in ``state_dict()``: the dataset size, to warn when it changed.
@@ -90,7 +91,11 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             num_workers`` (needs ``num_workers > 0``, as in torch).
         multiprocessing_context: Start method or context for ``parallel_method="process"``
             (``"forkserver"`` by default where available, else ``"spawn"``; or ``"fork"``).
-        timeout: Seconds to wait for a worker's batch before raising (0: forever).
+        timeout: Seconds to wait for each batch before raising
+            :class:`~guideloom_pipes.pipes.DataLoaderTimeoutError` (a ``RuntimeError`` and a
+            ``TimeoutError``), in every mode: with ``num_workers=0`` and ``prefetch=0``
+            batches are then read in one background thread (no read-ahead), since the
+            training thread could not be interrupted. 0: wait forever.
         generator: A ``torch.Generator`` to draw the shuffle seed from when ``shuffle_seed``
             is ``None``.
         sampler: Not supported (pass ``shuffle``/``rank``/``world_size``).
@@ -347,13 +352,15 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         if self.shuffle:
             node = Shuffle(node, self.shuffle_seed)
         collate = self.collate_fn if self.collate_fn is not None else default_collate
-        if self.num_workers == 0 and self.prefetch == 0:
+        inline = self.num_workers == 0 and self.prefetch == 0
+        if inline and not self.timeout:
             # Everything inline in the training thread: the fewest steps per batch.
             node = Collate(ReadSamples(node, self.dataset, reader=self._reader), collate)
         else:
             # Workers read and collate whole batches; finished batches wait in this stage
             # (``prefetch`` of them beyond the workers' own), so no extra thread hop. With
-            # num_workers=0, prefetch uses one background thread (GuideLoom's prefetch thread).
+            # num_workers=0, prefetch uses one background thread (GuideLoom's prefetch thread);
+            # so does a timeout without prefetch, reading only the batch asked for.
             workers = self.num_workers or 1
             node = ReadSamples(
                 node,
@@ -362,9 +369,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 method=self.parallel_method if self.num_workers else "thread",  # type: ignore[arg-type]
                 multiprocessing_context=self.multiprocessing_context,
                 collate_fn=collate,
-                max_in_flight=self._batches_ahead(),
+                max_in_flight=1 if inline else self._batches_ahead(),
                 timeout=self.timeout or None,
                 reader=self._reader,
+                chunk_seconds=0 if inline else _CHUNK_SECONDS,
             )
         if self.pin_memory:
             node = PinMemory(node)
@@ -514,12 +522,34 @@ class _LoaderIterator(Iterator[Any]):
         except StopIteration:
             self._finish(self._epoch + 1, 0)
             raise
-        except BaseException:
+        except BaseException as error:
             # Nothing more was delivered: a resume (or the next iter()) retries this batch.
             self._finish(self._epoch, self._position())
+            if isinstance(error, DataLoaderTimeoutError):
+                timed_out = DataLoaderTimeoutError(self._timeout_message(error.batches))
+                timed_out.batches = error.batches
+                raise timed_out from None
             raise
         self._delivered += 1
         return batch
+
+    def _timeout_message(self, together: int) -> str:
+        loader = self._loader
+        if loader.num_workers:
+            workers = loader.num_workers
+            source = f"{workers} worker {loader.parallel_method}" + "s" * (workers > 1)
+        elif loader.prefetch:
+            source = "the prefetch thread"
+        else:
+            source = "the read thread (num_workers=0 with a timeout reads in one thread)"
+        return (
+            f"DataLoader timed out after {seconds_text(loader.timeout)} seconds waiting for "
+            f"batch {self._delivered} of this iterator (epoch {self._epoch}, global position "
+            f"{self._position()}, rank {loader.rank} of {loader.world_size}) from {source}"
+            f"{_together(together)}: a read or collate_fn took longer than timeout=, or hangs. "
+            "Raise timeout= or find what blocks; the state still points at this batch, so the "
+            "next iterator (or a resume) retries it"
+        )
 
     def close(self) -> None:
         """Stop early: workers stop and the loader's offset returns to 0 (same epoch)."""

@@ -223,15 +223,19 @@ class BlocksAt(Ids):
 
 
 class BlockingCollate:
-    """``ids_collate`` that blocks at ``gate`` for a batch holding sample ``bad``."""
+    """``ids_collate`` that blocks at ``gate`` for a batch holding sample ``bad``, and takes
+    ``seconds`` for each other batch (sleeping: slow batches are read one per job)."""
 
-    def __init__(self, bad: int, gate: Gate) -> None:
+    def __init__(self, bad: int, gate: Gate, seconds: float = 0.0) -> None:
         self.bad = bad
         self.gate = gate
+        self.seconds = seconds
 
     def __call__(self, samples: list[Any]) -> list[int]:
         if self.bad in samples:
             self.gate.block()
+        elif self.seconds:
+            time.sleep(self.seconds)
         return ids_collate(samples)
 
 

@@ -790,7 +790,7 @@ def test_a_hung_process_worker_times_out_and_is_stopped():
     loader = _loader(
         HangsInWorker(22, 0), num_workers=1, parallel_method="process", prefetch=1, timeout=0.5
     )
-    with pytest.raises(RuntimeError, match=r"within timeout=0\.5 seconds"):
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 0\.5 seconds"):
         next(iter(loader))
     assert multiprocessing.active_children() == []
 

@@ -35,6 +35,7 @@ from loader_helpers import (
 from guideloom_pipes import pipes
 from guideloom_pipes.pipes import (
     Collate,
+    DataLoaderTimeoutError,
     PinMemory,
     Positions,
     Prefetcher,
@@ -438,6 +439,32 @@ def test_a_failing_batch_in_a_chunk_fails_alone_and_the_rest_is_delivered():
         next(node)
     assert list(node) == [[i, i + 1] for i in range(10, 40, 2)]
     node.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_timeout_says_which_batches_were_read_in_one_job_with_the_awaited_one():
+    gate = Gate()
+    node = ReadSamples(
+        RankPositions(40, 2),
+        BlocksAt(40, 9, gate),
+        num_workers=1,
+        collate_fn=ids_collate,
+        timeout=0.5,
+        chunk_seconds=10.0,
+        max_chunk=8,
+    )
+    with watchdog(gate):
+        assert next(node) == [0, 1]  # the first job: one batch
+        with pytest.raises(DataLoaderTimeoutError) as info:
+            next(node)  # batches 1 to 8 in one job, sample 9 (batch 4) hangs
+        assert str(info.value).startswith(
+            "DataLoader timed out after 0.5 seconds waiting for batch 1 (counting from 0 at "
+            "the last reset) from 1 thread worker (read in one job with the next 7 batches: "
+            "the one that hangs may be any of them)"
+        )
+        assert info.value.batches == 8
+        close_pipeline(node)
+    assert threads_end() == []
 
 
 def test_slow_batches_go_one_per_job_so_workers_read_them_side_by_side():

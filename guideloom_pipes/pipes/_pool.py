@@ -120,11 +120,26 @@ def _run(fn: Callable[[Any], Any], job: _Job, clock: int | None = None) -> float
     return time.thread_time() - cpu
 
 
-def _timed_out(what: str, timeout: float) -> RuntimeError:
-    return RuntimeError(
-        f"no batch came from the {what} workers within timeout={timeout} seconds; raise the "
-        "timeout or find what blocks the dataset's reads"
-    )
+class DataLoaderTimeoutError(RuntimeError, TimeoutError):
+    """No batch came within the loader's ``timeout=``: a read or ``collate_fn`` hangs or is
+    slower than that. A ``RuntimeError`` (what torch's ``DataLoader`` raises) and a
+    ``TimeoutError``.
+
+    ``batches`` is how many batches the job that did not come held, the awaited one first:
+    quick batches are read a few at a time, and the one that hangs may be any of them.
+    """
+
+    batches = 1
+
+
+def seconds_text(seconds: float) -> str:
+    """``seconds`` as a user wrote it: ``2`` for 2.0, ``0.5`` for 0.5."""
+    return str(int(seconds)) if float(seconds).is_integer() else repr(float(seconds))
+
+
+def _timed_out(timeout: float) -> DataLoaderTimeoutError:
+    # ReadSamples and the loader replace the message with one that names the batch.
+    return DataLoaderTimeoutError(f"DataLoader timed out after {seconds_text(timeout)} seconds")
 
 
 def _broken() -> BrokenProcessPool:
@@ -143,15 +158,17 @@ class _ThreadPool:
     The caller waits for the job it needs, except when no worker has started it yet (all are
     busy, or none has woken up since it was submitted): then the caller runs it itself
     rather than wait for a worker to come free. So ``N`` workers read like ``N`` readers,
-    and the caller adds itself only when they are all busy.
+    and the caller adds itself only when they are all busy. With ``caller_runs=False`` (a
+    timeout: a job the caller ran could not be timed out) the caller only ever waits.
 
     Wake-ups are what a handoff costs (tens of microseconds of CPU each on a small VM), so
     there are as few as the work allows: a job wakes a worker only if one is asleep, and a
     finished job wakes the caller only if it is the job the caller sleeps on.
     """
 
-    def __init__(self, fn: Callable[[Any], Any], num_workers: int) -> None:
+    def __init__(self, fn: Callable[[Any], Any], num_workers: int, caller_runs: bool = True):
         self._fn = fn
+        self._caller_runs = caller_runs
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._finished = threading.Condition(self._lock)
@@ -256,7 +273,7 @@ class _ThreadPool:
         """``(fn(arg), seconds it took, its CPU share if it ran alone)`` of ``job``;
         re-raises what ``fn`` raised."""
         with self._lock:
-            mine = bool(self._queue) and self._queue[0] is job
+            mine = self._caller_runs and bool(self._queue) and self._queue[0] is job
             if mine:
                 self._queue.popleft()
                 alone = self._start()
@@ -269,7 +286,7 @@ class _ThreadPool:
                             raise RuntimeError("the read workers were stopped (closed)")
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
-                            raise _timed_out("thread", timeout)  # type: ignore[arg-type]
+                            raise _timed_out(timeout)  # type: ignore[arg-type]
                         self._finished.wait(left)
                 finally:
                     self._awaited = None
@@ -437,7 +454,7 @@ class _ProcessPool:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 ready = multiprocessing.connection.wait([conn, worker.process.sentinel], left)
                 if not ready:
-                    raise _timed_out("process", timeout)  # type: ignore[arg-type]
+                    raise _timed_out(timeout)  # type: ignore[arg-type]
                 if conn not in ready and not conn.poll():
                     raise _broken()  # the worker exited and left no answer
             self._receive(worker)

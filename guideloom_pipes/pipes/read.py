@@ -14,7 +14,13 @@ import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.pipes._pool import _ProcessPool, _ThreadPool, after_orphaned_jobs
+from guideloom_pipes.pipes._pool import (
+    DataLoaderTimeoutError,
+    _ProcessPool,
+    _ThreadPool,
+    after_orphaned_jobs,
+    seconds_text,
+)
 from guideloom_pipes.pipes._worker import (
     _batch_read_fn,
     _Failed,
@@ -33,6 +39,8 @@ _METHODS = ("thread", "process")
 #: that wait, 0.8-1.0 for memory-mapped tokens and documents.
 _WAITING = 0.35
 _START_METHODS = ("spawn", "forkserver", "fork")
+#: A worker's time per job of quick batches to aim for (``chunk_seconds``' default).
+_CHUNK_SECONDS = 0.002
 
 
 def _to_ids(item: Any) -> _I64:
@@ -42,6 +50,16 @@ def _to_ids(item: Any) -> _I64:
     if isinstance(item, Positions):
         return item.positions
     return np.asarray(item, dtype=np.int64).reshape(-1)
+
+
+def _together(batches: int) -> str:
+    """What a timeout message says of a job of several batches."""
+    if batches <= 1:
+        return ""
+    return (
+        f" (read in one job with the next {batches - 1} batch" + "es" * (batches > 2) + ": the "
+        "one that hangs may be any of them)"
+    )
 
 
 def _default_start_method() -> str:
@@ -123,8 +141,11 @@ class ReadSamples(BaseNode[Any]):
         collate_fn: Applied to each batch's samples in the worker; ``None`` returns them.
         max_in_flight: Batches submitted to workers ahead of the caller (``2 *
             num_workers`` by default); chunks of quick batches may exceed it (see above).
-        timeout: Seconds to wait for a worker's batch before raising ``RuntimeError``;
-            ``None`` waits forever.
+        timeout: Seconds to wait for a worker's batch before raising
+            :class:`~guideloom_pipes.pipes.DataLoaderTimeoutError` (a ``RuntimeError`` and a
+            ``TimeoutError``); ``None`` waits forever. With a timeout the calling thread
+            never reads a batch itself (it could not be interrupted), it only waits. With
+            process workers the first batch's wait includes starting them.
         reader: An already open reader of ``dataset`` to use in this process (not closed by
             this stage); by default the stage opens one on first use and closes it in
             :meth:`close`.
@@ -147,7 +168,7 @@ class ReadSamples(BaseNode[Any]):
         max_in_flight: int | None = None,
         timeout: float | None = None,
         reader: Any = None,
-        chunk_seconds: float = 0.002,
+        chunk_seconds: float = _CHUNK_SECONDS,
         max_chunk: int = 64,
     ) -> None:
         super().__init__()
@@ -198,6 +219,7 @@ class ReadSamples(BaseNode[Any]):
         self._batch_seconds = 0.0  # a worker's time per batch (moving average; 0: unknown)
         self._cpu_share = -1.0  # a lone job's share of its time on the CPU (-1: unknown)
         self._probing = False  # the first job runs alone (threads), see _side_by_side
+        self._delivered = 0  # batches delivered since reset
         self._snapshot: Any = None  # the source's state after the last delivered batch
         self._previous: Any = None  # ... and before it (None: none delivered since reset)
         self._drained = False  # the source's end was delivered
@@ -244,6 +266,7 @@ class ReadSamples(BaseNode[Any]):
         else:
             self.source.reset()
         self._read_ahead = False
+        self._delivered = 0
         if self.num_workers == 0 or self.method == "thread":
             self.open()
         if self.num_workers == 0:
@@ -258,7 +281,9 @@ class ReadSamples(BaseNode[Any]):
         self._probing = self.method == "thread" and self.chunk_seconds > 0
         if self.method == "thread":
             assert self._task is not None
-            self._pool = _ThreadPool(self._task.run, self.num_workers)
+            self._pool = _ThreadPool(
+                self._task.run, self.num_workers, caller_runs=self.timeout is None
+            )
         else:
             assert self._mp is not None
             self._pool = _ProcessPool(self.dataset, self.collate_fn, self.num_workers, self._mp)
@@ -303,9 +328,14 @@ class ReadSamples(BaseNode[Any]):
                 self._probe(job)
             try:
                 outcomes, elapsed, cpu_share = pool.result(job, self.timeout)
-            except BaseException:
+            except BaseException as failure:
+                together = 1 + sum(entry[0] is job for entry in self._pending)
                 if self._pool is pool:  # (else closed meanwhile, by another thread)
                     self._drop_job(job, last)
+                if isinstance(failure, DataLoaderTimeoutError):
+                    timed_out = DataLoaderTimeoutError(self._timeout_message(together))
+                    timed_out.batches = together
+                    raise timed_out from None
                 raise
             self._job, self._outcomes = job, outcomes
             self._learn(elapsed / len(outcomes), cpu_share)
@@ -322,7 +352,17 @@ class ReadSamples(BaseNode[Any]):
                 error.__cause__ = _RemoteTraceback(result.remote)
             raise error
         self._previous, self._snapshot = self._snapshot, snapshot
+        self._delivered += 1
         return result
+
+    def _timeout_message(self, together: int) -> str:
+        workers = f"{self.num_workers} {self.method} worker" + "s" * (self.num_workers > 1)
+        return (
+            f"DataLoader timed out after {seconds_text(self.timeout or 0)} seconds waiting for "
+            f"batch {self._delivered} (counting from 0 at the last reset) from {workers}"
+            f"{_together(together)}: a read or collate_fn took longer than the timeout, or "
+            "hangs; raise timeout= or find what blocks"
+        )
 
     def _probe(self, job: Any) -> None:
         """Wait for the first job, which runs alone, up to ``chunk_seconds``. A job that
