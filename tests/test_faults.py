@@ -323,3 +323,55 @@ def test_a_read_error_is_not_reported_as_a_decode_error(
             with pytest.raises(OSError, match="injected") as caught:
                 read()
             assert not isinstance(caught.value, CorruptShardError)
+
+
+# --- files changing under a reader ----------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "suffix"), FILE_KINDS)
+def test_verify_names_a_file_truncated_under_an_open_reader(
+    tmp_path: Path, kind: str, suffix: str
+) -> None:
+    shard_kinds.write(kind, tmp_path, {0: range(4), 1: range(4, 8)})
+    victim = tmp_path / f"0000001{suffix}"
+    size = victim.stat().st_size
+    storage = shard_kinds.storage(kind, tmp_path)
+    storage.read_interface = PosixPreadIO()  # a mapped read past the new end is a SIGBUS
+    with storage.sync_reader() as reader:
+        os.truncate(victim, size - 4)
+        with pytest.raises(CorruptShardError) as caught:
+            reader.verify()
+    message = str(caught.value)
+    assert f"0000001{suffix} is {size - 4} bytes, committed with {size} bytes (truncated)" in (
+        message
+    )
+    assert "rewrite shard(s) 1" in message and "size mismatch" in message
+
+
+def test_verify_checks_every_size_before_any_checksum(tmp_path: Path) -> None:
+    shard_kinds.write("stream", tmp_path, {0: range(4), 1: range(4, 8)})
+    storage = shard_kinds.storage("stream", tmp_path)
+    with storage.sync_reader() as reader:
+        _poke(tmp_path / "0000000.in_band.bin", 0, 0xFF)  # shard 0: same size, other bytes
+        os.truncate(tmp_path / "0000001.in_band.bin", 8)  # shard 1: truncated
+        with pytest.raises(CorruptShardError, match="size mismatch") as caught:
+            reader.verify()
+    assert "0000001.in_band.bin is 8 bytes, committed with 16 bytes" in str(caught.value)
+    assert "0000000" not in str(caught.value)  # no checksum was read
+
+
+@pytest.mark.parametrize("backend", ["pread", "seek"])
+def test_a_byte_range_reader_names_a_stream_file_truncated_while_open(
+    tmp_path: Path, backend: str
+) -> None:
+    # the documented alternative to a memory map's SIGBUS: a clear error
+    shard_kinds.write("stream", tmp_path, {0: range(4), 1: range(4, 8)})
+    storage = shard_kinds.storage("stream", tmp_path)
+    storage.read_interface = BACKENDS[backend]()
+    with storage.sync_reader() as reader:
+        assert reader.read(0, 8)["tokens"].tolist() == list(range(8))
+        os.truncate(tmp_path / "0000001.in_band.bin", 8)
+        with pytest.raises(CorruptShardError, match=r"0000001\.in_band\.bin.*shrank while open"):
+            reader.read(4, 4)
+    with pytest.raises(CorruptShardError, match=r"0000001\.in_band\.bin.*8 bytes.*16 bytes"):
+        storage.sync_reader().open()  # a reader opened now refuses the shard at once

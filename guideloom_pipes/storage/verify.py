@@ -13,7 +13,7 @@ import numpy as np
 
 from guideloom_pipes.storage.commit import _is_locked
 from guideloom_pipes.storage.errors import CorruptShardError, UncommittedShardError
-from guideloom_pipes.storage.io import resolve_backend
+from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing, _backend_size
 from guideloom_pipes.storage.names import RECORD, TMP, _display, shard_name
 from guideloom_pipes.storage.records import _CHUNK, ShardRecord
@@ -134,20 +134,26 @@ _STORAGE_CLASSES = {
 def verify_checksums(
     listing: ShardListing, backend: Any, suffixes: Sequence[str]
 ) -> dict[str, int]:
-    """Recompute each recorded file's CRC-32; raise :class:`CorruptShardError` on a mismatch.
+    """Check each recorded file's size, then its CRC-32, against the commit record; raise
+    :class:`CorruptShardError` on a mismatch.
 
+    Sizes come first, for every shard, before any data is read: a file truncated (or grown)
+    since its commit is named with both sizes at once, without checksumming the dataset.
     Returns counts: ``{"shards": ..., "files": ..., "bytes": ...}`` checked, and
     ``"unrecorded"``: shards without a commit record (written by GuideLoom), which have no
     checksum to verify (a :class:`UserWarning` says so).
     """
     backend = resolve_backend(backend)
     checked = {"shards": 0, "files": 0, "bytes": 0, "unrecorded": 0}
+    recorded = [
+        (shard, listing.records[shard])
+        for shard in range(listing.num_shards)
+        if shard in listing.records
+    ]
+    checked["unrecorded"] = listing.num_shards - len(recorded)
+    _check_sizes(listing, backend, suffixes, recorded)
     problems: list[str] = []
-    for shard in range(listing.num_shards):
-        record = listing.records.get(shard)
-        if record is None:
-            checked["unrecorded"] += 1
-            continue
+    for shard, record in recorded:
         checked["shards"] += 1
         for suffix in suffixes:
             name = listing.file_name(shard, suffix)
@@ -182,3 +188,37 @@ def verify_checksums(
             f"they were committed): " + "; ".join(problems) + ". Restore or rewrite these shards"
         )
     return checked
+
+
+def _check_sizes(
+    listing: ShardListing,
+    backend: ResolvedBackend,
+    suffixes: Sequence[str],
+    recorded: list[tuple[int, ShardRecord]],
+) -> None:
+    """Raise :class:`CorruptShardError` naming every recorded file whose size differs from
+    its commit record (or that is gone), with both sizes."""
+    wrong: list[str] = []
+    shards: list[int] = []
+    for shard, record in recorded:
+        for suffix in suffixes:
+            name = listing.file_name(shard, suffix)
+            expected = record.files[suffix.lstrip(".")].size
+            size = _backend_size(backend, listing.directory / name)
+            if size == expected:
+                continue
+            if size is None:
+                wrong.append(f"{name} is missing (committed with {expected} bytes)")
+            else:
+                change = "truncated" if size < expected else "grew"
+                wrong.append(f"{name} is {size} bytes, committed with {expected} bytes ({change})")
+            if not shards or shards[-1] != shard:
+                shards.append(shard)
+    if wrong:
+        rewrite = ", ".join(map(str, shards))
+        raise CorruptShardError(
+            f"size mismatch in {_display(listing.directory)}: {'; '.join(wrong)}. These files "
+            f"changed after they were committed (a file truncated under a running memory-mapped "
+            f"reader kills it with SIGBUS; see 'Files changing under a reader' in "
+            f"docs/storage.md). Restore them or rewrite shard(s) {rewrite}"
+        )
