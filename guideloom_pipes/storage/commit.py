@@ -674,8 +674,17 @@ class ShardWriterBase:
     kind = ""
     suffixes: tuple[str, ...] = ()
 
-    def __init__(self, directory: PurePath) -> None:
+    def __init__(self, directory: PurePath, mode: str = "update") -> None:
+        if mode not in WRITER_MODES:
+            raise ValueError(
+                f"mode must be one of {', '.join(map(repr, WRITER_MODES))}, got {mode!r}: "
+                f"'update' replaces only the shards written, 'overwrite' also removes the "
+                f"others, 'create' refuses a directory that holds shards"
+            )
         self.directory = os.fspath(directory)
+        #: ``"update"``, ``"overwrite"`` or ``"create"`` (see :data:`WRITER_MODES`)
+        self.mode = mode
+        self._present: set[int] = set()  # shards in the directory when it was opened
         self._transactions: dict[int, ShardTransaction] = {}
         self._appended: set[int] = set()
         self._closed = False
@@ -694,7 +703,18 @@ class ShardWriterBase:
         if self._opened:
             return
         os.makedirs(self.directory, exist_ok=True)
+        if self.mode == "create":
+            found = sorted(n for n in os.listdir(self.directory) if _NAME.match(n))
+            if found:
+                shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+                raise FileExistsError(
+                    f"{self.directory} already holds shard files ({shown}; {len(found)} in "
+                    f"all) and this writer was opened with mode='create'. Write into an empty "
+                    f"or new directory, or use mode='overwrite' to replace the dataset, or "
+                    f"mode='update' to replace only the shards written"
+                )
         recover_directory(self.directory)
+        self._present = _shards_in(self.directory)
         self._opened = True
 
     def __enter__(self) -> Any:
@@ -762,7 +782,42 @@ class ShardWriterBase:
             if shard not in self._appended and not transaction.done:
                 transaction.abort()  # every append to it was refused: keep the old shard
         transactions = [t for s, t in sorted(self._transactions.items()) if s in self._appended]
-        commit_transactions(self.directory, transactions, lambda t: self._commit_args(t.shard))
+        if self.mode != "overwrite":
+            commit_transactions(self.directory, transactions, lambda t: self._commit_args(t.shard))
+            if self.mode == "update" and transactions:
+                self._warn_of_older_shards_above(transactions[-1].shard)
+            return
+        self.open()  # (an overwrite that wrote nothing empties the dataset)
+        removal = _Removal(self.directory, set(self._appended))
+        try:
+            commit_transactions(
+                self.directory,
+                transactions,
+                lambda t: self._commit_args(t.shard),
+                before_commit=removal.mark,
+            )
+        except BaseException:
+            if any(t.committed for t in transactions):
+                removal.finish()  # the removed shards stay removed
+            else:
+                removal.undo()  # the dataset as it was
+            raise
+        removal.finish()
+
+    def _warn_of_older_shards_above(self, highest: int) -> None:
+        older = sorted(s for s in self._present & _shards_in(self.directory) if s > highest)
+        if not older:
+            return
+        shown = ", ".join(shard_name(s) for s in older[:10]) + (", ..." if len(older) > 10 else "")
+        warnings.warn(
+            f"this writer of {self.directory} wrote shards up to {shard_name(highest)}, but "
+            f"{len(older)} shard(s) it did not write remain above it from an earlier write "
+            f"({shown}): readers see them after the new ones, as one dataset. To make the "
+            f"dataset exactly the shards written, write with sync_writer(mode='overwrite'); "
+            f"if several writers share the dataset on purpose, ignore this",
+            UserWarning,
+            stacklevel=4,
+        )
 
     def abort(self) -> None:
         """Drop everything written in this session; committed shards stay as they were."""
@@ -772,6 +827,100 @@ class ShardWriterBase:
             for transaction in self._transactions.values():
                 if not transaction.done:
                     transaction.abort()
+
+
+#: the modes of a writer: replace the shards written (GuideLoom's behaviour); make the
+#: dataset exactly the shards written; refuse a directory that holds shards
+WRITER_MODES = ("update", "overwrite", "create")
+
+
+def _shards_in(directory: str) -> set[int]:
+    """The ids of the shards whose data files or records are in ``directory`` (by name)."""
+    found = set()
+    for name in os.listdir(directory):
+        match = _NAME.match(name)
+        if match and not match.group("temporary") and match.group("generation") is None:
+            found.add(int(match.group("shard")))
+    return found
+
+
+class _Removal:
+    """The shards an ``overwrite`` writer did not write, removed at its commit.
+
+    :meth:`mark` (called once the new shards' data is durable, before their commit points)
+    takes each one's write lock, then marks it deleted, highest id first: its record is
+    replaced by one in state ``"deleted"`` (one atomic rename; readers treat the shard as
+    absent, and removing from the top never opens a gap). :meth:`finish` (after the new
+    shards are committed) removes their files, data first, records last, and releases the
+    locks; :meth:`undo` (when no new shard was committed) puts their records back.
+    """
+
+    def __init__(self, directory: str, keep: set[int]) -> None:
+        self.directory = directory
+        self.keep = keep
+        self.locks: dict[int, int] = {}
+        self.marked: list[tuple[int, bytes | None]] = []  # shard, its previous record
+
+    def _stem(self, shard: int) -> str:
+        return os.path.join(self.directory, shard_name(shard))
+
+    def mark(self) -> None:
+        others = sorted(_shards_in(self.directory) - self.keep, reverse=True)
+        for shard in others:
+            self.locks[shard] = _take_lock(self._stem(shard) + RECORD + TMP, shard, self.directory)
+            _recover_shard(self.directory, shard)  # a versioned record: rolled forward first
+        for shard in others:
+            stem = self._stem(shard)
+            try:
+                with open(stem + RECORD, "rb") as file:
+                    previous: bytes | None = file.read()
+            except FileNotFoundError:
+                previous = None
+            record = _read_record(stem)
+            if record is None:
+                record = ShardRecord("", shard, 0, {}, generation=0)
+            tombstone = replace(record, state="deleted", versioned=False)
+            self.marked.append((shard, previous))
+            _write_record(stem, tombstone.to_json())
+        if self.marked:
+            _fsync_directory(self.directory)
+
+    def undo(self) -> None:
+        with contextlib.suppress(OSError):
+            for shard, previous in reversed(self.marked):
+                if previous is None:
+                    _remove(self._stem(shard) + RECORD)
+                else:
+                    _write_record(self._stem(shard), previous)
+            if self.marked:
+                _fsync_directory(self.directory)
+        self.marked = []
+        self.release(quiet=True)
+
+    def finish(self) -> None:
+        try:
+            for shard, _ in self.marked:
+                for suffix in _DATA_SUFFIXES:
+                    _remove(self._stem(shard) + suffix)
+            if self.marked:
+                _fsync_directory(self.directory)  # no record goes before its data files
+            for shard, _ in self.marked:
+                _remove(self._stem(shard) + RECORD)
+        finally:
+            self.release()
+
+    def release(self, quiet: bool = False) -> None:
+        locks, self.locks = self.locks, {}
+        failed: OSError | None = None
+        for shard, fd in locks.items():
+            try:
+                _remove(self._stem(shard) + RECORD + TMP)
+            except OSError as error:
+                failed = failed or error
+            finally:
+                os.close(fd)
+        if failed is not None and not quiet:
+            raise failed
 
 
 def _abandon(transactions: dict[int, ShardTransaction], directory: str, writer: str) -> None:

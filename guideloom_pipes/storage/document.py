@@ -223,9 +223,15 @@ class DocumentStorage(StorageBase, DocumentStorageAbstract[InDataT, OutDataT]):
         """An ``async`` reader of the committed shards (``async with``)."""
         return AsyncDocumentReader(DocumentReader(self))
 
-    def sync_writer(self) -> DocumentWriter:
-        """A writer; each touched shard is replaced atomically when it closes."""
-        return DocumentWriter(self)
+    def sync_writer(self, mode: str = "update") -> DocumentWriter:
+        """A writer; each touched shard is replaced atomically when it closes.
+
+        ``mode``: ``"update"`` (the default, GuideLoom's: replace only the shards written;
+        warns at close if shards of an earlier write remain above them), ``"overwrite"``
+        (the dataset becomes exactly the shards written: the others are removed at commit)
+        or ``"create"`` (refuse a directory that already holds shard files).
+        """
+        return DocumentWriter(self, mode)
 
 
 class DocumentWriter(ShardWriterBase, DocumentStorageSyncWriterAbstract[Any]):
@@ -234,8 +240,8 @@ class DocumentWriter(ShardWriterBase, DocumentStorageSyncWriterAbstract[Any]):
     kind = "document"
     suffixes = (INDEX, OUT_OF_BAND)
 
-    def __init__(self, storage: DocumentStorage) -> None:
-        super().__init__(storage.dir)
+    def __init__(self, storage: DocumentStorage, mode: str = "update") -> None:
+        super().__init__(storage.dir, mode)
         self.format = storage.format
         self._logs: dict[int, PayloadLog] = {}
 

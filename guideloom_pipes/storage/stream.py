@@ -162,9 +162,15 @@ class StreamStorage(
         """An ``async`` reader of the committed shards (``async with``)."""
         return AsyncStreamReader(StreamReader(self))
 
-    def sync_writer(self) -> StreamWriter:
-        """A writer; each touched shard is replaced atomically when it closes."""
-        return StreamWriter(self)
+    def sync_writer(self, mode: str = "update") -> StreamWriter:
+        """A writer; each touched shard is replaced atomically when it closes.
+
+        ``mode``: ``"update"`` (the default, GuideLoom's: replace only the shards written;
+        warns at close if shards of an earlier write remain above them), ``"overwrite"``
+        (the dataset becomes exactly the shards written: the others are removed at commit)
+        or ``"create"`` (refuse a directory that already holds shard files).
+        """
+        return StreamWriter(self, mode)
 
 
 class StreamWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
@@ -177,8 +183,8 @@ class StreamWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
     kind = "stream"
     suffixes = (IN_BAND,)
 
-    def __init__(self, storage: StreamStorage) -> None:
-        super().__init__(storage.dir)
+    def __init__(self, storage: StreamStorage, mode: str = "update") -> None:
+        super().__init__(storage.dir, mode)
         self.format = storage.format
         self.dtype = np.dtype(storage.format.stream_dtype)
         self._lengths: dict[int, int] = {}

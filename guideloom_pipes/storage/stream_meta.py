@@ -92,9 +92,15 @@ class StreamWithMetaStorage(
         """An ``async`` reader of the committed shards (``async with``)."""
         return AsyncStreamWithMetaReader(StreamWithMetaReader(self))
 
-    def sync_writer(self) -> StreamWithMetaWriter:
-        """A writer; each touched shard is replaced atomically when it closes."""
-        return StreamWithMetaWriter(self)
+    def sync_writer(self, mode: str = "update") -> StreamWithMetaWriter:
+        """A writer; each touched shard is replaced atomically when it closes.
+
+        ``mode``: ``"update"`` (the default, GuideLoom's: replace only the shards written;
+        warns at close if shards of an earlier write remain above them), ``"overwrite"``
+        (the dataset becomes exactly the shards written: the others are removed at commit)
+        or ``"create"`` (refuse a directory that already holds shard files).
+        """
+        return StreamWithMetaWriter(self, mode)
 
 
 class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
@@ -103,8 +109,8 @@ class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]
     kind = "stream_meta"
     suffixes = (IN_BAND, INDEX, OUT_OF_BAND)
 
-    def __init__(self, storage: StreamWithMetaStorage) -> None:
-        super().__init__(storage.dir)
+    def __init__(self, storage: StreamWithMetaStorage, mode: str = "update") -> None:
+        super().__init__(storage.dir, mode)
         self.format = storage.format
         self.dtype = np.dtype(storage.format.stream_dtype)
         self.records = record_dtype(self.dtype)
