@@ -49,6 +49,15 @@ that no record names (a commit stopped before 2b) and stale temporaries are remo
 then our readers read the committed version; GuideLoom, which reads canonical names only,
 may see a mix of a multi-file shard's old and new files.
 
+*Writer modes.* ``"update"`` (default) commits only the shards written, and warns at close
+of shards that were there when the writer opened and remain above the highest one it
+wrote. ``"create"`` refuses a directory holding shard files. ``"overwrite"`` also removes
+every other shard (:class:`_Removal`): between steps 2a and 2b it takes their write locks
+and replaces each one's record by one in state ``"deleted"``, highest id first (readers
+treat such a shard as absent, so the ids never have a gap); after step 2e it removes their
+data files, then their records. An error before the first commit point puts their records
+back; a crash leaves the marks, which recovery completes.
+
 *Fault hook.* Every write, ``fsync``, rename, link and unlink of this protocol first calls
 :func:`_fault` (a no-op), which tests replace to inject an error or kill the process at
 that step.
