@@ -225,6 +225,78 @@ def test_sigkill_at_any_step_leaves_every_shard_old_or_new_and_recoverable(
     assert (tuple(OLD[0]), False) in outcomes and (tuple(NEW[0]), True) in outcomes
 
 
+KILL_RECOVERY_AT_EVERY_STEP = """
+    import os, shutil, signal, sys
+    from pathlib import Path
+    from shard_kinds import storage, write
+    from test_commit_faults import OLD, session
+    from guideloom_pipes.storage import commit
+
+    os.fsync = lambda fd: None
+    kind, root = sys.argv[1], Path(sys.argv[2])
+
+    def killed_at(index, run):
+        pid = os.fork()
+        if pid == 0:
+            calls = [0]
+
+            def fault(step, target):
+                calls[0] += 1
+                if index is None and step == "link" or calls[0] == index:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            commit._fault = fault
+            try:
+                run()
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        return os.WIFSIGNALED(status)
+
+    # a writer killed after its commit points, at its first link: records name .v files
+    template = root / "template"
+    write(kind, template, OLD)
+    assert killed_at(None, lambda: session(kind, template))
+    shutil.copytree(template, root / "count")
+    calls = []
+    commit._fault = lambda step, target: calls.append(step)
+    storage(kind, root / "count").recover()
+    commit._fault = lambda step, target: None
+    print(len(calls))
+    for index in range(1, len(calls) + 1):
+        path = root / str(index)
+        shutil.copytree(template, path)
+        print(index, killed_at(index, lambda: storage(kind, path).recover()))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", KINDS)
+def test_sigkill_at_any_step_of_recovery_leaves_the_new_version_and_recovers_again(
+    kind: str, tmp_path: Path
+) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    script = textwrap.dedent(KILL_RECOVERY_AT_EVERY_STEP)
+    child = subprocess.run(
+        [sys.executable, "-c", script, kind, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=110,
+    )
+    assert child.returncode == 0, child.stderr
+    lines = child.stdout.split("\n")
+    count = int(lines[0])
+    assert count > 5  # links, renames, record writes, unlinks
+    assert lines[1 : count + 1] == [f"{i} True" for i in range(1, count + 1)]
+    new = {0: NEW[0], 1: OLD[1], 2: NEW[2]}
+    assert check_old_or_new(kind, tmp_path / "template") == new
+    for index in range(1, count + 1):
+        path = tmp_path / str(index)
+        assert check_old_or_new(kind, path) == new
+        assert check_guideloom_view(kind, path, tmp_path / f"view-{index}") == new
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_readers_opened_at_every_step_of_a_commit_see_old_or_new(kind: str, tmp_path: Path) -> None:
     path = tmp_path / "data"
