@@ -44,6 +44,8 @@ from guideloom_pipes.shuffle import FeistelPermutation
 __all__ = ["MixtureDataset"]
 
 _I64 = npt.NDArray[np.int64]
+_U64 = npt.NDArray[np.uint64]
+_U32 = npt.NDArray[np.uint32]
 #: The denominator weights are rounded to when they are not ratios of small integers.
 _DENOMINATOR = 1 << 30
 #: Largest denominator of one weight taken as an exact ratio (0.7 -> 7/10).
@@ -92,13 +94,13 @@ def _integer_weights(weights: Sequence[float]) -> list[int]:
     return integers
 
 
-def _floor_muldiv(m: np.ndarray, p: np.ndarray, q: np.ndarray, d: np.ndarray) -> _I64:
+def _floor_muldiv(m: np.ndarray, p: Any, q: Any, d: Any) -> _I64:
     """``floor((m * p + q) / d)`` exactly, elementwise, for ``0 <= m < 2**63`` and
     ``0 <= q < d <= 2**31``, ``0 <= p <= 2**31`` (128-bit products done in two halves)."""
     if not len(m) or int(m.max()) < (1 << 31):
         return (m * p + q) // d
     mu = m.astype(np.uint64)
-    pu, qu, du = p.astype(np.uint64), q.astype(np.uint64), d.astype(np.uint64)
+    pu, qu, du = (np.asarray(x).astype(np.uint64) for x in (p, q, d))
     high, low = mu >> np.uint64(32), mu & np.uint64(0xFFFFFFFF)
     quotient_high, rest_high = np.divmod(high * pu, du)  # high * p < 2**62
     # rest_high * 2**32 + low * p + q < 2**64: fits in uint64
@@ -149,19 +151,41 @@ class _Schedule:
     def route(self, positions: _I64) -> tuple[_I64, _I64]:
         """``(component, draw)`` of each position: the draw is how many earlier positions
         went to the same component."""
-        node = np.full(positions.shape, self.root, dtype=np.int64)
         count = positions.astype(np.int64, copy=True)
-        active = np.flatnonzero(~self.is_leaf[node])
-        while len(active):
-            at, m = node[active], count[active]
+        if self.is_leaf[self.root]:
+            return np.full(positions.shape, self.root, dtype=np.int64), count
+        # counts only shrink down the tree: one check picks exact int64 or 128-bit arithmetic
+        small = not len(count) or int(count.max()) < (1 << 31)
+        node = np.empty_like(count)
+        active: _I64 | None = None  # None: every position (all at the root)
+        while True:
+            if active is None:
+                at: Any = self.root
+                m = count
+            else:
+                at = node[active]
+                m = count[active]
             p, q, d = self._p[at], self._q[at], self._d[at]
-            before = _floor_muldiv(m, p, q, d)
-            after = _floor_muldiv(m + 1, p, q, d)
+            if small:
+                before = m * p + q
+                after = before + p
+                before //= d
+                after //= d
+            else:
+                before = _floor_muldiv(m, p, q, d)
+                after = _floor_muldiv(m + 1, p, q, d)
             to_left = after > before
-            node[active] = np.where(to_left, self.left[at], self.right[at])
-            count[active] = np.where(to_left, before, m - before)
-            active = active[~self.is_leaf[node[active]]]
-        return node, count
+            chosen = np.where(to_left, self.left[at], self.right[at])
+            drawn = np.where(to_left, before, m - before)
+            if active is None:
+                node, count = chosen, drawn
+                active = np.flatnonzero(~self.is_leaf[chosen])
+            else:
+                node[active] = chosen
+                count[active] = drawn
+                active = active[~self.is_leaf[chosen]]
+            if not len(active):
+                return node, count
 
     def prefix_counts(self, k: int) -> list[int]:
         """How many of the first ``k`` positions go to each component (exact Python ints)."""
@@ -179,6 +203,130 @@ class _Schedule:
             counts[int(self.right[node])] = m - to_left
             stack += [int(self.left[node]), int(self.right[node])]
         return counts[: self.num_components]
+
+
+class _PassPermutations:
+    """The Feistel permutations of (component, pass) pairs, applied in one vectorised walk.
+
+    Each pair's :class:`~guideloom_pipes.shuffle.FeistelPermutation` is built on first use
+    (at most ``_PERMUTATIONS_KEPT`` are kept). Their round tables are stacked, so one call
+    evaluates every pair of a batch with the few numpy operations one permutation needs, with
+    exactly the permutations' results (pairs without a table, or with a round whose sum can
+    wrap around 2**64, are evaluated by their own permutation). Thread-safe.
+    """
+
+    def __init__(self, dataset: MixtureDataset) -> None:
+        self._dataset = dataset
+        self._lock = threading.Lock()
+        self._slots: dict[tuple[int, int], int] = {}
+        self._permutations: list[FeistelPermutation] = []
+        self._state: _Stacked | None = None
+
+    def _slots_of(self, pairs: list[tuple[int, int]]) -> list[int]:
+        """The slots of (component, pass) pairs, building the permutations not kept yet
+        (all of them are kept until the call returns, however many)."""
+        new = [pair for pair in pairs if pair not in self._slots]
+        if new and len(self._permutations) + len(new) > _PERMUTATIONS_KEPT:
+            self._slots.clear()
+            self._permutations.clear()
+            new = pairs
+        dataset = self._dataset
+        for component, pass_ in new:
+            seed = _pass_key_seed(dataset.seed, dataset._keys[component], pass_)
+            self._slots[(component, pass_)] = len(self._permutations)
+            self._permutations.append(FeistelPermutation(dataset.lengths[component], seed))
+            self._state = None
+        return [self._slots[pair] for pair in pairs]
+
+    def _stacked(self) -> _Stacked:
+        if self._state is None:
+            permutations = self._permutations
+            fast = np.array(
+                [p._use_table and not any(p._get_tables()[1]) for p in permutations], dtype=bool
+            )
+            sides = [p._a if f else 1 for p, f in zip(permutations, fast)]
+            offsets = np.zeros(len(permutations), dtype=np.uint64)
+            np.cumsum(sides[:-1], out=offsets[1:])
+            tables = [
+                np.concatenate(
+                    [
+                        p._get_tables()[0][j] if f else np.zeros(1, np.uint32)
+                        for p, f in zip(permutations, fast)
+                    ]
+                )
+                for j in range(_ROUNDS)
+            ]
+            side64 = np.array(sides, dtype=np.uint64)
+            size = np.array([p.n for p in permutations], dtype=np.uint64)
+            self._state = (tables, offsets, side64.astype(np.uint32), side64, size, fast)
+        return self._state
+
+    def apply(self, component: _I64, pass_: _I64, offset: _I64) -> _I64:
+        """``perm(component, pass)[offset]`` for each element (int64 arrays of one shape)."""
+        count = self._dataset._schedule.num_components
+        key = pass_ * count + component
+        pairs, inverse = np.unique(key, return_inverse=True)
+        with self._lock:
+            wanted = [(k % count, k // count) for k in pairs.tolist()]
+            slots = np.array(self._slots_of(wanted), dtype=np.int64)
+            permutations = list(self._permutations)
+            tables, offsets, side32, side64, size, fast = self._stacked()
+        slot = slots[inverse.reshape(-1)]
+        quick = fast[slot]
+        if quick.all():
+            values = offset.astype(np.uint64)
+            walked = _walk(values, tables, offsets[slot], side32[slot], side64[slot], size[slot])
+            return walked.view(np.int64)
+        out = np.empty(len(offset), dtype=np.int64)
+        for s in np.unique(slot[~quick]).tolist():
+            rows = np.flatnonzero(slot == s)
+            out[rows] = permutations[s](offset[rows])
+        rows = np.flatnonzero(quick)
+        if len(rows):
+            part = slot[rows]
+            values = offset[rows].astype(np.uint64)
+            walked = _walk(values, tables, offsets[part], side32[part], side64[part], size[part])
+            out[rows] = walked.view(np.int64)
+        return out
+
+
+#: GuideLoom's Feistel rounds.
+_ROUNDS = 5
+#: Stacked round tables, and per slot: table offset, side ``a`` (uint32, uint64), size ``n``,
+#: and whether the stacked tables serve it.
+_Stacked = tuple[list[_U32], _U64, _U32, _U64, _U64, npt.NDArray[np.bool_]]
+
+
+def _feistel_pass(v: _U64, tables: list[_U32], offset: _U64, side32: _U32, side64: _U64) -> _U64:
+    """One pass of GuideLoom's 5-round Feistel network, each element with its own tables
+    (``F_j mod a``, from ``offset``) and side ``a`` (as ``FeistelPermutation._pass_table``)."""
+    right64, left64 = np.divmod(v, side64)
+    left = left64.astype(np.uint32)
+    right = right64.astype(np.uint32)
+    tmp = np.empty_like(left)
+    for table in tables:
+        np.take(table, offset + right, out=tmp)
+        np.add(left, tmp, out=left)  # < 2a <= 2**32
+        np.subtract(left, side32, out=tmp)  # wraps above left when left < a
+        np.minimum(left, tmp, out=left)
+        left, right = right, left
+    combined = left.astype(np.uint64)
+    np.multiply(combined, side64, out=combined)
+    np.add(combined, right, out=combined, casting="unsafe")
+    return combined
+
+
+def _walk(
+    v: _U64, tables: list[_U32], offset: _U64, side32: _U32, side64: _U64, size: _U64
+) -> _U64:
+    """Cycle walking: passes until each element is below its permutation's size."""
+    v = _feistel_pass(v, tables, offset, side32, side64)
+    todo = np.flatnonzero(v >= size)
+    while todo.size:
+        w = _feistel_pass(v[todo], tables, offset[todo], side32[todo], side64[todo])
+        v[todo] = w
+        todo = todo[w >= size[todo]]
+    return v
 
 
 def _check_seed(seed: Any) -> int:
@@ -332,6 +480,7 @@ class MixtureDataset:
         self._keys = [_name_key(name) for name in names]
         self._fixed = all(_is_fixed_length(self.components[name]) for name in names)
         self.lengths: list[int] = self._check_components()
+        self._lengths_array = np.array(self.lengths, dtype=np.int64)
         if num_samples is None:
             num_samples = sum(self.lengths)
         elif isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
@@ -435,34 +584,14 @@ class MixtureDataset:
         shape = np.shape(ids)
         flat = self._check_ids(np.reshape(np.asarray(ids), -1) if shape else [ids])
         component, draw = self._schedule.route(flat)
-        index = self._sample_indexes(component, draw, {})
+        index = self._sample_indexes(component, draw, _PassPermutations(self))
         return component.reshape(shape), index.reshape(shape)
 
-    def _sample_indexes(
-        self, component: _I64, draw: _I64, cache: dict[tuple[int, int], FeistelPermutation]
-    ) -> _I64:
+    def _sample_indexes(self, component: _I64, draw: _I64, passes: _PassPermutations) -> _I64:
         """Component sample index of each (component, draw): the draw's pass, permuted."""
-        out = np.empty_like(draw)
-        for c in np.unique(component).tolist():
-            rows = np.flatnonzero(component == c)
-            length = self.lengths[c]
-            passes, offsets = np.divmod(draw[rows], length)
-            unique = np.unique(passes).tolist()
-            for pass_ in unique:
-                key = (c, pass_)
-                permutation = cache.get(key)
-                if permutation is None:
-                    seed = _pass_key_seed(self.seed, self._keys[c], pass_)
-                    permutation = FeistelPermutation(length, seed)
-                    if len(cache) >= _PERMUTATIONS_KEPT:
-                        cache.pop(next(iter(cache)))
-                    cache[key] = permutation
-                if len(unique) == 1:
-                    out[rows] = permutation(offsets)
-                else:
-                    same = passes == pass_
-                    out[rows[same]] = permutation(offsets[same])
-        return out
+        lengths = self._lengths_array[component]
+        pass_, offset = np.divmod(draw, lengths)
+        return passes.apply(component, pass_, offset)
 
     def prefix_counts(self, k: int) -> dict[str, int]:
         """How many of positions ``0 .. k-1`` each component gets (exact)."""
@@ -489,8 +618,7 @@ class MixtureReader(_DatasetReaderBase):
         self.dataset = dataset
         self._readers: list[tuple[Any, bool]] = []
         self._reads: list[Callable[[_I64], list[Any]]] = []
-        self._permutations: dict[tuple[int, int], FeistelPermutation] = {}
-        self._lock = threading.Lock()
+        self._passes = _PassPermutations(dataset)
 
     def open(self) -> None:
         """Open every component's reader and check its length is the one the mixture knows."""
@@ -536,17 +664,22 @@ class MixtureReader(_DatasetReaderBase):
         dataset = self.dataset
         positions = dataset._check_ids(ids)
         component, draw = dataset._schedule.route(positions)
-        with self._lock:
-            cache = dict(self._permutations)
-        indexes = dataset._sample_indexes(component, draw, cache)
-        with self._lock:
-            self._permutations = cache
-        out: list[Any] = [None] * len(positions)
+        indexes = dataset._sample_indexes(component, draw, self._passes)
         if dataset._schedule.num_components == 1:
             return list(self._reads[0](indexes))
-        for c in np.unique(component).tolist():
-            rows = np.flatnonzero(component == c)
-            samples = self._reads[c](indexes[rows])
-            for row, sample in zip(rows.tolist(), samples):
-                out[row] = sample
-        return out
+        # group the rows by component (one read each), then put the samples back in order
+        order = np.argsort(component, kind="stable")
+        ends = np.cumsum(np.bincount(component, minlength=len(self._reads))).tolist()
+        grouped: list[Any] = []
+        start = 0
+        for c, end in enumerate(ends):
+            if end > start:
+                grouped += self._reads[c](indexes[order[start:end]])
+            start = end
+        if len(grouped) != len(positions):
+            raise RuntimeError(
+                f"a component's reader returned {len(grouped)} samples for {len(positions)} ids"
+            )
+        where = np.empty_like(order)
+        where[order] = np.arange(len(order))
+        return list(map(grouped.__getitem__, where.tolist()))

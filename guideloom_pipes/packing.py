@@ -21,6 +21,7 @@ next token; ``-100`` across a document boundary and at the last position), all i
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -45,7 +46,7 @@ from guideloom_pipes.datasets import (
 from guideloom_pipes.shuffle import FeistelPermutation
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
-__all__ = ["IGNORE_INDEX", "PackedDataset"]
+__all__ = ["FIELDS", "IGNORE_INDEX", "PackedDataset", "PackedSample", "pack_windows"]
 
 #: The label of positions that predict nothing (torch's ``cross_entropy`` ignore_index).
 IGNORE_INDEX = -100
@@ -59,33 +60,129 @@ _ORDER_CHUNK = 1 << 20
 _I64 = npt.NDArray[np.int64]
 
 
-def boundaries(tokens: _I64, starts: npt.NDArray[np.bool_]) -> dict[str, _I64]:
-    """``position_ids``, ``document_ids`` and ``labels`` of ``(B, L)`` windows.
+#: The four fields of a packed sample.
+FIELDS = ("tokens", "position_ids", "document_ids", "labels")
+#: Tokens computed at a time (a block of windows whose arrays stay in the CPU's cache).
+_BLOCK_TOKENS = 1 << 15
+#: Sequences per window up to which positions are written a sequence at a time.
+_FEW_SEGMENTS = 8
+
+
+@functools.lru_cache(maxsize=8)
+def _arange(count: int) -> _I64:
+    steps = np.arange(count, dtype=np.int64)
+    steps.flags.writeable = False
+    return steps
+
+
+def _fill_block(
+    tokens: _I64, inner: _I64, position_ids: _I64, document_ids: _I64, labels: _I64
+) -> _I64:
+    """Fill the boundaries of ``(R, L)`` windows (C-contiguous rows of the outputs) whose
+    documents start inside a window at the flat indexes ``inner`` (sorted); return the flat
+    starts of all their sequences (each window start and each document start)."""
+    rows, length = tokens.shape
+    total = rows * length
+    segments = np.union1d(np.arange(0, total, length, dtype=np.int64), inner)
+    sizes = np.empty_like(segments)
+    np.subtract(segments[1:], segments[:-1], out=sizes[:-1])
+    sizes[-1:] = total - segments[-1:]
+    first_of_window = np.searchsorted(segments, segments - segments % length)
+    numbers = np.arange(len(segments), dtype=np.int64) - first_of_window
+    if len(segments) <= _FEW_SEGMENTS * rows:
+        # few documents per window: write each sequence's positions and number straight
+        # into the outputs (one pass each) from cached ranges and constants
+        size_list = sizes.tolist()
+        steps = _arange(length)
+        np.concatenate([steps[:size] for size in size_list], out=position_ids.reshape(-1))
+        document_ids.reshape(-1)[:] = np.repeat(numbers, sizes)
+    else:
+        np.subtract(_arange(total), np.repeat(segments, sizes), out=position_ids.reshape(-1))
+        document_ids.reshape(-1)[:] = np.repeat(numbers, sizes)
+    flat, next_tokens = labels.reshape(-1), tokens.reshape(-1)
+    flat[:-1] = next_tokens[1:]
+    flat[segments[1:] - 1] = IGNORE_INDEX  # the last token of a document or of a window
+    flat[-1:] = IGNORE_INDEX
+    return segments
+
+
+def pack_windows(
+    windows: np.ndarray, *, eos_token: int | None = None, starts: _I64 | None = None
+) -> tuple[dict[str, _I64], _I64]:
+    """The four int64 fields of ``(B, L)`` token windows, and the flat sequence starts.
 
     Args:
-        tokens: ``(B, L)`` int64 tokens.
-        starts: ``(B, L)`` booleans, True where a document starts (column 0 is taken as a
-            start whatever it holds).
+        windows: ``(B, L)`` integer tokens (any integer dtype, any strides).
+        eos_token: A document starts after each of these tokens (a stream).
+        starts: Or: the flat indexes (into the ``B * L`` tokens) where a document starts
+            inside a window, sorted (documents).
 
     Returns:
-        The three ``(B, L)`` int64 arrays, window-local as described in the module docstring.
+        ``{"tokens", "position_ids", "document_ids", "labels"}`` as ``(B, L)`` int64 arrays
+        (see the module docstring), and the sorted flat indexes where a sequence starts (every
+        window start and every document start): ``cu_seqlens`` without its final ``B * L``.
+        The work is a few passes over each block of windows (kept in the CPU's cache) plus
+        work per document start.
     """
-    rows, length = tokens.shape
-    starts = starts.copy()
-    starts[:, :1] = True
-    document_ids = np.cumsum(starts, axis=1, dtype=np.int64)
-    document_ids -= 1
-    steps = np.arange(length, dtype=np.int64)
-    last_start = np.maximum.accumulate(np.where(starts, steps, 0), axis=1)
-    position_ids = steps - last_start
-    labels = np.full((rows, length), IGNORE_INDEX, dtype=np.int64)
-    labels[:, :-1] = np.where(starts[:, 1:], IGNORE_INDEX, tokens[:, 1:])
-    return {"position_ids": position_ids, "document_ids": document_ids, "labels": labels}
+    rows, length = windows.shape
+    out = {name: np.empty((rows, length), dtype=np.int64) for name in FIELDS}
+    eos: Any = eos_token or 0
+    if windows.dtype.kind in "iu" and not (
+        np.iinfo(windows.dtype).min <= eos <= np.iinfo(windows.dtype).max
+    ):
+        eos = np.int64(eos)  # cannot occur in this dtype: compared (and never found) as int64
+    elif windows.dtype.kind in "iu":
+        eos = windows.dtype.type(eos)
+    block = max(1, _BLOCK_TOKENS // length)
+    pieces = [np.zeros(0, dtype=np.int64)]
+    for top in range(0, rows, block):
+        bottom = min(rows, top + block)
+        tokens = out["tokens"][top:bottom]
+        np.copyto(tokens, windows[top:bottom])
+        if starts is None:  # scanned in the source's dtype: fewer bytes
+            flat = windows[top:bottom].reshape(-1)
+            inner = np.flatnonzero(flat[:-1] == eos) + 1
+        else:
+            low, high = np.searchsorted(starts, (top * length, bottom * length))
+            inner = starts[low:high] - top * length
+        segments = _fill_block(
+            tokens,
+            inner,
+            out["position_ids"][top:bottom],
+            out["document_ids"][top:bottom],
+            out["labels"][top:bottom],
+        )
+        pieces.append(segments + top * length)
+    return out, np.concatenate(pieces)
 
 
-def _samples(tokens: _I64, fields: dict[str, _I64]) -> list[dict[str, _I64]]:
-    columns = [("tokens", tokens), *fields.items()]
-    return [{name: column[row] for name, column in columns} for row in range(len(tokens))]
+class PackedSample(dict[str, Any]):
+    """A window of a :class:`PackedDataset`: a plain ``dict`` of its four ``(L,)`` arrays.
+
+    It also remembers the ``(B, L)`` arrays it is row ``row`` of (``batch``) and their
+    sequence starts (``segments``), so that :func:`~guideloom_pipes.collate_packed` batches
+    consecutive rows of one read without copying them. It pickles as a plain ``dict``.
+    """
+
+    __slots__ = ("batch", "row", "segments")
+
+    batch: dict[str, _I64]
+    row: int
+    segments: _I64
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self),))
+
+
+def _samples(columns: dict[str, _I64], segments: _I64) -> list[PackedSample]:
+    out = []
+    for row in range(len(columns["tokens"])):
+        sample = PackedSample({name: column[row] for name, column in columns.items()})
+        sample.batch = columns
+        sample.row = row
+        sample.segments = segments
+        out.append(sample)
+    return out
 
 
 def _check_token(value: Any, name: str) -> int | None:
@@ -468,30 +565,24 @@ class PackedReader(_DatasetReaderBase):
         """The windows at ``ids``, each a dict of four int64 arrays, in that order."""
         self._check_open()
         ids = _as_ids(ids, self._length)
-        if self.dataset.stream:
-            tokens, starts = self._stream_windows(ids)
+        dataset = self.dataset
+        if dataset.stream:
+            length = dataset.sequence_length
+            windows = self._source.storage_reader._windows(ids * length, length)
+            columns, segments = pack_windows(windows[dataset.field], eos_token=dataset.eos_token)
         else:
             tokens, starts = self._document_windows(ids)
-        return _samples(tokens, boundaries(tokens, starts))
+            columns, segments = pack_windows(tokens, starts=starts)
+        return _samples(columns, segments)
 
-    def _stream_windows(self, ids: _I64) -> tuple[_I64, npt.NDArray[np.bool_]]:
-        dataset = self.dataset
-        length = dataset.sequence_length
-        windows = self._source.storage_reader._windows(ids * length, length)
-        tokens = windows[dataset.field].astype(np.int64)
-        starts = np.zeros(tokens.shape, dtype=bool)
-        eos = np.int64(dataset.eos_token or 0)  # a stream always has one (checked when built)
-        np.equal(tokens[:, :-1], eos, out=starts[:, 1:])
-        return tokens, starts
-
-    def _document_windows(self, ids: _I64) -> tuple[_I64, npt.NDArray[np.bool_]]:
+    def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset
         length = dataset.sequence_length
         sums = self._sums
         assert sums is not None
         rows = len(ids)
         if rows == 0:
-            return np.zeros((0, length), dtype=np.int64), np.zeros((0, length), dtype=bool)
+            return np.zeros((0, length), dtype=np.int64), np.zeros(0, dtype=np.int64)
         begin = ids * length
         first = np.searchsorted(sums, begin, side="right") - 1
         last = np.searchsorted(sums, begin + (length - 1), side="right") - 1
@@ -525,7 +616,6 @@ class PackedReader(_DatasetReaderBase):
         np.cumsum(expected[:-1], out=offsets[1:])
         head = offsets[group_start] + (begin - sums[first])
         tokens = flat[head[:, None] + np.arange(length, dtype=np.int64)]
-        starts = np.zeros((rows, length), dtype=bool)
         inner = rank > 0
-        starts[owner[inner], sums[order[inner]] - begin[owner[inner]]] = True
+        starts = owner[inner] * length + (sums[order[inner]] - begin[owner[inner]])
         return tokens.astype(np.int64, copy=False), starts

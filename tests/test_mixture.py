@@ -21,7 +21,14 @@ from guideloom_pipes import (
     StreamNumpyFormat,
     StreamStorage,
 )
-from guideloom_pipes.mixture import _floor_muldiv, _integer_weights, _Schedule
+from guideloom_pipes.mixture import (
+    _floor_muldiv,
+    _integer_weights,
+    _name_key,
+    _pass_key_seed,
+    _Schedule,
+)
+from guideloom_pipes.shuffle import FeistelPermutation
 
 weights_st = st.lists(
     st.one_of(
@@ -293,3 +300,31 @@ def test_bad_seed_num_samples_and_components_are_refused():
         MixtureDataset({1: np.arange(3)}, {1: 1}, seed=0)  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="'e' is empty"):
         MixtureDataset({"a": np.arange(3), "e": np.arange(0)}, {"a": 1, "e": 1}, seed=0)
+
+
+class _Huge:
+    """A dataset too large for the Feistel tables (side > 2**17): sample i is i."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@pytest.mark.parametrize("lengths", [[7, 1, 1000], [3, 2**36 + 5], [1]])
+def test_the_batched_pass_permutations_are_exactly_guideloom_feistel(lengths):
+    components = {f"c{c}": _Huge(n) for c, n in enumerate(lengths)}
+    mixture = MixtureDataset(
+        components, {name: 1 + c for c, name in enumerate(components)}, seed=9, num_samples=3000
+    )
+    positions = np.random.default_rng(1).permutation(3000)[:700]
+    component, draw = mixture._schedule.route(positions)
+    _, index = mixture.locate(positions)
+    for c, j, i in zip(component.tolist(), draw.tolist(), index.tolist()):
+        n = lengths[c]
+        key = _pass_key_seed(9, _name_key(f"c{c}"), j // n)
+        assert i == FeistelPermutation(n, key)(j % n)

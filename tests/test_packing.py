@@ -138,6 +138,24 @@ def test_stream_windows_match_the_slow_reference(tokens, length, split):
         assert read_all(dataset) == expected
 
 
+def test_an_eos_outside_the_streams_dtype_never_ends_a_document(tmp_path):
+    storage = StreamStorage(tmp_path / "s", StreamNumpyFormat(np.dtype([("tokens", "<i2")])))
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(8, dtype="<i2")})
+    (sample,) = read_all(PackedDataset(storage, 8, eos_token=70_000))
+    assert sample["document_ids"] == [0] * 8
+
+
+def test_samples_pickle_as_plain_dicts():
+    import pickle
+
+    with PackedDataset([[1, 2, 3, 4]], 2).sync_reader() as reader:
+        sample = reader[0]
+    copy = pickle.loads(pickle.dumps(sample))
+    assert type(copy) is dict
+    assert {k: v.tolist() for k, v in copy.items()} == {k: v.tolist() for k, v in sample.items()}
+
+
 def test_a_window_by_hand():
     dataset = PackedDataset([[5, 6, 7], [8], [9, 10, 11, 12]], 4, eos_token=0)
     # concatenation: 5 6 7 0 | 8 0 9 10 | 11 12 0 (dropped: 3 of 4)

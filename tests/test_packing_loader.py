@@ -58,6 +58,13 @@ def test_cu_seqlens_mark_every_document_and_window_start(documents, length, batc
     assert out["cu_seqlens"].tolist() == expected
     assert isinstance(out["max_seqlen"], int)
     assert out["max_seqlen"] == max(np.diff(expected))
+    shuffled = samples[::-1]  # not consecutive rows of one read: stacked
+    again = collate_packed(shuffled)
+    assert again["tokens"].tolist() == [s["tokens"].tolist() for s in shuffled]
+    reference = _cu_seqlens_reference([s["document_ids"].tolist() for s in shuffled])
+    assert again["cu_seqlens"].tolist() == reference
+    plain = collate_packed([dict(s) for s in samples])  # plain dicts: stacked too
+    assert plain["cu_seqlens"].tolist() == expected
 
 
 def test_collate_packed_by_hand_and_from_stacked_arrays():

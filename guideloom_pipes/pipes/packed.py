@@ -9,9 +9,32 @@ from typing import Any
 import numpy as np
 import torch
 
+from guideloom_pipes.packing import FIELDS, PackedSample
+
 __all__ = ["collate_packed"]
 
-_FIELDS = ("tokens", "position_ids", "document_ids", "labels")
+_FIELDS = FIELDS
+
+
+def _rows_of_one_read(samples: Sequence[Any]) -> tuple[dict[str, np.ndarray], Any] | None:
+    """The ``(B, L)`` arrays of ``samples`` and their sequence starts, when they are
+    consecutive rows of one ``PackedDataset`` read (batching them then copies nothing)."""
+    first = samples[0]
+    if type(first) is not PackedSample:
+        return None
+    batch, row = first.batch, first.row
+    for offset, sample in enumerate(samples):
+        if (
+            type(sample) is not PackedSample
+            or sample.batch is not batch
+            or sample.row != row + offset
+        ):
+            return None
+    arrays = {name: batch[name][row : row + len(samples)] for name in _FIELDS}
+    length = arrays["tokens"].shape[1]
+    segments = first.segments
+    low, high = np.searchsorted(segments, (row * length, (row + len(samples)) * length))
+    return arrays, segments[low:high] - row * length
 
 
 def _stack(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any], name: str) -> np.ndarray:
@@ -41,7 +64,9 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> 
         int64 tensors; ``cu_seqlens``, a 1-D int32 tensor of the sequence boundaries over the
         flattened ``B * L`` tokens (0, every document start and every window start, then
         ``B * L``), and ``max_seqlen``, the longest sequence as a Python int. An empty rank
-        batch (``drop_last=False``) stays ``[]``.
+        batch (``drop_last=False``) stays ``[]``. Consecutive windows of one read (what the
+        loader's workers hand over) are batched without a copy: the tensors then share memory
+        with the other windows of that read.
 
     Raises:
         KeyError: A sample lacks one of the four fields.
@@ -49,13 +74,17 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> 
     """
     if not isinstance(samples, Mapping) and len(samples) == 0:
         return []
-    arrays = {name: _stack(samples, name) for name in _FIELDS}
-    positions = arrays["position_ids"].reshape(-1)
-    starts = np.flatnonzero(positions == 0)
+    found = None if isinstance(samples, Mapping) else _rows_of_one_read(samples)
+    if found is not None:
+        arrays, starts = found
+    else:
+        arrays = {name: _stack(samples, name) for name in _FIELDS}
+        starts = np.flatnonzero(arrays["position_ids"].reshape(-1) == 0)
+    size = arrays["tokens"].size
     cu_seqlens = np.empty(len(starts) + 1, dtype=np.int32)
     cu_seqlens[:-1] = starts
-    cu_seqlens[-1] = positions.size
-    max_seqlen = int(np.diff(cu_seqlens).max()) if positions.size else 0
+    cu_seqlens[-1] = size
+    max_seqlen = int(np.diff(cu_seqlens).max()) if size else 0
     out: dict[str, Any] = {name: torch.from_numpy(array) for name, array in arrays.items()}
     out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
     out["max_seqlen"] = max_seqlen
