@@ -390,6 +390,59 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             return 0
         return (2 * self.num_workers or 1) + self.prefetch
 
+    def steps(self, n: int) -> Iterator[Any]:
+        """Exactly ``n`` batches from where the loader stands, across epoch ends.
+
+        Training loops count steps, not epochs: ``for batch in loader.steps(n)`` delivers
+        ``n`` batches from the current ``(epoch, offset)``, moving to ``(epoch + 1, 0)`` at
+        each epoch's end (each epoch in GuideLoom's order, as ``iter()`` gives it), and the
+        next call continues where this one stopped. ``state_dict()`` is the usual dict (it
+        stores no ``n``): after ``load_state_dict`` pass the steps still to run, on another
+        world size too. While the returned iterator is between batches the loader has an
+        active epoch iterator (``state_dict()`` reports what was delivered; ``iter()`` and
+        ``load_state_dict`` raise); it is closed as the last batch is handed over, or when
+        the returned iterator is closed (or dropped) early, keeping the position of what was
+        delivered. ``len(loader)`` and plain iteration are unchanged.
+
+        Args:
+            n: How many batches, >= 1.
+
+        Raises:
+            ValueError: ``n < 1``.
+            TypeError: ``n`` is not an int.
+            RuntimeError: An iterator of this loader is still active.
+        """
+        count = _int_arg("n", n, 1)
+        if self._active_iterator() is not None:
+            raise RuntimeError(
+                "steps() while an iterator of this loader is active: drain it or call its "
+                "close() first"
+            )
+
+        def run() -> Iterator[Any]:
+            left = count
+            while left:
+                iterator: Any = iter(self)
+                try:
+                    for batch in iterator:
+                        left -= 1
+                        if left == 0:
+                            # hand the last batch over with no iterator left active; an epoch
+                            # that has no batch left moves to the next one
+                            epoch, offset = iterator._epoch, iterator._position()
+                            remaining = self._num_samples() - offset
+                            if remaining <= 0 or (self.drop_last and remaining < iterator._global):
+                                epoch, offset = epoch + 1, 0
+                            iterator._finish(epoch, offset)
+                            yield batch
+                            return
+                        yield batch
+                finally:
+                    if iterator._active:  # closed early: keep what was delivered
+                        iterator._finish(iterator._epoch, iterator._position())
+
+        return run()
+
     # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
