@@ -162,10 +162,21 @@ class _Changed(Exception):
     """The directory changed while it was being listed (a writer committed): list again."""
 
 
-def _committed_entries(entries: dict[str, _Entry]) -> dict[str, _Entry]:
-    """The entries a commit changes (records, data files, versioned files), not temporaries
-    (a live writer's ``.tmp`` files grow all the time)."""
-    return {n: e for n, e in entries.items() if not n.endswith((TMP, PENDING))}
+def _committed_entries(entries: dict[str, _Entry]) -> dict[str, int]:
+    """The inode of each entry a commit changes (records, data files, versioned files), not
+    of temporaries (a live writer's ``.tmp`` files come and go all the time). A commit
+    replaces files by rename, so a changed file has another inode."""
+    return {n: e[2] for n, e in entries.items() if not n.endswith((TMP, PENDING))}
+
+
+def _relisted(directory: PurePath) -> dict[str, int]:
+    """:func:`_committed_entries` of a fresh listing, without a ``stat`` per file."""
+    with os.scandir(os.fspath(directory)) as entries:
+        return {
+            e.name: e.inode()
+            for e in entries
+            if _NAME.match(e.name) is not None and not e.name.endswith((TMP, PENDING))
+        }
 
 
 def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -> ShardListing:
@@ -205,9 +216,7 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
                 found = _assemble(directory, entries, ours, read_local)
             except _Changed:
                 found = None
-            if found is not None and _committed_entries(_scan_local(directory)) == (
-                _committed_entries(entries)
-            ):
+            if found is not None and _relisted(directory) == _committed_entries(entries):
                 return _finish(backend, *found)
             time.sleep(0.002 * 2**attempt)  # back off: a commit takes milliseconds
         raise DatasetChangedError(
