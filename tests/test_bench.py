@@ -41,7 +41,16 @@ TINY = [
     "1",
 ]
 
-THROUGHPUT = ("tokens-2048", "tokens-128", "meta", "documents", "slow-storage", "shuffle")
+THROUGHPUT = (
+    "tokens-2048",
+    "tokens-128",
+    "meta",
+    "documents",
+    "slow-storage",
+    "shuffle",
+    "mixture",
+    "packed",
+)
 
 
 def _positive(value: Any) -> bool:
@@ -120,6 +129,10 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "resume: near end",
         "train-loop: ours workers=0",
         "train-loop: ours workers=2",
+        "mixture: blend of 3 streams / single stream, workers=0",
+        "mixture: blend of 3 streams / single stream, workers=2",
+        "packed: packed windows / plain windows, workers=0",
+        "packed: packed windows / plain windows, workers=2",
     ):
         assert any(name.startswith(prefix) for name in names), prefix
     for target in report["targets"]:

@@ -29,13 +29,20 @@ alternating rounds (A B C A B C ...), reporting the median round:
 ``train-loop``
     a training loop with a 10 ms step that releases the GIL, ``prefetch=2``: the fraction of
     its time the training thread waits in ``next()`` and its CPU time inside ``next()``.
+``mixture``
+    a ``MixtureDataset`` of three token streams (weights 0.5/0.3/0.2, a third of the tokens
+    each) against the single stream of the same size, ``L=2048`` batch 8, 0 and 2 threads.
+``packed``
+    a ``PackedDataset`` of a stream whose documents average 1,000 tokens, with
+    ``collate_packed``, against plain windows of the same stream, ``L=2048`` batch 8, 0 and 2
+    threads.
 
 Throughput rows give samples/s, tokens/s, CPU-seconds per million samples (this process's CPU
 time across all its threads, plus that of its child processes: live ones read from ``/proc``,
 reaped ones from ``RUSAGE_CHILDREN``) and the ratio to the scenario's baseline. Rates are
 steady-state: starting the first iterator and its first batch are timed separately (``first
 batch`` in the JSON), not inside a round; a new epoch's iterator starts inside the round, as it
-does in training. The last table checks each target of issue 4 (PASS/MISS).
+does in training. The last table checks each target of issues 4 and 10 (PASS/MISS).
 The benchmark needs only the runtime dependencies (numpy, torch, torchdata).
 """
 

@@ -99,6 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("shuffle", bench.shuffle_scenario),
             ("scale", bench.scale_scenario),
             ("train-loop", bench.train_loop_scenario),
+            ("mixture", bench.mixture_scenario),
+            ("packed", bench.packed_scenario),
         ]
         for name, step in steps:
             if name in only or (name == "scale" and "resume" in only):

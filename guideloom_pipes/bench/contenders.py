@@ -28,6 +28,16 @@ OURS_0 = "ours workers=0 prefetch=4"
 OURS_2 = "ours workers=2 threads prefetch=4"
 OURS_2P = "ours workers=2 processes prefetch=4"
 SLOW_PREAD = "ours workers=32 threads prefetch=32, sleep then pread"
+#: The kinds of rows of the mixture and packed scenarios (see ``dataset_row``).
+SINGLE = "single stream"
+BLEND = "blend of 3 streams"
+PLAIN = "plain windows"
+PACKED = "packed windows"
+
+
+def dataset_row(kind: str, workers: int) -> str:
+    """The row name of our loader over a dataset of ``kind`` with ``workers`` threads."""
+    return f"{kind}, ours workers={workers} prefetch=4"
 
 
 # Baselines ------------------------------------------------------------------------------------
@@ -231,6 +241,30 @@ def _ours_contender(
     options.setdefault("shuffle_seed", SEED)
     options.setdefault("device", CPU)
     loader = StatefulDataLoader.from_storage(storage, collate, **options)
+    return Contender(
+        name,
+        lambda: iter(loader),
+        count,
+        setup=loader.open,
+        teardown=loader.close,
+        ahead=loader._batches_ahead(),
+    )
+
+
+def _ours_dataset_contender(
+    name: str,
+    dataset: Any,
+    collate: Callable[[Any], Any],
+    count: Callable[[Any], tuple[int, int]],
+    **options: Any,
+) -> Contender:
+    """Our loader over a dataset (rather than a storage), shuffled with the bench's seed."""
+    from guideloom_pipes.loader import StatefulDataLoader
+
+    options.setdefault("shuffle", True)
+    options.setdefault("shuffle_seed", SEED)
+    options.setdefault("device", CPU)
+    loader: StatefulDataLoader[Any, Any] = StatefulDataLoader(dataset, collate, **options)
     return Contender(
         name,
         lambda: iter(loader),

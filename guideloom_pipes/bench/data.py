@@ -114,6 +114,22 @@ def build_documents(directory: Path, count: int, shards: int) -> tuple[DocumentS
     return storage, int(lengths.sum())
 
 
+def build_eos_tokens(
+    directory: Path, total: int, shards: int, eos: int, mean_length: int
+) -> StreamStorage:
+    """A stream of ``total`` random ``<i4`` tokens in ``1..49999`` whose documents end with
+    ``eos`` (each token is an end with probability ``1 / mean_length``)."""
+    storage = StreamStorage(directory, StreamNumpyFormat(TOKENS_DTYPE))
+    rng = np.random.default_rng(SEED + 3)
+    with storage.sync_writer() as writer:
+        for shard, length in enumerate(_split(total, shards)):
+            for piece in _split(length, max(1, length // 10_000_000)):
+                tokens = rng.integers(1, 50_000, size=piece, dtype=np.int32)
+                tokens[rng.random(piece) < 1 / mean_length] = eos
+                writer.append(shard, {"tokens": tokens})
+    return storage
+
+
 def build_sparse(directory: Path, total: int, shards: int) -> int:
     """Sparse ``<i4`` shards of ``total`` tokens (``os.truncate``, no commit records)."""
     directory.mkdir(parents=True, exist_ok=True)

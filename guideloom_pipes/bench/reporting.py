@@ -1,4 +1,5 @@
-"""Targets and the report: each target of issue 4 checked, and the tables printed at the end."""
+"""Targets and the report: each target of issues 4 and 10 checked, and the tables printed at
+the end."""
 
 from __future__ import annotations
 
@@ -6,7 +7,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from guideloom_pipes.bench.contenders import OURS_0, OURS_2, OURS_2P, _slow_name
+from guideloom_pipes.bench.contenders import (
+    BLEND,
+    OURS_0,
+    OURS_2,
+    OURS_2P,
+    PACKED,
+    PLAIN,
+    SINGLE,
+    _slow_name,
+    dataset_row,
+)
 from guideloom_pipes.bench.harness import Row
 
 
@@ -35,7 +46,7 @@ def _rate(rows: list[Row], scenario: str, contender: str) -> float:
 
 
 def targets(rows: list[Row], extra: dict[str, Any]) -> list[Target]:
-    """The targets of issue 4 that this run measured."""
+    """The targets of issues 4 and 10 that this run measured."""
     out: list[Target] = []
     scenarios = {row.scenario for row in rows}
     for scenario in ("tokens-2048", "tokens-128"):
@@ -77,6 +88,18 @@ def targets(rows: list[Row], extra: dict[str, Any]) -> list[Target]:
     if "resume" in extra:
         resume = extra["resume"]
         out.append(Target("resume: near end / offset 0", resume["resume_ratio"], 2.0, False))
+    # issue 10: a blend as fast as one stream, packing at most twice the cost of windows
+    pairs = (("mixture", BLEND, SINGLE, 0.8), ("packed", PACKED, PLAIN, 0.5))
+    for scenario, kind, base, floor in pairs:
+        if scenario not in scenarios:
+            continue
+        for workers in (0, 2):
+            ratio = _rate(rows, scenario, dataset_row(kind, workers)) / _rate(
+                rows, scenario, dataset_row(base, workers)
+            )
+            out.append(
+                Target(f"{scenario}: {kind} / {base}, workers={workers}", ratio, floor, True)
+            )
     for row in extra.get("train-loop", {}).get("rows", []):
         if row["contender"].startswith("ours"):
             out.append(

@@ -20,10 +20,14 @@ import numpy as np
 import torch
 
 from guideloom_pipes.bench.contenders import (
+    BLEND,
     CPU,
     OURS_0,
     OURS_2,
     OURS_2P,
+    PACKED,
+    PLAIN,
+    SINGLE,
     SLOW_PREAD,
     HandLoop,
     MemmapDocuments,
@@ -31,9 +35,11 @@ from guideloom_pipes.bench.contenders import (
     MemmapWindows,
     SlowIO,
     _ours_contender,
+    _ours_dataset_contender,
     _slow_name,
     _slow_prefetch,
     _torch_contender,
+    dataset_row,
 )
 from guideloom_pipes.bench.data import (
     SEED,
@@ -41,6 +47,7 @@ from guideloom_pipes.bench.data import (
     _count_padded,
     _count_tokens,
     build_documents,
+    build_eos_tokens,
     build_meta,
     build_sparse,
     build_tokens,
@@ -49,6 +56,7 @@ from guideloom_pipes.bench.data import (
     collate_tokens,
 )
 from guideloom_pipes.bench.harness import Contender, Row, Sizes, _close_iterator, measure
+from guideloom_pipes.datasets import StreamDataset
 from guideloom_pipes.formats import StreamNumpyFormat
 from guideloom_pipes.storage import StreamStorage
 
@@ -62,7 +70,11 @@ SCENARIOS = (
     "scale",
     "resume",
     "train-loop",
+    "mixture",
+    "packed",
 )
+#: The end-of-document token of the packed scenario's stream.
+PACKED_EOS = 0
 
 
 @dataclass
@@ -287,6 +299,77 @@ class Bench:
             Contender(f"blocks of {block}, n=2**40", blocks(2**40, block), count),
         ]
         self.rows += measure("shuffle", contenders, self.sizes, self.log)
+
+    def mixture_scenario(self) -> None:
+        """A blend of three token streams (L=2048, batch 8, shuffled) against the single
+        stream of the same total size."""
+        from guideloom_pipes.mixture import MixtureDataset
+
+        started = time.perf_counter()
+        names = ("web", "code", "books")
+        parts = [
+            build_tokens(self.root / f"mix-{name}", self.sizes.tokens // 3, self.sizes.shards)
+            for name in names
+        ]
+        self.timings["build mixture"] = time.perf_counter() - started
+        length, batch = 2048, 8
+        count = _count_tokens(length)
+        single = StreamDataset(self.tokens(), length)
+        blend = MixtureDataset(
+            {name: StreamDataset(part, length) for name, part in zip(names, parts)},
+            {"web": 0.5, "code": 0.3, "books": 0.2},
+            seed=SEED,
+        )
+        contenders = []
+        for workers in (0, 2):
+            for kind, dataset in ((SINGLE, single), (BLEND, blend)):
+                contenders.append(
+                    _ours_dataset_contender(
+                        dataset_row(kind, workers),
+                        dataset,
+                        collate_tokens,
+                        count,
+                        local_batch_size=batch,
+                        num_workers=workers,
+                        parallel_method="thread",
+                        prefetch=4,
+                    )
+                )
+        self.rows += measure("mixture", contenders, self.sizes, self.log)
+
+    def packed_scenario(self) -> None:
+        """Packed windows with document boundaries (a stream whose documents average 1,000
+        tokens; L=2048, batch 8, shuffled, ``collate_packed``) against plain windows of the
+        same stream (``collate_tokens``)."""
+        from guideloom_pipes.packing import PackedDataset
+        from guideloom_pipes.pipes.packed import collate_packed
+
+        started = time.perf_counter()
+        storage = build_eos_tokens(
+            self.root / "packed", self.sizes.tokens, self.sizes.shards, PACKED_EOS, 1000
+        )
+        self.timings["build packed"] = time.perf_counter() - started
+        length, batch = 2048, 8
+        count = _count_tokens(length)
+        kinds = (
+            (PLAIN, StreamDataset(storage, length), collate_tokens),
+            (PACKED, PackedDataset(storage, length, eos_token=PACKED_EOS), collate_packed),
+        )
+        contenders = [
+            _ours_dataset_contender(
+                dataset_row(kind, workers),
+                dataset,
+                collate,
+                count,
+                local_batch_size=batch,
+                num_workers=workers,
+                parallel_method="thread",
+                prefetch=4,
+            )
+            for workers in (0, 2)
+            for kind, dataset, collate in kinds
+        ]
+        self.rows += measure("packed", contenders, self.sizes, self.log)
 
     def scale_scenario(self) -> None:
         started = time.perf_counter()
