@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -375,3 +376,153 @@ def test_a_byte_range_reader_names_a_stream_file_truncated_while_open(
             reader.read(4, 4)
     with pytest.raises(CorruptShardError, match=r"0000001\.in_band\.bin.*8 bytes.*16 bytes"):
         storage.sync_reader().open()  # a reader opened now refuses the shard at once
+
+
+# --- corrupt bytes and records, every file kind of every storage ----------------------
+
+
+def _read_everything(kind: str, storage: Any) -> None:
+    """Read every sample the way users and the loader do (a whole span, a shuffled batch)."""
+    with storage.sync_reader() as reader:
+        total = reader.total_length
+        if kind == "document":
+            reader.read_many(np.arange(total)[::-1])
+            return
+        reader.read(0, total)
+    with StreamDataset(storage, 2).sync_reader() as samples:
+        samples.read_batch(np.arange(len(samples))[::-1])
+
+
+def _written(kind: str, path: Path, recorded: bool = True) -> Any:
+    shard_kinds.write(kind, path, {0: range(4), 1: range(4, 8)})
+    if not recorded:
+        for record in path.glob("*.shard.json"):
+            record.unlink()
+    return shard_kinds.storage(kind, path)
+
+
+@pytest.mark.parametrize(("kind", "suffix"), FILE_KINDS)
+def test_changed_bytes_in_any_committed_file_are_named_by_verify(
+    tmp_path: Path, kind: str, suffix: str
+) -> None:
+    storage = _written(kind, tmp_path)
+    victim = tmp_path / f"0000001{suffix}"
+    _poke(victim, victim.stat().st_size - 1, victim.read_bytes()[-1] ^ 0x55)
+    with pytest.raises(CorruptShardError, match=rf"0000001{re.escape(suffix)}: crc32 .*rewrite"):
+        storage.verify()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"guideloom_pipes_record": 1, "state": "comm', b"\x00\xff garbage \x13", b""],
+    ids=["truncated-json", "garbage", "empty"],
+)
+@pytest.mark.parametrize("kind", shard_kinds.KINDS)
+def test_a_broken_commit_record_is_named_when_the_reader_opens(
+    tmp_path: Path, kind: str, content: bytes
+) -> None:
+    storage = _written(kind, tmp_path)
+    (tmp_path / "0000001.shard.json").write_bytes(content)
+    with pytest.raises(CorruptShardError, match=r"0000001\.shard\.json is unreadable.*rewrite"):
+        storage.sync_reader().open()
+
+
+@pytest.mark.parametrize("kind", shard_kinds.KINDS)
+def test_a_data_file_of_the_wrong_size_is_named_when_the_reader_opens(
+    tmp_path: Path, kind: str
+) -> None:
+    # GuideLoom's files carry no record: the sizes must agree with each other
+    storage = _written(kind, tmp_path, recorded=False)
+    suffix = shard_kinds.SUFFIXES[kind][0]
+    victim = tmp_path / f"0000001{suffix}"
+    with victim.open("ab") as file:
+        file.write(b"\x01\x02\x03")
+    with pytest.raises(CorruptShardError, match=rf"0000001{re.escape(suffix)}.*[Rr]ewrite"):
+        _read_everything(kind, storage)
+
+
+INDEXED = ["document", "stream_meta"]
+
+
+def _rewrite_index(path: Path, change: Any) -> np.ndarray:
+    """Apply ``change`` to shard 1's offsets in place (same file size, as bit rot would)."""
+    index_path = path / "0000001.out_of_band.index"
+    offsets = _index(index_path)
+    change(offsets)
+    offsets.astype("<i8").tofile(index_path)
+    return offsets
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "guideloom"])
+@pytest.mark.parametrize("kind", INDEXED)
+def test_index_offsets_that_decrease_are_named(
+    tmp_path: Path, kind: str, recorded: bool, backend: str
+) -> None:
+    storage = _written(kind, tmp_path, recorded)
+    storage.read_interface = BACKENDS[backend]()
+
+    def swap(offsets: np.ndarray) -> None:
+        offsets[1], offsets[2] = offsets[2], offsets[1]  # entry 1 now ends before it starts
+
+    _rewrite_index(tmp_path, swap)
+    with pytest.raises(
+        CorruptShardError, match=r"0000001\.out_of_band\.index has decreasing offsets at"
+    ):
+        _read_everything(kind, storage)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+@pytest.mark.parametrize("kind", INDEXED)
+def test_index_offsets_past_the_data_file_are_named(
+    tmp_path: Path, kind: str, backend: str
+) -> None:
+    storage = _written(kind, tmp_path)
+    storage.read_interface = BACKENDS[backend]()
+    size = (tmp_path / "0000001.out_of_band.bin").stat().st_size
+
+    def past(offsets: np.ndarray) -> None:
+        offsets[2] = size + 1000
+
+    _rewrite_index(tmp_path, past)
+    with pytest.raises(
+        CorruptShardError,
+        match=rf"0000001\.out_of_band\.index has offsets outside the {size}-byte data file",
+    ):
+        _read_everything(kind, storage)
+
+
+@pytest.mark.parametrize("first_or_last", [0, -1])
+@pytest.mark.parametrize("kind", INDEXED)
+def test_an_index_that_does_not_span_its_data_file_is_named(
+    tmp_path: Path, kind: str, first_or_last: int
+) -> None:
+    storage = _written(kind, tmp_path)
+
+    def shift(offsets: np.ndarray) -> None:
+        offsets[first_or_last] += 1
+
+    _rewrite_index(tmp_path, shift)
+    with pytest.raises(
+        CorruptShardError, match=r"0000001\.out_of_band\.index does not match its data file"
+    ):
+        _read_everything(kind, storage)
+
+
+@pytest.mark.parametrize("backend", ["mmap", "pread"])
+@pytest.mark.parametrize("bad", [4, -1, 2**31 - 1])
+def test_a_stream_record_pointing_past_its_payloads_is_named(
+    tmp_path: Path, bad: int, backend: str
+) -> None:
+    storage = _written("stream_meta", tmp_path)
+    storage.read_interface = BACKENDS[backend]()
+    in_band = tmp_path / "0000001.in_band.bin"
+    records = np.fromfile(in_band, dtype=[("index", "<i4"), ("user", "<i4")])
+    records["index"][2] = bad  # shard 1 has payloads 0..3
+    records.tofile(in_band)
+    with pytest.raises(
+        CorruptShardError,
+        match=rf"0000001\.in_band\.bin has a record pointing at payload {bad}, but "
+        rf".*0000001\.out_of_band\.index has 4 entries \(0\.\.3\)",
+    ):
+        _read_everything("stream_meta", storage)

@@ -24,7 +24,7 @@ from guideloom_pipes.storage.errors import (
     decode_error,
 )
 from guideloom_pipes.storage.listing import ShardListing
-from guideloom_pipes.storage.names import INDEX, OUT_OF_BAND, shard_name
+from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND, shard_name
 from guideloom_pipes.storage.stream import as_indexes, as_int
 from guideloom_pipes.types import (
     DocumentStorageAbstract,
@@ -115,16 +115,18 @@ class OffsetIndex:
         """The bytes of document ``local`` of ``shard`` (a fresh copy the caller owns)."""
         if not 0 <= local < self._counts[shard]:
             raise CorruptShardError(
-                f"{self._reader._shard_path(shard, INDEX)} has {int(self._counts[shard])} "
-                f"entries; entry {local} was asked for (a stream record points past the "
-                f"index). Rewrite shard {shard}"
+                f"{self._reader._shard_path(shard, IN_BAND)} has a record pointing at payload "
+                f"{local}, but {self._reader._shard_path(shard, INDEX)} has "
+                f"{int(self._counts[shard])} entries (0..{int(self._counts[shard]) - 1}): one "
+                f"of the files is corrupt. Rewrite shard {shard}"
             )
         start, end = self.span(shard, local)
-        if not 0 <= start <= end <= self._bin_sizes[shard]:
+        size = self._bin_sizes[shard]
+        if not 0 <= start <= end <= size:
             problem = (
                 "decreasing offsets"
-                if end < start
-                else f"offsets outside the {self._bin_sizes[shard]}-byte data file"
+                if 0 <= start <= size and 0 <= end <= size
+                else f"offsets outside the {size}-byte data file"
             )
             raise CorruptShardError(
                 f"{self._reader._shard_path(shard, INDEX)} has {problem} at document {local} "

@@ -245,7 +245,11 @@ class StreamWithMetaReader(StreamReader):
     def decode(self, records: np.ndarray, shard_lengths: Any, shards: Any) -> Any:
         """``format.unpack`` of a span of records whose pieces came from ``shards``."""
         piece_shards = np.repeat(np.asarray(shards, dtype=np.int64), shard_lengths)
-        keys = (piece_shards << 32) | records["index"].astype(np.int64)
+        index = records["index"]
+        if len(index) and int(index.min()) < 0:  # would corrupt the shard bits of the keys
+            position = int(np.argmax(index < 0))
+            self._payloads.payload(int(piece_shards[position]), int(index[position]))  # raises
+        keys = (piece_shards << 32) | index.astype(np.int64)
         if len(keys) and bool((keys[1:] >= keys[:-1]).all()):
             # the usual case: payload numbers never decrease along a span (no wrap-around
             # back into payloads already seen), so each run of equal keys is a new payload
@@ -311,6 +315,10 @@ class StreamWithMetaReader(StreamReader):
         first = np.searchsorted(self._starts, starts, side="right") - 1
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
         index = np.ascontiguousarray(windows["index"])  # the ops below run on it contiguous
+        if int(index.min()) < 0:  # a corrupt record: name it (past the end: _fetch does)
+            row, column = divmod(int(np.argmax(index.reshape(-1) < 0)), length)
+            shard = int(np.searchsorted(self._starts, starts[row] + column, side="right")) - 1
+            self._payloads.payload(shard, int(index[row, column]))  # raises, naming the files
         steps = index[:, 1:] != index[:, :-1]
         simple = (first == last) & (index[:, 1:] >= index[:, :-1]).all(axis=1)
         out: list[Any] = [None] * rows
