@@ -184,10 +184,18 @@ class Gate:
         self._accepted = []
 
     def block(self) -> None:
-        """Block until the test calls :meth:`release` (or the gate is gone)."""
+        """Block until the test calls :meth:`release` (or the gate is gone). Blocked in the
+        main thread, it wakes every 0.25 s, so a KeyboardInterrupt from a signal that came
+        just before it began to wait is still raised."""
         with socket.create_connection(("127.0.0.1", self.port)) as connection:
             connection.sendall(b"b")
-            connection.recv(1)
+            connection.settimeout(0.25)
+            while True:
+                try:
+                    connection.recv(1)  # b"" once the test closes its end
+                    return
+                except TimeoutError:
+                    continue
 
     def wait_blocked(self, timeout: float = 60) -> None:
         """Return once something blocks at the gate (``TimeoutError`` after ``timeout``)."""
@@ -236,6 +244,18 @@ class BlockingCollate:
             self.gate.block()
         elif self.seconds:
             time.sleep(self.seconds)
+        return ids_collate(samples)
+
+
+class InterruptingCollate:
+    """``ids_collate`` that raises ``KeyboardInterrupt`` for a batch holding sample ``bad``."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def __call__(self, samples: list[Any]) -> list[int]:
+        if self.bad in samples:
+            raise KeyboardInterrupt
         return ids_collate(samples)
 
 

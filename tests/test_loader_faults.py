@@ -1,4 +1,5 @@
-"""The loader when a read or ``collate_fn`` hangs or is slow, in every worker mode.
+"""The loader when a read or ``collate_fn`` hangs or is slow, or Ctrl-C comes, in every
+worker mode.
 
 A hanging batch blocks at a :class:`loader_helpers.Gate` that the test opens at its end, so
 no test can hang and every thread still busy with such a batch ends with the test.
@@ -6,7 +7,11 @@ no test can hang and every thread still busy with such a batch ends with the tes
 
 from __future__ import annotations
 
+import _thread
+import gc
 import multiprocessing
+import signal
+import threading
 from typing import Any
 
 import pytest
@@ -15,8 +20,10 @@ pytest.importorskip("torch")
 
 from loader_helpers import (
     BlockingCollate,
+    BlocksAt,
     Gate,
     Ids,
+    InterruptingCollate,
     SlowCollate,
     expected_batches,
     ids_collate,
@@ -40,8 +47,9 @@ MODES: dict[str, dict[str, Any]] = {
 _STARTS = {"2-processes": 5.0}
 
 
-def _loader(collate_fn: Any = ids_collate, **kw: Any) -> StatefulDataLoader:
-    return StatefulDataLoader(Ids(16), collate_fn, device="cpu", local_batch_size=2, **kw)
+def _loader(collate_fn: Any = ids_collate, dataset: Any = None, **kw: Any) -> StatefulDataLoader:
+    dataset = Ids(16) if dataset is None else dataset
+    return StatefulDataLoader(dataset, collate_fn, device="cpu", local_batch_size=2, **kw)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,3 +98,89 @@ def test_a_slow_collate_fn_within_the_timeout_delivers_every_batch(mode):
     assert list(loader) == expected
     assert loader.state_dict()["epoch"] == 1
     assert threads_end() == [] and multiprocessing.active_children() == []
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------
+
+
+def _train(loader: StatefulDataLoader) -> None:
+    for _ in loader:
+        pass
+
+
+def _interrupt_when_blocked(gate: Gate, how: str) -> threading.Thread:
+    """A thread that interrupts the main thread (as Ctrl-C does) once a read blocks at
+    ``gate``: by a SIGINT, or by ``_thread.interrupt_main()`` (no signal: nothing blocked
+    is woken, the main thread has to look)."""
+    main = threading.main_thread().ident
+    assert main == threading.get_ident()
+
+    def interrupt() -> None:
+        gate.wait_blocked()
+        if how == "signal":
+            signal.pthread_kill(main, signal.SIGINT)
+        else:
+            _thread.interrupt_main()
+
+    thread = threading.Thread(target=interrupt, name="test-interrupter", daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
+@pytest.mark.parametrize("how", ["signal", "interrupt_main"])
+@pytest.mark.parametrize("mode", MODES)
+def test_ctrl_c_while_a_batch_is_read_returns_at_once_and_stops_the_iterator(mode, how):
+    gate = Gate()
+    loader = _loader(dataset=BlocksAt(16, 4, gate), **MODES[mode])
+    with watchdog(gate) as timer:
+        interrupter = _interrupt_when_blocked(gate, how)
+        with pytest.raises(KeyboardInterrupt):
+            _train(loader)  # batch 2 (samples 4, 5) blocks until the gate opens
+        assert not timer.finished.is_set()  # control came back with the batch still blocked
+        assert loader._active_iterator() is None
+        assert multiprocessing.active_children() == []  # worker processes are stopped
+        interrupter.join(30)
+    assert threads_end() == []  # and the thread that was reading the batch ends with it
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_keyboard_interrupt_from_collate_fn_reaches_the_loop_and_stops_the_iterator(mode):
+    loader = _loader(InterruptingCollate(4), **MODES[mode])
+    delivered = []
+    with pytest.raises(KeyboardInterrupt):
+        for batch in loader:
+            delivered.append(batch)
+    # Batches read in one job with the interrupted one (quick ones are) end with it.
+    assert delivered == [[0, 1], [2, 3]][: len(delivered)]
+    assert loader._active_iterator() is None
+    assert multiprocessing.active_children() == []
+    assert threads_end() == []
+    # What was not delivered is read again by the next iterator (or a resume).
+    assert loader.state_dict()["observation_offset"] == 2 * len(delivered)
+
+
+def _train_holding_the_iterator(loader: StatefulDataLoader) -> None:
+    iterator = iter(loader)  # a local: the traceback of what ends the loop keeps it alive
+    for _ in iterator:
+        raise KeyboardInterrupt  # Ctrl-C during a training step
+
+
+@pytest.mark.parametrize("ending", ["close", "with", "gc"])
+@pytest.mark.parametrize("mode", ["2-threads", "2-processes"])
+def test_workers_of_a_loop_left_by_ctrl_c_end_with_the_loader(mode, ending):
+    loader = _loader(**MODES[mode])
+    if ending == "with":
+        with pytest.raises(KeyboardInterrupt), loader:
+            _train_holding_the_iterator(loader)
+    else:
+        with pytest.raises(KeyboardInterrupt) as info:
+            _train_holding_the_iterator(loader)
+        assert loader._active_iterator() is not None  # alive: its frame is in the traceback
+        if ending == "close":
+            loader.close()
+        else:
+            del info, loader
+            gc.collect()
+    assert multiprocessing.active_children() == []
+    assert threads_end() == []

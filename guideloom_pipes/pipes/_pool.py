@@ -120,6 +120,12 @@ def _run(fn: Callable[[Any], Any], job: _Job, clock: int | None = None) -> float
     return time.thread_time() - cpu
 
 
+#: The longest a waiting caller sleeps at once: a KeyboardInterrupt that arrives while it
+#: sleeps (``_thread.interrupt_main()``, or a Ctrl-C just before the wait began) is raised
+#: within this time. Waiting itself never polls: a finished batch wakes the caller at once.
+WAKE_SECONDS = 0.25
+
+
 class DataLoaderTimeoutError(RuntimeError, TimeoutError):
     """No batch came within the loader's ``timeout=``: a read or ``collate_fn`` hangs or is
     slower than that. A ``RuntimeError`` (what torch's ``DataLoader`` raises) and a
@@ -264,7 +270,7 @@ class _ThreadPool:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return False
-                    self._finished.wait(left)
+                    self._finished.wait(min(left, WAKE_SECONDS))
             finally:
                 self._awaited = None
         return True
@@ -287,7 +293,9 @@ class _ThreadPool:
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             raise _timed_out(timeout)  # type: ignore[arg-type]
-                        self._finished.wait(left)
+                        self._finished.wait(
+                            WAKE_SECONDS if left is None else min(left, WAKE_SECONDS)
+                        )
                 finally:
                     self._awaited = None
         if mine:
@@ -451,10 +459,15 @@ class _ProcessPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not job.done:
             if not conn.poll():
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready = multiprocessing.connection.wait([conn, worker.process.sentinel], left)
-                if not ready:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise _timed_out(timeout)  # type: ignore[arg-type]
+                ready = multiprocessing.connection.wait(
+                    [conn, worker.process.sentinel],
+                    WAKE_SECONDS if left is None else min(left, WAKE_SECONDS),
+                )
+                if not ready:
+                    continue
                 if conn not in ready and not conn.poll():
                     raise _broken()  # the worker exited and left no answer
             self._receive(worker)

@@ -88,7 +88,9 @@ class _ReadTask:
     """ids -> samples (-> ``collate_fn(samples)`` when one is given): one batch of work.
 
     :meth:`run` does a *chunk* of consecutive batches: one read of all their ids, then
-    ``collate_fn`` per batch.
+    ``collate_fn`` per batch. An ``Exception`` fails its batch alone; a ``KeyboardInterrupt``
+    (Ctrl-C, when the training thread runs the job) or ``SystemExit`` stops the whole job
+    at once and propagates.
     """
 
     __slots__ = ("_collate", "_read")
@@ -106,7 +108,7 @@ class _ReadTask:
     def _one(self, ids: _Ids) -> Any:
         try:
             return self(ids)
-        except BaseException as error:
+        except Exception as error:
             return _Failed(error)
 
     def run(self, batches: list[_Ids]) -> list[Any]:
@@ -124,7 +126,7 @@ class _ReadTask:
             samples = self._read(np.concatenate(batches)) if total else []
             if len(samples) != total:
                 raise ValueError("a read returned the wrong number of samples")
-        except BaseException:
+        except Exception:
             return [self._one(ids) for ids in batches]
         collate = self._collate
         out: list[Any] = []
@@ -139,7 +141,7 @@ class _ReadTask:
                 continue
             try:
                 out.append(collate(part))
-            except BaseException as error:
+            except Exception as error:
                 out.append(_Failed(error))
         return out
 
@@ -215,7 +217,10 @@ def _process_worker(
                 return
             job_id, batches = pickle.loads(message)
             started = time.perf_counter()
-            outcomes = task.run(batches)
+            try:
+                outcomes = task.run(batches)
+            except BaseException as error:  # a KeyboardInterrupt or SystemExit of user code
+                outcomes = [_Failed(error)] * len(batches)
             elapsed = time.perf_counter() - started
             data, places = _dump_outcomes(outcomes, ring)
             conn.send_bytes(pickle.dumps((job_id, elapsed, places, data), protocol=5))

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.pipes._pool import WAKE_SECONDS
+
 __all__ = ["PinMemory", "Prefetcher", "ToDevice", "apply_to_tensors"]
 
 
@@ -213,7 +215,12 @@ class Prefetcher(BaseNode[Any]):
         if self._done or self._puller is None:
             raise StopIteration()
         puller = self._puller
-        kind, value, snapshot = puller.out.get()
+        while True:  # in slices, so that a KeyboardInterrupt is raised while it waits
+            try:
+                kind, value, snapshot = puller.out.get(timeout=WAKE_SECONDS)
+                break
+            except queue.Empty:
+                continue
         if kind == _ITEM:
             puller.slots.release()
             self._snapshot = snapshot
