@@ -162,21 +162,25 @@ class _Changed(Exception):
     """The directory changed while it was being listed (a writer committed): list again."""
 
 
-def _committed_entries(entries: dict[str, _Entry]) -> dict[str, int]:
-    """The inode of each entry a commit changes (records, data files, versioned files), not
-    of temporaries (a live writer's ``.tmp`` files come and go all the time). A commit
-    replaces files by rename, so a changed file has another inode."""
-    return {n: e[2] for n, e in entries.items() if not n.endswith((TMP, PENDING))}
-
-
 def _relisted(directory: PurePath) -> dict[str, int]:
-    """:func:`_committed_entries` of a fresh listing, without a ``stat`` per file."""
-    with os.scandir(os.fspath(directory)) as entries:
-        return {
-            e.name: e.inode()
-            for e in entries
-            if _NAME.match(e.name) is not None and not e.name.endswith((TMP, PENDING))
-        }
+    """The inode (as the directory lists it: no ``stat``) of each file a commit changes
+    (records, data files, versioned files), not of temporaries (a live writer's ``.tmp``
+    files come and go all the time). A commit replaces files by rename, so a file it changed
+    has another inode."""
+    try:
+        listing = os.scandir(os.fspath(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        _scan_local(directory)  # raises the error that names the path and the fix
+        raise
+    with listing as entries:
+        found = {}
+        for entry in entries:
+            if _NAME.match(entry.name) is None or entry.name.endswith((TMP, PENDING)):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if entry.is_file():  # as _scan_local lists them (d_type: no stat)
+                    found[entry.name] = entry.inode()
+        return found
 
 
 def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -> ShardListing:
@@ -190,8 +194,9 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
     GuideLoom does (a gap is then undetectable). ``backend``: a read backend in either
     convention, or a :class:`~guideloom_pipes.storage.io.ResolvedBackend`.
 
-    A local directory is listed, its records read, and listed again: the listing is used
-    only if nothing a commit changes differs between the two (a snapshot of the committed
+    A local directory is listed (names and inodes), listed with sizes, its records read,
+    and listed again: the listing is used only if nothing a commit changes differs between
+    the first and the last (a snapshot of the committed
     version of every shard); else it tries again, a few times over about half a second,
     then raises :class:`DatasetChangedError`.
     """
@@ -211,12 +216,13 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
             return ShardRecord.from_json(raw, path)
 
         for attempt in range(_ATTEMPTS):
+            before = _relisted(directory)  # nothing changed from here ...
             entries = _scan_local(directory)
             try:
                 found = _assemble(directory, entries, ours, read_local)
             except _Changed:
                 found = None
-            if found is not None and _relisted(directory) == _committed_entries(entries):
+            if found is not None and _relisted(directory) == before:  # ... to here
                 return _finish(backend, *found)
             time.sleep(0.002 * 2**attempt)  # back off: a commit takes milliseconds
         raise DatasetChangedError(
