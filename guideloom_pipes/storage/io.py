@@ -298,7 +298,9 @@ class MmapIO(_LocalBackend):
     """Memory-mapped reads (the default backend).
 
     Opening a file maps it and closes the descriptor immediately, so thousands of open shards
-    need no file descriptors; a read is a slice of the mapping with no system call.
+    need no file descriptors; a read is a slice of the mapping with no system call. A file
+    truncated in place while it is mapped kills the process with SIGBUS at the next read of
+    the lost pages: where files can change under a reader, use :class:`PosixPreadIO`.
     """
 
     holds_fd = False
@@ -385,6 +387,11 @@ _HAS_PREADV = hasattr(os, "preadv")
 
 class PosixPreadIO(_LocalBackend):
     """``os.pread`` reads: one descriptor per open file, no seeking, safe across threads.
+
+    The backend for file systems where files can change under a running reader (network
+    file systems, files other tools rewrite in place): a read of a file that shrank comes
+    back short and the storage raises ``CorruptShardError`` naming it, where a memory map
+    would take a SIGBUS.
 
     Args:
         advice: tell the kernel reads are random (``POSIX_FADV_RANDOM``), which stops
