@@ -183,6 +183,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._owns_reader = False
         self._is_open = False
         self._iterator: weakref.ref[_LoaderIterator] | None = None
+        # (epoch, global position) an iterator was closed early at, until state_dict() warns
+        self._closed_early: tuple[int, int] | None = None
 
     @classmethod
     def from_storage(
@@ -334,6 +336,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 "before calling iter() again (take state_dict() first to resume mid-epoch)"
             )
         self.open()
+        self._closed_early = None
         root = self._build_pipeline(self._epoch, self._offset)
         iterator = _LoaderIterator(self, root, self._epoch, self._offset)
         self._iterator = weakref.ref(iterator)
@@ -450,13 +453,27 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
 
         ``observation_offset`` grows by the global batch size for each batch handed to the
         caller (padding included; prefetched batches do not count). A drained iterator moves
-        to ``(epoch + 1, 0)``; one closed early to ``(epoch, 0)``.
+        to ``(epoch + 1, 0)``; one closed early to ``(epoch, 0)``, as in GuideLoom: a state
+        taken after that restarts the epoch, and the first one taken warns so (take it
+        inside the loop instead).
         """
         iterator = self._active_iterator()
         if iterator is not None:
             epoch, offset = iterator._epoch, iterator._position()
         else:
             epoch, offset = self._epoch, self._offset
+            if self._closed_early is not None:
+                closed_epoch, position = self._closed_early
+                self._closed_early = None
+                warnings.warn(
+                    f"state_dict() after an iterator was closed early (at global position "
+                    f"{position} of epoch {closed_epoch}): as in GuideLoom, closing early "
+                    f"restarts the epoch, so this state (epoch {epoch}, observation_offset "
+                    f"{offset}) repeats the epoch from its start. To resume where the loop "
+                    "stopped, take state_dict() inside the loop, before breaking out of it",
+                    UserWarning,
+                    stacklevel=2,
+                )
         return {
             "epoch": epoch,
             "observation_offset": offset,
@@ -537,6 +554,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 stacklevel=2,
             )
         self._epoch, self._offset = epoch, offset
+        self._closed_early = None
 
 
 class _LoaderIterator(Iterator[Any]):
@@ -607,7 +625,10 @@ class _LoaderIterator(Iterator[Any]):
     def close(self) -> None:
         """Stop early: workers stop and the loader's offset returns to 0 (same epoch)."""
         if self._active:
+            position = self._position()
             self._finish(self._epoch, 0)
+            if position:  # a state taken now would not resume there: state_dict() warns
+                self._loader._closed_early = (self._epoch, position)
 
     def _finish(self, epoch: int, offset: int) -> None:
         self._active = False

@@ -9,6 +9,7 @@ import os
 import pickle
 import threading
 import traceback
+import warnings
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
@@ -470,7 +471,8 @@ def test_breaking_out_of_a_for_loop_frees_the_iterator():
         assert batch == [0]
         break
     assert threads_end() == []
-    assert loader.state_dict()["observation_offset"] == 0
+    with pytest.warns(UserWarning, match="closed early"):
+        assert loader.state_dict()["observation_offset"] == 0
     assert next(iter(loader)) == [0]
 
 
@@ -627,7 +629,61 @@ def test_closing_early_zeroes_the_offset_but_keeps_the_epoch():
     next(it)
     assert loader.state_dict()["observation_offset"] == 2
     it.close()
-    assert (loader.state_dict()["epoch"], loader.state_dict()["observation_offset"]) == (1, 0)
+    with pytest.warns(UserWarning, match="closed early"):
+        state = loader.state_dict()
+    assert (state["epoch"], state["observation_offset"]) == (1, 0)
+
+
+def _break_at(loader: StatefulDataLoader, batch: list[int], how: str) -> None:
+    it = iter(loader)
+    while next(it) != batch:
+        pass
+    if how == "break":
+        return  # the iterator is garbage now, as after `break` in a for loop
+    if how == "iterator":
+        it.close()
+    else:
+        loader.close()
+
+
+@pytest.mark.parametrize("how", ["break", "iterator", "loader"])
+def test_state_dict_after_closing_early_warns_once_that_it_restarts_the_epoch(how):
+    loader = _loader(local_batch_size=2)
+    _break_at(loader, [4, 5], how)
+    with pytest.warns(UserWarning) as record:
+        state = loader.state_dict()
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "closed early (at global position 6 of epoch 0)" in message
+    assert "restarts the epoch" in message and "inside the loop" in message
+    assert record[0].filename == __file__  # it points at the state_dict() call
+    assert (state["epoch"], state["observation_offset"]) == (0, 0)  # GuideLoom's rule, kept
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert loader.state_dict() == state  # once per early close
+    assert next(iter(loader)) == [0, 1]  # the next iterator restarts the epoch (GuideLoom)
+
+
+def test_state_dict_inside_the_loop_after_a_drained_epoch_or_a_load_does_not_warn():
+    loader = _loader(local_batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in loader:
+            loader.state_dict()
+        assert loader.state_dict()["epoch"] == 1
+        it = iter(loader)
+        next(it)
+        it.close()
+        loader.load_state_dict(_state(1, 4))  # the state now is the loaded one
+        assert loader.state_dict()["observation_offset"] == 4
+        list(loader)
+        iter(loader).close()  # at offset 0 with nothing delivered: closing loses nothing
+        loader.state_dict()
+        it = iter(loader)
+        next(it)
+        it.close()
+        iter(loader).close()  # a new iterator: the earlier close no longer matters
+        loader.state_dict()
 
 
 def test_resume_continues_exactly_where_the_state_was_taken():
