@@ -44,6 +44,9 @@ __all__ = ["DataLoaderTimeoutError", "StatefulDataLoader"]
 _STATE_KEYS = ("epoch", "observation_offset", "shuffle", "shuffle_seed", "drop_last")
 #: Extra key of ours in ``state_dict()``: the dataset size, to warn when it changed.
 _NUM_SAMPLES_KEY = "num_samples"
+#: Extra key of ours: the global batch size of the run that reached the offset. Padding
+#: takes an offset past the dataset's end by less than that, so it bounds a valid offset.
+_GLOBAL_BATCH_KEY = "global_batch_size"
 SourceT = TypeVar("SourceT")
 BatchT = TypeVar("BatchT")
 
@@ -185,6 +188,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._iterator: weakref.ref[_LoaderIterator] | None = None
         # (epoch, global position) an iterator was closed early at, until state_dict() warns
         self._closed_early: tuple[int, int] | None = None
+        # The global batch size of the run that reached _offset (see _GLOBAL_BATCH_KEY).
+        self._offset_batch = self.global_batch_size
 
     @classmethod
     def from_storage(
@@ -460,8 +465,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         iterator = self._active_iterator()
         if iterator is not None:
             epoch, offset = iterator._epoch, iterator._position()
+            offset_batch = iterator._offset_batch()
         else:
             epoch, offset = self._epoch, self._offset
+            offset_batch = self._offset_batch
             if self._closed_early is not None:
                 closed_epoch, position = self._closed_early
                 self._closed_early = None
@@ -481,6 +488,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             "shuffle_seed": self.shuffle_seed,
             "drop_last": self.drop_last,
             _NUM_SAMPLES_KEY: self._num_samples(),
+            _GLOBAL_BATCH_KEY: offset_batch,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -544,8 +552,11 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 UserWarning,
                 stacklevel=2,
             )
+        saved_batch = state_dict.get(_GLOBAL_BATCH_KEY)
+        if saved_batch is not None:
+            saved_batch = _int_arg(f"state_dict[{_GLOBAL_BATCH_KEY!r}]", saved_batch, 1)
         saved_n = state_dict.get(_NUM_SAMPLES_KEY)
-        n = self._num_samples() if saved_n is not None else None
+        n = self._num_samples()
         if saved_n is not None and saved_n != n:
             warnings.warn(
                 f"the state was taken on a dataset of {saved_n} samples, this loader's has "
@@ -553,7 +564,21 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 UserWarning,
                 stacklevel=2,
             )
+        # Padding (drop_last=False) takes the offset past n by less than one global batch
+        # of the run that reached it: a state of ours records that batch size; for
+        # GuideLoom's five keys this loader's stands in.
+        offset_batch = saved_batch or self.global_batch_size
+        limit = n + offset_batch - 1
+        if offset > limit:
+            raise ValueError(
+                f"state_dict['observation_offset'] = {offset} is past the end of the epoch: "
+                f"the dataset has {n} samples, and padding takes an offset past {n} by less "
+                f"than one global batch ({offset_batch}), so at most to {limit}. The state "
+                "belongs to another dataset (or was changed); to start the next epoch "
+                f"instead, load it with 'epoch': {epoch + 1}, 'observation_offset': 0"
+            )
         self._epoch, self._offset = epoch, offset
+        self._offset_batch = offset_batch
         self._closed_early = None
 
 
@@ -582,6 +607,10 @@ class _LoaderIterator(Iterator[Any]):
     def _position(self) -> int:
         return self._offset0 + self._delivered * self._global
 
+    def _offset_batch(self) -> int:
+        """The global batch size of the run that reached :meth:`_position`."""
+        return self._global if self._delivered else self._loader._offset_batch
+
     def __iter__(self) -> _LoaderIterator:
         return self
 
@@ -608,7 +637,7 @@ class _LoaderIterator(Iterator[Any]):
         loader = self._loader
         if loader.num_workers:
             workers = loader.num_workers
-            source = f"{workers} worker {loader.parallel_method}" + "s" * (workers > 1)
+            source = f"{workers} {loader.parallel_method} worker" + "s" * (workers > 1)
         elif loader.prefetch:
             source = "the prefetch thread"
         else:
@@ -633,6 +662,7 @@ class _LoaderIterator(Iterator[Any]):
     def _finish(self, epoch: int, offset: int) -> None:
         self._active = False
         loader = self._loader
+        loader._offset_batch = self._offset_batch() if offset else self._global
         loader._epoch, loader._offset = epoch, offset
         close_pipeline(self._root)
 

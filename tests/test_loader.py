@@ -585,11 +585,12 @@ def test_a_collate_exception_reaches_the_loop_with_its_type():
 # -- checkpoints ------------------------------------------------------------------------------
 
 
-def test_state_dict_has_guideloom_keys_plus_the_dataset_size():
-    state = _loader(shuffle=True, shuffle_seed=9, drop_last=False).state_dict()
-    assert state == {
+def test_state_dict_has_guideloom_keys_plus_the_dataset_and_global_batch_sizes():
+    loader = _loader(shuffle=True, shuffle_seed=9, drop_last=False, local_batch_size=2)
+    assert loader.state_dict() == {
         **_state(0, 0, shuffle=True, shuffle_seed=9, drop_last=False),
         "num_samples": 22,
+        "global_batch_size": 2,
     }
 
 
@@ -727,6 +728,46 @@ def test_an_offset_past_the_end_left_by_padding_finishes_the_epoch():
     assert list(loader) == []
     assert loader.state_dict()["epoch"] == 3
     assert next(iter(loader)) == [0, 1, 2, 3]
+
+
+def test_an_offset_far_past_the_end_is_refused_naming_both_numbers():
+    loader = _loader(local_batch_size=4, drop_last=False)
+    with pytest.raises(ValueError, match=r"= 500 is past the end .* has 22 samples") as info:
+        loader.load_state_dict(_state(0, 500, drop_last=False))
+    assert "'epoch': 1, 'observation_offset': 0" in str(info.value)  # what to load instead
+    assert loader.state_dict()["observation_offset"] == 0  # nothing changed
+
+
+@pytest.mark.parametrize(
+    ("extra", "largest"),
+    [
+        ({}, 25),  # GuideLoom's five keys: this loader's global batch (4) bounds the padding
+        ({"num_samples": 22, "global_batch_size": 8}, 29),  # ours: the saving run's (8)
+    ],
+)
+def test_a_padded_offset_is_accepted_up_to_one_global_batch_past_the_end(extra, largest):
+    loader = _loader(local_batch_size=4, drop_last=False)
+    loader.load_state_dict({**_state(0, largest, drop_last=False), **extra})
+    assert list(loader) == []  # the epoch is over: the next one starts
+    assert loader.state_dict()["epoch"] == 1
+    with pytest.raises(ValueError, match=f"= {largest + 1} is past the end"):
+        loader.load_state_dict({**_state(0, largest + 1, drop_last=False), **extra})
+
+
+def test_a_state_loaded_and_saved_again_keeps_the_global_batch_that_reached_its_offset():
+    big = _loader(local_batch_size=8, drop_last=False)
+    list(iter(big))  # 3 batches: offsets 8, 16, 24 (past 22 by padding)
+    it = iter(big)
+    for _ in range(3):
+        next(it)
+    state = big.state_dict()
+    assert (state["observation_offset"], state["global_batch_size"]) == (24, 8)
+    small = _loader(local_batch_size=1, drop_last=False)
+    small.load_state_dict(state)
+    again = small.state_dict()  # nothing delivered since: the offset is still the big run's
+    assert (again["observation_offset"], again["global_batch_size"]) == (24, 8)
+    _loader(local_batch_size=1, drop_last=False).load_state_dict(again)
+    it.close()
 
 
 def test_resuming_is_constant_time_not_a_replay(monkeypatch):

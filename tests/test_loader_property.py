@@ -150,3 +150,33 @@ def test_resuming_on_another_world_size_continues_the_global_order(config, stop,
     else:
         expected = list(positions)
     assert sorted(delivered) == sorted(expected)
+
+
+@settings(deadline=None, max_examples=60)
+@given(config=_configs(), data=st.data())
+def test_every_state_the_loader_produces_loads_on_any_world_and_batch_size(config, data):
+    n = config["n"]
+    kw = {k: v for k, v in config.items() if k != "n"}
+    kw["drop_last"] = data.draw(st.sampled_from([False, False, True]))  # mostly padded
+    loader = _loader(n, **kw)
+    start = data.draw(st.integers(0, n - 1))  # e.g. where a run of another batch size stopped
+    loader.load_state_dict({**loader.state_dict(), "observation_offset": start})
+    states = [loader.state_dict()]
+    it = iter(loader)
+    states.append(loader.state_dict())
+    for _ in it:
+        states.append(loader.state_dict())  # inside the loop, the last one padded
+    states.append(loader.state_dict())  # drained: the next epoch
+    for state in states:
+        world_size = data.draw(st.integers(1, 4))
+        local_batch_size = data.draw(st.integers(1, 5))
+        assume(n >= world_size * local_batch_size)
+        other = {**kw, "world_size": world_size, "local_batch_size": local_batch_size}
+        resumed = _loader(n, **other)
+        resumed.load_state_dict(state)
+        again = resumed.state_dict()  # saved again before any batch: loads again too
+        _loader(n, **{**other, "local_batch_size": 1, "world_size": 1}).load_state_dict(again)
+        guideloom = {
+            k: v for k, v in state.items() if k not in ("num_samples", "global_batch_size")
+        }
+        _loader(n, **kw).load_state_dict(guideloom)  # GuideLoom's keys, on the same sizes
