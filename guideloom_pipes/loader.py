@@ -285,16 +285,40 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         reader, owns_reader = _open_reader(self.dataset)
         n = len(reader) if hasattr(reader, "__len__") else len(self.dataset)
         if n < self.global_batch_size:
-            if owns_reader:
-                reader.close()
-            raise ValueError(
-                f"the dataset has {n} samples, fewer than one global batch of "
-                f"local_batch_size * world_size = {self.local_batch_size} * {self.world_size} "
-                f"= {self.global_batch_size} (also required with drop_last=False): use a "
-                "smaller batch or world size, or more data"
-            )
+            try:
+                message = self._too_few_samples(reader, n)
+            finally:
+                if owns_reader:
+                    reader.close()
+            raise ValueError(message)
         self._reader, self._owns_reader = reader, owns_reader
         self._is_open = True
+
+    def _too_few_samples(self, reader: Any, n: int) -> str:
+        """Why a dataset of ``n`` samples cannot fill a global batch, and the fix."""
+        g = self.global_batch_size
+        batch = (
+            f"one global batch of local_batch_size * world_size = {self.local_batch_size} * "
+            f"{self.world_size} = {g} (also required with drop_last=False)"
+        )
+        length = getattr(reader, "sequence_length", None)
+        total = getattr(getattr(reader, "storage_reader", None), "total_length", None)
+        if not isinstance(length, int) or not isinstance(total, int):
+            return (
+                f"the dataset has {n} samples, fewer than {batch}: use a smaller batch or "
+                "world size, or more data"
+            )
+        if n == 0:  # a stream dataset: sample i is elements [i * L, (i + 1) * L)
+            return (
+                f"the stream holds {total} elements, fewer than sequence_length={length}, so "
+                f"it makes no sample at all ({total} // {length} = 0): pass a sequence_length "
+                f"of at most {total}, or write more data"
+            )
+        return (
+            f"the stream's {total} elements make {n} samples of sequence_length={length} "
+            f"({total} // {length}), fewer than {batch}: use a sequence_length of at most "
+            f"{total // g}, a smaller batch or world size, or more data"
+        )
 
     def _num_samples(self) -> int:
         # An open reader knows the size without opening the storage again.

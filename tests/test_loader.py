@@ -404,6 +404,30 @@ def test_opening_with_fewer_samples_than_a_global_batch_fails(drop_last):
         iter(loader)
 
 
+def test_a_sequence_length_longer_than_the_stream_names_the_cause_and_the_fix(tmp_path):
+    storage = _write_stream(tmp_path / "s")  # 40 tokens
+    loader = StatefulDataLoader.from_storage(storage, sequence_length=50, device="cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"the stream holds 40 elements, fewer than sequence_length=50, so it makes no "
+        r"sample at all \(40 // 50 = 0\): pass a sequence_length of at most 40",
+    ):
+        iter(loader)
+
+
+def test_a_stream_too_short_for_a_global_batch_names_the_sequence_length_that_fits(tmp_path):
+    storage = _write_stream(tmp_path / "s")  # 40 tokens: 2 samples of 15, 4 are needed
+    loader = StatefulDataLoader.from_storage(
+        storage, sequence_length=15, local_batch_size=2, world_size=2, device="cpu"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"the stream's 40 elements make 2 samples of sequence_length=15 \(40 // 15\), "
+        r"fewer than one global batch .* = 4 .*: use a sequence_length of at most 10",
+    ):
+        loader.open()
+
+
 def test_a_failed_open_closes_the_reader_it_opened():
     dataset = _Recording(5)
     with pytest.raises(ValueError, match="fewer than one global batch"):
