@@ -890,18 +890,25 @@ def test_a_process_worker_exception_keeps_its_type_and_remote_traceback():
 
 
 @pytest.mark.timeout(120)
-def test_a_sigkilled_process_worker_raises_instead_of_hanging():
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_a_sigkilled_process_worker_raises_instead_of_hanging(context):
     loader = _loader(
         KillsItsWorker(22, 6),
         local_batch_size=2,
         num_workers=2,
         parallel_method="process",
         prefetch=1,
+        multiprocessing_context=context,
     )
     it = iter(loader)
-    with pytest.raises(BrokenProcessPool, match="exited unexpectedly"):
+    with pytest.raises(BrokenProcessPool, match="exited unexpectedly") as info:
         for _ in it:
             pass
+    method = context or multiprocessing.get_context("forkserver").get_start_method()
+    message = str(info.value)
+    assert f"(start method {method!r}) exited unexpectedly (killed by SIGKILL)" in message
+    assert "'forkserver' and 'spawn'" in message  # the guard each of them needs
+    assert 'if __name__ == "__main__":' in message
     assert loader.state_dict()["observation_offset"] <= 6
     assert multiprocessing.active_children() == []
 

@@ -7,6 +7,7 @@ import multiprocessing.connection
 import multiprocessing.context
 import multiprocessing.forkserver
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -148,13 +149,27 @@ def _timed_out(timeout: float) -> DataLoaderTimeoutError:
     return DataLoaderTimeoutError(f"DataLoader timed out after {seconds_text(timeout)} seconds")
 
 
-def _broken() -> BrokenProcessPool:
+def _broken(start_method: str, worker: _Worker) -> BrokenProcessPool:
+    if worker.process.exitcode is None:
+        worker.process.join(1.0)  # its pipe closed: it is exiting, for the exit code
+    code = worker.process.exitcode
+    how = ""
+    if code is not None and code < 0:
+        try:
+            how = f" (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            how = f" (killed by signal {-code})"
+    elif code is not None:
+        how = f" (exit code {code})"
+    guard = (
+        "With the 'forkserver' and 'spawn' start methods each worker imports your main "
+        'module, so a script must guard its top-level code with `if __name__ == "__main__":`.'
+    )
     return BrokenProcessPool(
-        "a worker process of the loader exited unexpectedly: killed by a signal (such as "
-        "SIGKILL, or the out-of-memory killer), or it failed to start (see its error above; "
-        "with spawn, the main module must be importable and guarded by "
-        "`if __name__ == '__main__':`). The batches delivered so far are intact: resume "
-        "from the last state_dict()"
+        f"a worker process of the loader (start method {start_method!r}) exited "
+        f"unexpectedly{how}. Workers end so when a signal kills them (SIGKILL, the "
+        f"out-of-memory killer) or when they fail to start (see the error above). {guard} "
+        "The batches delivered so far are intact: resume from the last state_dict()"
     )
 
 
@@ -413,6 +428,7 @@ class _ProcessPool:
     ) -> None:
         self._workers: list[_Worker] = []
         self._next_id = 0
+        self._start_method = str(context.get_start_method())
         _preload_forkserver(context, dataset, collate_fn)
         try:
             for index in range(num_workers):
@@ -445,7 +461,7 @@ class _ProcessPool:
         try:
             worker.conn.send_bytes(pickle.dumps((job.id, arg), protocol=5))
         except OSError as error:
-            raise _broken() from error
+            raise _broken(self._start_method, worker) from error
         worker.jobs.append(job)
         return job
 
@@ -469,7 +485,7 @@ class _ProcessPool:
                 if not ready:
                     continue
                 if conn not in ready and not conn.poll():
-                    raise _broken()  # the worker exited and left no answer
+                    raise _broken(self._start_method, worker)  # it exited, no answer
             self._receive(worker)
         outcomes, elapsed = job.result
         return outcomes, elapsed, None
@@ -478,7 +494,7 @@ class _ProcessPool:
         try:
             message = worker.conn.recv_bytes()
         except (EOFError, OSError) as error:
-            raise _broken() from error
+            raise _broken(self._start_method, worker) from error
         job_id, elapsed, places, data = pickle.loads(message)
         if job_id < 0:  # the worker could not start
             failed = load_result(data, [], None)[0]
