@@ -103,3 +103,10 @@ def test_train_distributed_under_torchrun_splits_the_samples_between_two_ranks(s
 def test_custom_pipeline_example_resumes_at_the_identical_next_batch(tmp_path):
     stdout = _run([sys.executable, str(EXAMPLES / "custom_pipeline.py")], tmp_path)
     assert "resumed batch matches: True" in stdout
+
+
+@pytest.mark.timeout(240)
+def test_mix_and_pack_example_resumes_a_blend_of_packed_corpora_on_another_world_size(tmp_path):
+    stdout = _run([sys.executable, str(EXAMPLES / "mix_and_pack.py")], tmp_path)
+    assert "resumed steps match: True" in stdout
+    assert "cu_seqlens of the first batch: [0," in stdout
