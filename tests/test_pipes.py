@@ -821,6 +821,45 @@ def test_close_pipeline_calls_close_down_the_source_chain():
     assert closed == ["outer", "inner"]
 
 
+def test_close_pipeline_closes_every_source_of_a_multi_node_weighted_sampler():
+    sources = {
+        name: ReadSamples(RankPositions(400, 2), Ids(400), num_workers=2, collate_fn=ids_collate)
+        for name in ("a", "b")
+    }
+    sampler = tn.MultiNodeWeightedSampler(sources, {"a": 0.5, "b": 0.5}, rank=0, world_size=1)
+    loader = tn.Loader(tn.Mapper(sampler, len))
+    try:
+        it = iter(loader)
+        assert [next(it) for _ in range(20)] == [2] * 20
+        assert len(our_threads()) == 4  # two workers of each source
+        close_pipeline(loader.root)
+        assert threads_end() == []
+    finally:
+        close_pipeline(loader.root)
+
+
+def test_close_pipeline_closes_each_node_once_and_all_of_them_when_one_fails():
+    closed = []
+
+    class Closing(tn.BaseNode):
+        def __init__(self, name, *sources, fails=False):
+            super().__init__()
+            self.name, self.fails = name, fails
+            self.parts = list(sources)
+            self.by_name = {source.name: source for source in sources}
+
+        def close(self):
+            closed.append(self.name)
+            if self.fails:
+                raise OSError(f"cannot close {self.name}")
+
+    shared = Closing("shared")
+    root = Closing("root", Closing("left", shared, fails=True), Closing("right", shared))
+    with pytest.raises(OSError, match="cannot close left"):
+        close_pipeline(root)
+    assert closed == ["root", "left", "shared", "right"]
+
+
 def test_process_workers_import_no_torch_unless_the_dataset_or_collate_fn_does():
     code = (
         "import sys, guideloom_pipes, guideloom_pipes.pipes._worker, loader_helpers; "

@@ -83,20 +83,54 @@ __all__ = [
 
 
 def close_pipeline(root: Any) -> None:
-    """Stop the threads and processes of a pipeline, from ``root`` down its ``.source`` chain.
+    """Stop the threads and processes of a pipeline: every node reachable from ``root``.
 
-    Calls ``close()`` on every node of the chain that has one (our stages; ``ReadSamples``
-    also closes a reader it opened itself), consumers before their sources. torchdata's own
-    threaded nodes stop when they are garbage-collected.
+    Calls ``close()`` on each node that has one (our stages; ``ReadSamples`` also closes a
+    reader it opened itself), each once, consumers before their sources. A node's sources
+    are its ``.source`` and every attribute that is a ``torchdata.nodes.BaseNode`` or a
+    dict, list or tuple of them (``MultiNodeWeightedSampler``'s ``source_nodes``). If a
+    ``close()`` raises, the other nodes are still closed and the first error is raised at
+    the end. torchdata's own threaded nodes stop when they are garbage-collected.
 
     Args:
         root: The last stage of the pipeline.
     """
     seen: set[int] = set()
-    node = root
-    while node is not None and id(node) not in seen:
+    stack = [root]
+    failure: Exception | None = None
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
         seen.add(id(node))
         close = getattr(node, "close", None)
         if callable(close):
-            close()
-        node = getattr(node, "source", None)
+            try:
+                close()
+            except Exception as error:
+                failure = failure or error
+        stack.extend(reversed(_sources(node)))
+    if failure is not None:
+        raise failure
+
+
+def _sources(node: Any) -> list[Any]:
+    """The nodes ``node`` reads from (see :func:`close_pipeline`)."""
+    try:
+        from torchdata.nodes import BaseNode
+    except ImportError:  # (no torchdata: only ``.source`` chains)
+        base: tuple[type, ...] = ()
+    else:
+        base = (BaseNode,)
+    sources = []
+    source = getattr(node, "source", None)
+    if source is not None:
+        sources.append(source)
+    for value in getattr(node, "__dict__", {}).values():
+        if isinstance(value, base):
+            sources.append(value)
+        elif isinstance(value, dict):
+            sources.extend(item for item in value.values() if isinstance(item, base))
+        elif isinstance(value, (list, tuple)):
+            sources.extend(item for item in value if isinstance(item, base))
+    return sources
