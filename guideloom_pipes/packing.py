@@ -62,10 +62,9 @@ _I64 = npt.NDArray[np.int64]
 
 #: The four fields of a packed sample.
 FIELDS = ("tokens", "position_ids", "document_ids", "labels")
-#: Tokens computed at a time (a block of windows whose arrays stay in the CPU's cache).
-_BLOCK_TOKENS = 1 << 15
-#: Sequences per window up to which positions are written a sequence at a time.
-_FEW_SEGMENTS = 8
+#: Tokens computed at a time: a block of windows whose arrays (512 KiB each) stay in the CPU's
+#: cache.
+_BLOCK_TOKENS = 1 << 16
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,16 +88,8 @@ def _fill_block(
     sizes[-1:] = total - segments[-1:]
     first_of_window = np.searchsorted(segments, segments - segments % length)
     numbers = np.arange(len(segments), dtype=np.int64) - first_of_window
-    if len(segments) <= _FEW_SEGMENTS * rows:
-        # few documents per window: write each sequence's positions and number straight
-        # into the outputs (one pass each) from cached ranges and constants
-        size_list = sizes.tolist()
-        steps = _arange(length)
-        np.concatenate([steps[:size] for size in size_list], out=position_ids.reshape(-1))
-        document_ids.reshape(-1)[:] = np.repeat(numbers, sizes)
-    else:
-        np.subtract(_arange(total), np.repeat(segments, sizes), out=position_ids.reshape(-1))
-        document_ids.reshape(-1)[:] = np.repeat(numbers, sizes)
+    np.subtract(_arange(total), np.repeat(segments, sizes), out=position_ids.reshape(-1))
+    document_ids.reshape(-1)[:] = np.repeat(numbers, sizes)
     flat, next_tokens = labels.reshape(-1), tokens.reshape(-1)
     flat[:-1] = next_tokens[1:]
     flat[segments[1:] - 1] = IGNORE_INDEX  # the last token of a document or of a window
@@ -108,8 +99,8 @@ def _fill_block(
 
 def pack_windows(
     windows: np.ndarray, *, eos_token: int | None = None, starts: _I64 | None = None
-) -> tuple[dict[str, _I64], _I64]:
-    """The four int64 fields of ``(B, L)`` token windows, and the flat sequence starts.
+) -> list[PackedSample]:
+    """The samples of ``(B, L)`` token windows: their four int64 fields.
 
     Args:
         windows: ``(B, L)`` integer tokens (any integer dtype, any strides).
@@ -118,14 +109,11 @@ def pack_windows(
             inside a window, sorted (documents).
 
     Returns:
-        ``{"tokens", "position_ids", "document_ids", "labels"}`` as ``(B, L)`` int64 arrays
-        (see the module docstring), and the sorted flat indexes where a sequence starts (every
-        window start and every document start): ``cu_seqlens`` without its final ``B * L``.
-        The work is a few passes over each block of windows (kept in the CPU's cache) plus
-        work per document start.
+        One :class:`PackedSample` per window (see the module docstring for the fields), rows of
+        ``(B, L)`` arrays. They are computed a block of windows at a time (a block's arrays
+        stay in the CPU's cache): a few passes over each block plus work per document start.
     """
     rows, length = windows.shape
-    out = {name: np.empty((rows, length), dtype=np.int64) for name in FIELDS}
     eos: Any = eos_token or 0
     if windows.dtype.kind in "iu" and not (
         np.iinfo(windows.dtype).min <= eos <= np.iinfo(windows.dtype).max
@@ -133,11 +121,15 @@ def pack_windows(
         eos = np.int64(eos)  # cannot occur in this dtype: compared (and never found) as int64
     elif windows.dtype.kind in "iu":
         eos = windows.dtype.type(eos)
+    # One allocation for the four fields: a large one is backed by huge pages where the
+    # kernel offers them, far fewer page faults than four (fresh memory faults per page).
+    buffer = np.empty((len(FIELDS), rows, length), dtype=np.int64)
+    columns = dict(zip(FIELDS, buffer))
     block = max(1, _BLOCK_TOKENS // length)
     pieces = [np.zeros(0, dtype=np.int64)]
     for top in range(0, rows, block):
         bottom = min(rows, top + block)
-        tokens = out["tokens"][top:bottom]
+        tokens = columns["tokens"][top:bottom]
         np.copyto(tokens, windows[top:bottom])
         if starts is None:  # scanned in the source's dtype: fewer bytes
             flat = windows[top:bottom].reshape(-1)
@@ -148,20 +140,21 @@ def pack_windows(
         segments = _fill_block(
             tokens,
             inner,
-            out["position_ids"][top:bottom],
-            out["document_ids"][top:bottom],
-            out["labels"][top:bottom],
+            columns["position_ids"][top:bottom],
+            columns["document_ids"][top:bottom],
+            columns["labels"][top:bottom],
         )
         pieces.append(segments + top * length)
-    return out, np.concatenate(pieces)
+    return _samples(columns, np.concatenate(pieces))
 
 
 class PackedSample(dict[str, Any]):
     """A window of a :class:`PackedDataset`: a plain ``dict`` of its four ``(L,)`` arrays.
 
-    It also remembers the ``(B, L)`` arrays it is row ``row`` of (``batch``) and their
-    sequence starts (``segments``), so that :func:`~guideloom_pipes.collate_packed` batches
-    consecutive rows of one read without copying them. It pickles as a plain ``dict``.
+    It also remembers the ``(B, L)`` arrays of the read it is row ``row`` of (``batch``) and
+    their sequence starts (``segments``), so that :func:`~guideloom_pipes.collate_packed`
+    batches consecutive rows of one read without copying them. It pickles as a plain
+    ``dict``.
     """
 
     __slots__ = ("batch", "row", "segments")
@@ -569,11 +562,9 @@ class PackedReader(_DatasetReaderBase):
         if dataset.stream:
             length = dataset.sequence_length
             windows = self._source.storage_reader._windows(ids * length, length)
-            columns, segments = pack_windows(windows[dataset.field], eos_token=dataset.eos_token)
-        else:
-            tokens, starts = self._document_windows(ids)
-            columns, segments = pack_windows(tokens, starts=starts)
-        return _samples(columns, segments)
+            return pack_windows(windows[dataset.field], eos_token=dataset.eos_token)
+        tokens, starts = self._document_windows(ids)
+        return pack_windows(tokens, starts=starts)
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset
