@@ -13,6 +13,7 @@ from guideloom_pipes import io, types
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.mixture import MixtureDataset
+from guideloom_pipes.opening import open_storage
 from guideloom_pipes.packing import PackedDataset
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
@@ -63,6 +64,7 @@ __all__ = [
     "__version__",
     "collate_packed",
     "io",
+    "open_storage",
     "pipes",
     "types",
 ]

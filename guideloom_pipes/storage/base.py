@@ -13,6 +13,7 @@ from guideloom_pipes.storage.commit import _fsync_directory, recover_directory, 
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing, discover
 from guideloom_pipes.storage.names import shard_name
+from guideloom_pipes.storage.records import format_name
 from guideloom_pipes.storage.shard_files import ShardFiles
 from guideloom_pipes.storage.verify import check_listing, verify_checksums
 from guideloom_pipes.types import Storage
@@ -117,6 +118,7 @@ class StorageBase(Storage):
                     self.suffixes,
                     sizes[shard],
                     **reader._seal_args(shard),
+                    format=format_name(self.format),
                 ):
                     sealed.append(shard)
         finally:

@@ -100,7 +100,7 @@ from guideloom_pipes.storage.names import (
     shard_name,
     versioned_name,
 )
-from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord
+from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord, format_name
 
 #: every data-file suffix (a stopped writer's leftovers may be of any kind)
 _DATA_SUFFIXES = (IN_BAND, OUT_OF_BAND, INDEX)
@@ -401,8 +401,16 @@ class ShardTransaction:
     def _versioned(self, suffix: str) -> str:
         return os.path.join(self.directory, versioned_name(self.shard, self.generation, suffix))
 
-    def prepare(self, count: int, dtype: np.dtype[Any] | None, payloads: int | None = None) -> None:
-        """Flush and ``fsync`` the data files; the record to commit."""
+    def prepare(
+        self,
+        count: int,
+        dtype: np.dtype[Any] | None,
+        payloads: int | None = None,
+        format: str | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
+        """Flush and ``fsync`` the data files; the record to commit (``format``: the format
+        class's ``module.QualName``; ``fingerprint``: what the shard was made from)."""
         for handle in self.files.values():
             handle.sync()
             handle.close()
@@ -416,6 +424,8 @@ class ShardTransaction:
             state="committed",
             generation=self.generation,
             versioned=True,
+            format=format,
+            fingerprint=fingerprint,
         )
         self.stage = "prepared"
 
@@ -622,6 +632,7 @@ def seal_shard(
     count: int,
     dtype: np.dtype[Any] | None,
     payloads: int | None = None,
+    format: str | None = None,
 ) -> bool:
     """Write a commit record for shard files already in place (written by GuideLoom).
 
@@ -649,7 +660,9 @@ def seal_shard(
                     f"bytes); seal again once no other process writes it"
                 )
             files[suffix.lstrip(".")] = FileRecord(size, crc)
-        record = ShardRecord(kind, shard, count, files, dtype, payloads, generation=1)
+        record = ShardRecord(
+            kind, shard, count, files, dtype, payloads, generation=1, format=format
+        )
         _write_record(stem, record.to_json())
         return True
     finally:
@@ -682,6 +695,9 @@ class ShardWriterBase:
 
     kind = ""
     suffixes: tuple[str, ...] = ()
+    #: whether an ``"update"`` close warns of older shards left above the ones written
+    #: (``write_parallel``'s workers write one shard each and turn it off)
+    _warn_older_above = True
 
     def __init__(self, directory: PurePath, mode: str = "update") -> None:
         if mode not in WRITER_MODES:
@@ -696,6 +712,7 @@ class ShardWriterBase:
         self._present: set[int] = set()  # shards in the directory when it was opened
         self._transactions: dict[int, ShardTransaction] = {}
         self._appended: set[int] = set()
+        self._fingerprints: dict[int, str] = {}
         self._closed = False
         self._opened = False
         #: serialises append, close and abort: a writer may be shared by threads
@@ -772,6 +789,24 @@ class ShardWriterBase:
     def _commit_args(self, shard: int) -> dict[str, Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def set_fingerprint(self, shard: int, fingerprint: str) -> None:
+        """Record ``fingerprint`` (a string naming what shard ``shard`` is made from) in the
+        shard's commit record when this writer commits it; ``write_parallel`` compares it
+        on a rerun to skip shards whose input did not change."""
+        if not isinstance(fingerprint, str):
+            raise TypeError(f"fingerprint must be a str, got {type(fingerprint).__name__}")
+        with self._lock:
+            self._fingerprints[check_shard_id(shard)] = fingerprint
+
+    def _record_args(self, shard: int) -> dict[str, Any]:
+        """The keyword arguments of the shard's record: counts, format, fingerprint."""
+        args = self._commit_args(shard)
+        format = getattr(self, "format", None)
+        if format is not None:
+            args["format"] = format_name(format)
+        args["fingerprint"] = self._fingerprints.get(shard)
+        return args
+
     def close(self) -> None:
         """Commit every shard this writer touched, each atomically.
 
@@ -792,8 +827,8 @@ class ShardWriterBase:
                 transaction.abort()  # every append to it was refused: keep the old shard
         transactions = [t for s, t in sorted(self._transactions.items()) if s in self._appended]
         if self.mode != "overwrite":
-            commit_transactions(self.directory, transactions, lambda t: self._commit_args(t.shard))
-            if self.mode == "update" and transactions:
+            commit_transactions(self.directory, transactions, lambda t: self._record_args(t.shard))
+            if self.mode == "update" and transactions and self._warn_older_above:
                 self._warn_of_older_shards_above(transactions[-1].shard)
             return
         self.open()  # (an overwrite that wrote nothing empties the dataset)
@@ -802,7 +837,7 @@ class ShardWriterBase:
             commit_transactions(
                 self.directory,
                 transactions,
-                lambda t: self._commit_args(t.shard),
+                lambda t: self._record_args(t.shard),
                 before_commit=removal.mark,
             )
         except BaseException:
@@ -930,6 +965,20 @@ class _Removal:
                 os.close(fd)
         if failed is not None and not quiet:
             raise failed
+
+
+def remove_shards_from(directory: str, first: int) -> list[int]:
+    """Remove every shard of ``directory`` whose id is ``first`` or more, as an
+    ``"overwrite"`` writer removes the shards it did not write (marked deleted highest id
+    first, so the ids never have a gap, then their files removed); the ids removed."""
+    removal = _Removal(directory, set(range(first)))
+    try:
+        removal.mark()
+    except BaseException:
+        removal.undo()
+        raise
+    removal.finish()
+    return sorted(shard for shard, _ in removal.marked)
 
 
 def _abandon(transactions: dict[int, ShardTransaction], directory: str, writer: str) -> None:

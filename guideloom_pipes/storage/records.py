@@ -60,6 +60,12 @@ def _descr_from_json(descr: Any) -> Any:
     return fields
 
 
+def format_name(format: Any) -> str:
+    """How a commit record names the class of ``format``: ``module.QualName``."""
+    cls = type(format)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 @dataclass
 class FileRecord:
     """Size and CRC-32 of one committed file."""
@@ -85,6 +91,12 @@ class ShardRecord:
     generation: int = 0
     #: whether the files are still at their versioned names (``0000003.v2.in_band.bin``)
     versioned: bool = False
+    #: the class of the format the shard was written with (``module.QualName``), so that
+    #: ``open_storage`` can rebuild it; None in records of earlier versions and sealed shards
+    format: str | None = None
+    #: what the shard was made from (``write_parallel``'s item fingerprint), so that a rerun
+    #: skips a shard whose input did not change; None for shards written otherwise
+    fingerprint: str | None = None
 
     def file_name(self, suffix: str) -> str:
         """The name of the shard's ``suffix`` file that this record describes."""
@@ -108,6 +120,10 @@ class ShardRecord:
             data["payloads"] = self.payloads
         if self.versioned:
             data["versioned"] = True
+        if self.format is not None:
+            data["format"] = self.format
+        if self.fingerprint is not None:
+            data["fingerprint"] = self.fingerprint
         return json.dumps(data, sort_keys=True).encode() + b"\n"
 
     @classmethod
@@ -156,6 +172,11 @@ class ShardRecord:
         versioned = data.get("versioned", False)
         if not isinstance(versioned, bool):
             check.fail("versioned", "true or false", versioned)
+        # optional (absent from records of earlier versions): the format class, the input
+        optional = {}
+        for name in ("format", "fingerprint"):
+            if name in data:
+                optional[name] = check.field(data, name, str, "a string")
         return cls(
             kind=check.field(data, "kind", str, "a string"),
             shard=check.integer(data, "shard"),
@@ -166,6 +187,7 @@ class ShardRecord:
             state=state,
             generation=check.integer(data, "generation") if "generation" in data else 0,
             versioned=versioned,
+            **optional,
         )
 
 

@@ -1,0 +1,227 @@
+"""Opening a dataset without restating its format: :func:`open_storage` reads the kind,
+dtype and format class from the commit records (or the kind from the file names) and builds
+the right storage, and :func:`detect` says what a directory holds."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import numpy as np
+
+from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
+from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
+from guideloom_pipes.storage.errors import StorageError
+from guideloom_pipes.storage.names import _NAME, IN_BAND, INDEX, OUT_OF_BAND, RECORD, shard_name
+from guideloom_pipes.storage.records import ShardRecord, format_name
+
+__all__ = ["Detected", "detect", "open_storage", "STORAGE_CLASSES"]
+
+#: the storage class of each kind (as commit records name it)
+STORAGE_CLASSES: dict[str, type[Any]] = {
+    "stream": StreamStorage,
+    "stream_meta": StreamWithMetaStorage,
+    "document": DocumentStorage,
+}
+#: the data files of each kind's shards
+KIND_SUFFIXES = {
+    "stream": (IN_BAND,),
+    "stream_meta": (IN_BAND, INDEX, OUT_OF_BAND),
+    "document": (INDEX, OUT_OF_BAND),
+}
+_STREAM_NUMPY = format_name(StreamNumpyFormat(np.dtype([("x", "u1")])))
+_DOCUMENT_PICKLE = format_name(DocumentPickleFormat())
+
+
+@dataclass
+class Detected:
+    """What a dataset directory holds, from its file names and one commit record."""
+
+    directory: Path
+    #: ``"stream"``, ``"stream_meta"`` or ``"document"`` (from the records, else the files)
+    kind: str
+    #: whether any shard has a commit record (False: written by GuideLoom)
+    recorded: bool
+    #: the stream dtype the records name (None: documents, or no records)
+    dtype: np.dtype[Any] | None = None
+    #: the format class the records name (``module.QualName``; None: not recorded)
+    format: str | None = None
+    #: the data-file suffixes found
+    suffixes: set[str] = field(default_factory=set)
+
+
+def local_path(path_or_url: Any) -> Path:
+    """``path_or_url`` (a path, a ``str``, or a ``file://`` URL) as a local ``Path``."""
+    if isinstance(path_or_url, os.PathLike):
+        return Path(path_or_url)
+    if not isinstance(path_or_url, str):
+        raise TypeError(f"path_or_url must be a path or a string, got {type(path_or_url).__name__}")
+    parsed = urlparse(path_or_url)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    if parsed.scheme and len(parsed.scheme) > 1 and "://" in path_or_url:
+        raise ValueError(
+            f"{path_or_url}: only local paths and file:// URLs open here; for another store, "
+            f"build the storage with its read backend (StreamStorage(path, fmt, "
+            f"read_interface=...))"
+        )
+    return Path(path_or_url)
+
+
+def detect(path_or_url: Any) -> Detected:
+    """What the dataset directory ``path_or_url`` holds: its kind (from the commit records,
+    else from the file suffixes), and the dtype and format class the records name.
+
+    Raises ``FileNotFoundError`` (no such directory, or no shard files in it),
+    ``NotADirectoryError``, and ``ValueError`` for files of no single kind.
+    """
+    directory = local_path(path_or_url)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"dataset directory {directory} does not exist; check the path"
+        ) from None
+    except NotADirectoryError:
+        raise NotADirectoryError(
+            f"{directory} is not a directory; pass the dataset directory"
+        ) from None
+    suffixes: set[str] = set()
+    records: list[int] = []
+    for name in names:
+        match = _NAME.match(name)
+        if match is None or match.group("temporary") or match.group("generation"):
+            continue
+        if match.group("suffix") == RECORD:
+            records.append(int(match.group("shard")))
+        else:
+            suffixes.add(match.group("suffix"))
+    record = _first_record(directory, sorted(records))
+    if record is not None and record.kind in KIND_SUFFIXES:
+        return Detected(directory, record.kind, True, record.dtype, record.format, suffixes)
+    kind = _kind_of(suffixes)
+    if kind is None:
+        if not suffixes:
+            raise FileNotFoundError(
+                f"{directory} is not a dataset: it holds no shard files (0000000.in_band.bin, "
+                f"0000000.out_of_band.bin, ...); check the path"
+            )
+        raise ValueError(
+            f"{directory} holds {' and '.join(sorted(suffixes))} files, which no one kind of "
+            f"dataset has together; pass the kind (stream, stream_meta or document)"
+        )
+    return Detected(directory, kind, bool(records), None, None, suffixes)
+
+
+def _first_record(directory: Path, shards: list[int]) -> ShardRecord | None:
+    """The first committed record among ``shards`` (a few tried; unreadable ones skipped)."""
+    for shard in shards[:8]:
+        path = directory / (shard_name(shard) + RECORD)
+        try:
+            record = ShardRecord.from_json(path.read_bytes(), os.fspath(path))
+        except (OSError, StorageError):
+            continue
+        if record.state == "committed":
+            return record
+    return None
+
+
+def _kind_of(suffixes: set[str]) -> str | None:
+    if IN_BAND in suffixes:
+        return "stream_meta" if OUT_OF_BAND in suffixes or INDEX in suffixes else "stream"
+    if OUT_OF_BAND in suffixes or INDEX in suffixes:
+        return "document"
+    return None
+
+
+def _is_pickled(directory: Path) -> bool:
+    """Whether the first document of the first non-empty shard starts as a pickle does."""
+    for shard in range(8):
+        stem = directory / shard_name(shard)
+        try:
+            index = np.fromfile(stem.with_name(stem.name + INDEX), dtype="<i8", count=2)
+            if len(index) < 2:
+                continue
+            with open(stem.with_name(stem.name + OUT_OF_BAND), "rb") as data:
+                head = data.read(2)
+        except OSError:
+            return False
+        if index[1] > index[0]:
+            return len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5
+    return False
+
+
+def open_storage(path_or_url: Any, *, fmt: Any = None, read_interface: Any = None) -> Any:
+    """The storage of the dataset at ``path_or_url``, its format rebuilt from its records.
+
+    A dataset written by this package records its kind, stream dtype and format class in
+    each shard's commit record, so ``open_storage("data/tokens")`` returns a
+    :class:`~guideloom_pipes.StreamStorage` with the right
+    :class:`~guideloom_pipes.StreamNumpyFormat`, or a
+    :class:`~guideloom_pipes.DocumentStorage` with
+    :class:`~guideloom_pipes.DocumentPickleFormat`. Any other format (every
+    stream-with-metadata format is a user class) and data written by GuideLoom (no records,
+    so no dtype) need ``fmt=``; the error says so and names the format to pass.
+
+    Args:
+        path_or_url: the dataset directory (a path, a string, or a ``file://`` URL).
+        fmt: the storage format; given, it is used as is (the reader still checks its
+            dtype against the records when it opens).
+        read_interface: the read backend (default memory-mapped).
+
+    Raises:
+        FileNotFoundError: no such directory, or no shard files in it.
+        ValueError: the format cannot be rebuilt from the records: pass ``fmt=``.
+    """
+    found = detect(path_or_url)
+    storage_class = STORAGE_CLASSES[found.kind]
+    if fmt is not None:
+        return storage_class(found.directory, fmt, read_interface)
+    return storage_class(found.directory, rebuilt_format(found), read_interface)
+
+
+def rebuilt_format(found: Detected) -> Any:
+    """The built-in format that ``found``'s records describe, or a ``ValueError`` saying
+    which ``fmt=`` to pass."""
+    where = found.directory
+    if found.kind == "stream_meta":
+        named = f" (its records name {found.format})" if found.format else ""
+        raise ValueError(
+            f"{where} is a stream-with-metadata dataset{named}; every such format is a user "
+            f"class, so it cannot be rebuilt from the records: pass fmt=YourFormat(...), "
+            f"e.g. open_storage({os.fspath(where)!r}, fmt=...)"
+        )
+    if not found.recorded:
+        example = (
+            "StreamNumpyFormat(np.dtype([('tokens', '<i4')]))"
+            if found.kind == "stream"
+            else "DocumentPickleFormat()"
+        )
+        raise ValueError(
+            f"{where} holds {found.kind} data without commit records (written by GuideLoom), "
+            f"so its format is not recorded: pass fmt=, e.g. open_storage("
+            f"{os.fspath(where)!r}, fmt={example}) with the format it was written with"
+        )
+    if found.kind == "stream":
+        if found.format not in (None, _STREAM_NUMPY):
+            raise ValueError(
+                f"{where} was written with the format {found.format}, which cannot be rebuilt "
+                f"from the records: pass fmt={found.format.rpartition('.')[2]}(...)"
+            )
+        if found.dtype is None or found.dtype.names is None:
+            raise ValueError(
+                f"{where} records the stream dtype {found.dtype}, which is not a structured "
+                f"dtype (StreamNumpyFormat needs named fields): pass fmt= the format it was "
+                f"written with"
+            )
+        return StreamNumpyFormat(found.dtype)
+    if found.format == _DOCUMENT_PICKLE or (found.format is None and _is_pickled(where)):
+        return DocumentPickleFormat()
+    named = found.format or "a format that is not DocumentPickleFormat"
+    raise ValueError(
+        f"{where} holds documents written with {named}, which cannot be rebuilt from the "
+        f"records: pass fmt= that format, e.g. open_storage({os.fspath(where)!r}, fmt=...)"
+    )
