@@ -26,61 +26,83 @@ def check_listing(
     suffixes: Sequence[str],
     dtype: np.dtype[Any] | None,
     dtype_hint: Callable[[np.dtype[Any]], str] | None = None,
+    problems: list[Exception] | None = None,
 ) -> list[dict[str, int]]:
     """Check every shard's files against its commit record; the file sizes per shard.
 
     Refuses: a shard without a record when others have one (uncommitted), a pending record
     (interrupted commit), a record of another kind or shard, a dtype other than the one
-    asked for, a missing file, a file whose size differs from its record.
+    asked for, a missing file, a file whose size differs from its record. With a
+    ``problems`` list, each shard's error is appended to it instead and the check goes on
+    to the next shard (the sizes of a shard in error are those found before it).
     """
     backend = resolve_backend(backend)
-    directory = listing.directory
-    where = _display(directory)
     result: list[dict[str, int]] = []
-    have_records = bool(listing.records)
     for shard in range(listing.num_shards):
-        name = shard_name(shard)
-        record = listing.records.get(shard)
-        if record is None and have_records:
-            raise UncommittedShardError(
-                f"shard {name} of {where} has no commit record ({name}{RECORD}) although "
-                f"other shards do: it was not committed by a writer that closed successfully "
-                f"(interrupted, or written by another tool such as GuideLoom). Rewrite shard "
-                f"{shard} with a guideloom_pipes writer, or, if its files are complete "
-                f"(written by GuideLoom), record them with storage.seal()"
-            )
-        if record is not None:
-            _check_record(record, listing, shard, kind, dtype, dtype_hint)
         sizes: dict[str, int] = {}
-        for suffix in suffixes:
-            file_name = listing.file_name(shard, suffix)
-            size = listing.sizes.get((shard, suffix))
-            if size is None:
-                size = _backend_size(backend, directory / file_name)
-            if size is None:
-                raise FileNotFoundError(
-                    f"shard {name} of {where} has no {file_name}; the shard is incomplete "
-                    f"(was it copied partially, or written with another storage class?). "
-                    f"Rewrite shard {shard}"
-                )
-            sizes[suffix] = size
-            if record is None:
-                continue
-            expected = record.files.get(suffix.lstrip("."))
-            if expected is None:
-                raise CorruptShardError(
-                    f"commit record of shard {name} of {where} does not list {name}{suffix}; "
-                    f"rewrite shard {shard}"
-                )
-            if expected.size != size:
-                change = "was truncated" if size < expected.size else "grew"
-                raise CorruptShardError(
-                    f"{file_name} in {where} is {size} bytes but was committed with "
-                    f"{expected.size} bytes: the file {change} after it was written. "
-                    f"Restore it or rewrite shard {shard}"
-                )
+        try:
+            _check_shard(listing, backend, kind, suffixes, dtype, dtype_hint, shard, sizes)
+        except (OSError, ValueError, RuntimeError) as error:  # StorageError kinds included
+            if problems is None:
+                raise
+            problems.append(error)
         result.append(sizes)
     return result
+
+
+def _check_shard(
+    listing: ShardListing,
+    backend: ResolvedBackend,
+    kind: str,
+    suffixes: Sequence[str],
+    dtype: np.dtype[Any] | None,
+    dtype_hint: Callable[[np.dtype[Any]], str] | None,
+    shard: int,
+    sizes: dict[str, int],
+) -> None:
+    """:func:`check_listing` for one shard; fills ``sizes`` as it goes."""
+    directory = listing.directory
+    where = _display(directory)
+    have_records = bool(listing.records)
+    name = shard_name(shard)
+    record = listing.records.get(shard)
+    if record is None and have_records:
+        raise UncommittedShardError(
+            f"shard {name} of {where} has no commit record ({name}{RECORD}) although "
+            f"other shards do: it was not committed by a writer that closed successfully "
+            f"(interrupted, or written by another tool such as GuideLoom). Rewrite shard "
+            f"{shard} with a guideloom_pipes writer, or, if its files are complete "
+            f"(written by GuideLoom), record them with storage.seal()"
+        )
+    if record is not None:
+        _check_record(record, listing, shard, kind, dtype, dtype_hint)
+    for suffix in suffixes:
+        file_name = listing.file_name(shard, suffix)
+        size = listing.sizes.get((shard, suffix))
+        if size is None:
+            size = _backend_size(backend, directory / file_name)
+        if size is None:
+            raise FileNotFoundError(
+                f"shard {name} of {where} has no {file_name}; the shard is incomplete "
+                f"(was it copied partially, or written with another storage class?). "
+                f"Rewrite shard {shard}"
+            )
+        sizes[suffix] = size
+        if record is None:
+            continue
+        expected = record.files.get(suffix.lstrip("."))
+        if expected is None:
+            raise CorruptShardError(
+                f"commit record of shard {name} of {where} does not list {name}{suffix}; "
+                f"rewrite shard {shard}"
+            )
+        if expected.size != size:
+            change = "was truncated" if size < expected.size else "grew"
+            raise CorruptShardError(
+                f"{file_name} in {where} is {size} bytes but was committed with "
+                f"{expected.size} bytes: the file {change} after it was written. "
+                f"Restore it or rewrite shard {shard}"
+            )
 
 
 def _check_record(
@@ -131,8 +153,45 @@ _STORAGE_CLASSES = {
 }
 
 
+def file_crc32(reader: Any, size: int, progress: Callable[[int], None] | None = None) -> int:
+    """The CRC-32 of the first ``size`` bytes of an open byte reader, read a 16 MiB chunk at
+    a time: straight from the mapping where the reader has ``buffer()`` (``MmapIO``: no
+    copy), into one reused buffer where it has ``readinto``, else through ``read``.
+    ``progress(n)`` is called with the bytes of each chunk."""
+    crc = 0
+    buffer = getattr(reader, "buffer", None)
+    if callable(buffer):
+        with buffer() as view:
+            for offset in range(0, size, _CHUNK):
+                with view[offset : offset + _CHUNK] as chunk:
+                    crc = zlib.crc32(chunk, crc)
+                    if progress is not None:
+                        progress(len(chunk))
+        return crc
+    readinto = getattr(reader, "readinto", None)
+    scratch = bytearray(min(_CHUNK, size)) if callable(readinto) else None
+    for offset in range(0, size, _CHUNK):
+        want = min(_CHUNK, size - offset)
+        if readinto is not None and scratch is not None:
+            with memoryview(scratch)[:want] as target:
+                got = readinto(offset, target)
+                crc = zlib.crc32(target[:got], crc)
+        else:
+            data = reader.read(offset, want)
+            got = len(data)
+            crc = zlib.crc32(data, crc)
+        if progress is not None:
+            progress(got)
+        if got < want:
+            break  # the file shrank: the size check reports it
+    return crc
+
+
 def verify_checksums(
-    listing: ShardListing, backend: Any, suffixes: Sequence[str]
+    listing: ShardListing,
+    backend: Any,
+    suffixes: Sequence[str],
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, int]:
     """Check each recorded file's size, then its CRC-32, against the commit record; raise
     :class:`CorruptShardError` on a mismatch.
@@ -141,7 +200,8 @@ def verify_checksums(
     since its commit is named with both sizes at once, without checksumming the dataset.
     Returns counts: ``{"shards": ..., "files": ..., "bytes": ...}`` checked, and
     ``"unrecorded"``: shards without a commit record (written by GuideLoom), which have no
-    checksum to verify (a :class:`UserWarning` says so).
+    checksum to verify (a :class:`UserWarning` says so). ``progress(n)`` is called with
+    the bytes of each chunk checksummed.
     """
     backend = resolve_backend(backend)
     checked = {"shards": 0, "files": 0, "bytes": 0, "unrecorded": 0}
@@ -162,9 +222,7 @@ def verify_checksums(
             reader.open()
             try:
                 size = reader.filesize()
-                crc = 0
-                for offset in range(0, size, _CHUNK):
-                    crc = zlib.crc32(reader.read(offset, min(_CHUNK, size - offset)), crc)
+                crc = file_crc32(reader, size, progress)
             finally:
                 reader.close()
             checked["files"] += 1

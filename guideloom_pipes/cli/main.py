@@ -1,0 +1,151 @@
+"""The ``guideloom-pipes`` command line (also ``python -m guideloom_pipes``): the argument
+parser of ``info``, ``verify``, ``head`` and ``recover``, and the exit statuses. An error is
+one line on stderr naming the path and the fix, never a traceback unless ``--debug``:
+exit status 2 for bad usage or a path that is missing or not a dataset, 1 for a dataset
+that is not sound (or another failure), 0 otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+
+from guideloom_pipes.cli import head, info, recover, verify
+from guideloom_pipes.cli.dataset import KINDS, UsageError
+
+#: exit statuses
+OK, NOT_SOUND, USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command."""
+    parser = _Parser(
+        prog="guideloom-pipes",
+        description="Look inside, check and repair guideloom_pipes / GuideLoom 1.1 datasets.",
+        epilog="exit status: 0 ok, 1 dataset not sound (or another failure), 2 bad usage or "
+        "a path that is missing or not a dataset",
+    )
+    common = _Parser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    typed = _Parser(add_help=False)
+    typed.add_argument(
+        "--dtype",
+        help="stream dtype of data without commit records (GuideLoom's): int32, "
+        "tokens:int32,loss_mask:uint8, or a JSON field list",
+    )
+    typed.add_argument("--kind", choices=KINDS, help="the kind of dataset (default: detected)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    p = commands.add_parser(
+        "info",
+        parents=[common, typed],
+        help="what a dataset holds",
+        description="Kind, format, dtype, shards, elements or documents, bytes, and the "
+        "commit state of each shard.",
+    )
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("--sequence-length", "-L", type=_positive, help="also count samples of L")
+    p.set_defaults(run=info.run)
+
+    p = commands.add_parser(
+        "verify",
+        parents=[common, typed],
+        help="check a dataset: every open check and every checksum",
+        description="Every check a reader makes on open, for every shard, then every file's "
+        "CRC-32. Exit status 0 when sound, 1 when not.",
+    )
+    p.add_argument("path", metavar="DIR")
+    p.add_argument(
+        "--strict", action="store_true", help="exit 1 on data that has no checksums to verify"
+    )
+    p.add_argument(
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="progress on stderr (auto: datasets of 64 MiB and more)",
+    )
+    p.set_defaults(run=verify.run)
+
+    p = commands.add_parser(
+        "head",
+        parents=[common, typed],
+        help="print the first samples",
+        description="The first samples, decoded: one line each (index<TAB>field=value).",
+    )
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("-n", type=int, default=5, help="samples to print (default 5)")
+    p.add_argument(
+        "--sequence-length",
+        "-L",
+        type=_positive,
+        help=f"elements per stream sample (default {head.DEFAULT_SEQUENCE_LENGTH})",
+    )
+    p.set_defaults(run=head.run)
+
+    p = commands.add_parser(
+        "recover",
+        parents=[common],
+        help="clean up after writers that stopped",
+        description="Roll interrupted commits forward, finish interrupted removals, remove "
+        "temporary files and stale locks, for shards no live writer holds. Committed data is "
+        "never touched.",
+    )
+    p.add_argument("path", metavar="DIR")
+    p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
+    p.set_defaults(run=recover.run)
+    return parser
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list
+    try:
+        args = build_parser().parse_args(args_list)
+        return int(args.run(args))
+    except UsageError as error:
+        if debug:
+            traceback.print_exc()
+        print(f"guideloom-pipes: error: {_one_line(error)}", file=sys.stderr)
+        return USAGE
+    except KeyboardInterrupt:
+        print("guideloom-pipes: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `| head` closed the pipe: not an error of ours
+        sys.stderr.close()
+        return OK
+    except Exception as error:
+        if debug:
+            traceback.print_exc()
+        hint = "" if debug else " (rerun with --debug for the traceback)"
+        print(
+            f"guideloom-pipes: error: {type(error).__name__}: {_one_line(error)}{hint}",
+            file=sys.stderr,
+        )
+        return NOT_SOUND
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``guideloom-pipes recover DIR``: finish or remove what writers that stopped left behind
+(commits past their commit point rolled forward, interrupted removals finished, temporary
+files and stale locks deleted), only for shards whose write lock no live writer holds; never
+touches committed data. ``--dry-run`` says what it would do."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from guideloom_pipes.cli.dataset import UsageError
+from guideloom_pipes.opening import local_path
+from guideloom_pipes.storage.commit import _is_locked, _read_record, recover_directory
+from guideloom_pipes.storage.names import _NAME, RECORD, TMP, shard_name
+
+
+def plan(directory: Path) -> dict[str, list[int]]:
+    """What :func:`recover_directory` would do, without doing it (``"held"``: shards a live
+    writer holds, left alone)."""
+    suspects: dict[int, str] = {}
+    records: list[int] = []
+    for name in os.listdir(directory):
+        match = _NAME.match(name)
+        if match is None:
+            continue
+        shard = int(match.group("shard"))
+        if match.group("temporary") or match.group("generation") is not None:
+            suspects.setdefault(shard, "cleaned")
+        elif match.group("suffix") == RECORD:
+            records.append(shard)
+    for shard in records:
+        record = _read_record(os.fspath(directory / shard_name(shard)))
+        if record is not None and record.state == "deleted":
+            suspects[shard] = "removed"
+        elif record is not None and record.versioned:
+            suspects[shard] = "rolled_forward"
+    result: dict[str, list[int]] = {"rolled_forward": [], "removed": [], "cleaned": [], "held": []}
+    for shard, what in sorted(suspects.items()):
+        lock = os.fspath(directory / (shard_name(shard) + RECORD + TMP))
+        result["held" if _is_locked(lock) else what].append(shard)
+    return result
+
+
+#: what each outcome says: (done, dry run)
+_SAYS = {
+    "rolled_forward": (
+        "commit rolled forward to the canonical file names",
+        "would roll its commit forward to the canonical file names",
+    ),
+    "removed": ("interrupted removal finished", "would finish its interrupted removal"),
+    "cleaned": (
+        "temporary files and stale lock removed",
+        "would remove its temporary files and stale lock",
+    ),
+    "held": ("a live writer holds it: left alone", "a live writer holds it: would be left alone"),
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Recover (or, with ``--dry-run``, plan); exit status 0."""
+    directory = local_path(args.path)
+    if not directory.is_dir():
+        what = "does not exist" if not directory.exists() else "is not a directory"
+        raise UsageError(f"{directory} {what}; pass the dataset directory")
+    planned = plan(directory)
+    if args.dry_run:
+        result = planned
+    else:
+        result = {**recover_directory(os.fspath(directory)), "held": planned["held"]}
+    if args.json:
+        print(json.dumps({"path": str(directory), "dry_run": args.dry_run, **result}))
+        return 0
+    lines = [
+        f"shard {shard:07d}: {_SAYS[what][args.dry_run]}"
+        for what, shards in result.items()
+        for shard in shards
+    ]
+    print("\n".join(lines) if lines else f"nothing to recover in {directory}")
+    return 0

@@ -1,0 +1,224 @@
+"""``guideloom-pipes verify DIR``: every check a reader makes when it opens the dataset, for every
+shard (not only up to the first problem), then every file's CRC-32 against its commit record,
+with progress on large datasets. Exit status 0 when sound, 1 when not; each problem on its own
+line naming the shard and the fix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+import warnings
+from typing import Any
+
+from guideloom_pipes.cli.dataset import Opened, open_dataset
+from guideloom_pipes.progress import Progress, human_bytes
+from guideloom_pipes.storage.errors import DatasetChangedError
+from guideloom_pipes.storage.listing import ShardListing, discover
+from guideloom_pipes.storage.names import IN_BAND, shard_name
+from guideloom_pipes.storage.stream_meta import record_dtype
+from guideloom_pipes.storage.verify import check_listing, file_crc32
+
+#: datasets at least this large show progress (``--progress auto``)
+PROGRESS_FROM = 64 << 20
+_SHARD = re.compile(r"\bshard (\d{7,})|\b(\d{7,})\.(?:v\d+\.)?(?:in_band|out_of_band|shard)")
+
+
+def _shard_of(message: str) -> int | None:
+    match = _SHARD.search(message)
+    if match is None:
+        return None
+    return int(match.group(1) or match.group(2))
+
+
+class _Findings:
+    def __init__(self) -> None:
+        self.problems: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+
+    def problem(self, error: BaseException | str, shard: int | None = None) -> None:
+        message = str(error)
+        if shard is None:
+            shard = _shard_of(message)
+        self.problems.append({"shard": shard, "message": message})
+
+
+def check(opened: Opened, args: argparse.Namespace, findings: _Findings) -> dict[str, Any]:
+    """Run every check on ``opened``; problems and notes go to ``findings``. Counts."""
+    storage = opened.storage
+    io = storage._resolve_io()
+    counts: dict[str, Any] = {"shards": 0, "files": 0, "bytes": 0, "seconds": 0.0}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            listing = discover(io, storage.dir, storage.suffixes)
+        except (FileNotFoundError, ValueError, DatasetChangedError) as error:
+            findings.problem(error)
+            return counts
+    for warning in seen:
+        findings.notes.append(f"{warning.message}; or run guideloom-pipes recover {args.path}")
+    counts["shards"] = listing.num_shards
+    dtype = opened.dtype
+    errors: list[Exception] = []
+    sizes = check_listing(
+        listing,
+        io,
+        storage.kind,
+        storage.suffixes,
+        dtype,
+        lambda d: f"--dtype '{json.dumps(d.descr)}' (the dtype it was written with)",
+        problems=errors,
+    )
+    for found in errors:
+        findings.problem(found)
+    bad = {p["shard"] for p in findings.problems}
+    if opened.kind != "document" and dtype is None:
+        findings.notes.append(
+            "dtype unknown (no commit records): element sizes not checked; pass --dtype"
+        )
+    else:
+        _check_contents(opened, listing, sizes, bad, findings)
+    recorded = [s for s in range(listing.num_shards) if s in listing.records and s not in bad]
+    if not listing.records:
+        findings.notes.append("no commit records: no checksums (written by GuideLoom)")
+    _checksums(opened, listing, recorded, args, findings, counts)
+    return counts
+
+
+def _check_contents(
+    opened: Opened,
+    listing: ShardListing,
+    sizes: list[dict[str, int]],
+    bad: set[int | None],
+    findings: _Findings,
+) -> None:
+    """What the reader checks as it sets up and first reads: element sizes, indexes."""
+    storage = opened.storage
+    if opened.dtype is not None:
+        element = opened.dtype if opened.kind == "stream" else record_dtype(opened.dtype)
+        guess = (
+            " (is --dtype the one it was written with?)" if opened.dtype_from == "--dtype" else ""
+        )
+        for shard, found in enumerate(sizes):
+            size = found.get(IN_BAND)
+            if shard not in bad and size is not None and size % element.itemsize:
+                findings.problem(
+                    f"shard {shard_name(shard)}: {shard_name(shard)}{IN_BAND} is {size} bytes, "
+                    f"not a multiple of the {element.itemsize}-byte element of {element}: it is "
+                    f"truncated or was written with another dtype{guess}. Rewrite shard {shard}",
+                    shard,
+                )
+                bad.add(shard)
+    if bad:
+        return  # the reader cannot be set up over shards in error
+    reader = storage.sync_reader()
+    try:
+        reader._attach(listing, sizes)
+        index = getattr(reader, "_index", None) or getattr(reader, "_payloads", None)
+        if index is not None:
+            for shard in range(listing.num_shards):
+                try:
+                    index._check(shard)
+                except (OSError, ValueError) as error:
+                    findings.problem(error, shard)
+    except (OSError, ValueError) as error:
+        findings.problem(error)
+    finally:
+        reader.close()
+
+
+def _checksums(
+    opened: Opened,
+    listing: ShardListing,
+    recorded: list[int],
+    args: argparse.Namespace,
+    findings: _Findings,
+    counts: dict[str, Any],
+) -> None:
+    storage = opened.storage
+    io = storage._resolve_io()
+    jobs = []
+    for shard in recorded:
+        record = listing.records[shard]
+        for suffix in storage.suffixes:
+            expected = record.files.get(suffix.lstrip("."))
+            if expected is not None:
+                jobs.append((shard, listing.file_name(shard, suffix), expected))
+    total = sum(expected.size for _, _, expected in jobs)
+    show = args.progress == "always" or (args.progress == "auto" and total >= PROGRESS_FROM)
+    started = time.perf_counter()
+    with Progress("verifying", total, "B", enabled=show and not args.json) as progress:
+        for shard, name, expected in jobs:
+            reader = io.reader(listing.directory / name)
+            try:
+                reader.open()
+                try:
+                    size = reader.filesize()
+                    crc = file_crc32(reader, size, progress.update)
+                finally:
+                    reader.close()
+            except OSError as error:
+                findings.problem(
+                    f"shard {shard_name(shard)}: {error}; rewrite shard {shard}", shard
+                )
+                continue
+            counts["files"] += 1
+            counts["bytes"] += size
+            if crc != expected.crc32 or size != expected.size:
+                findings.problem(
+                    f"shard {shard_name(shard)}: {name} fails its checksum (crc32 {crc:#010x} "
+                    f"over {size} bytes, committed {expected.crc32:#010x} over {expected.size} "
+                    f"bytes): it changed after it was committed. Restore it or rewrite shard "
+                    f"{shard}",
+                    shard,
+                )
+    counts["seconds"] = time.perf_counter() - started
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the dataset; 0 when sound, 1 when not (or, with ``--strict``, unverifiable)."""
+    opened = open_dataset(args.path, args.dtype, args.kind)
+    findings = _Findings()
+    counts = check(opened, args, findings)
+    unverified = not opened.found.recorded
+    status = 1 if findings.problems or (args.strict and unverified) else 0
+    seconds = counts["seconds"]
+    rate = counts["bytes"] / seconds / 1e9 if seconds > 0 else None
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "path": str(opened.found.directory),
+                    "kind": opened.kind,
+                    "sound": not findings.problems,
+                    "checksummed": not unverified,
+                    "problems": findings.problems,
+                    "notes": findings.notes,
+                    "shards": counts["shards"],
+                    "files": counts["files"],
+                    "bytes": counts["bytes"],
+                    "seconds": seconds,
+                    "gb_per_s": rate,
+                    "exit_status": status,
+                }
+            )
+        )
+        return status
+    for note in findings.notes:
+        print(f"note: {note}")
+    for problem in findings.problems:
+        print(f"problem: {problem['message']}")
+    speed = f" ({rate:.2f} GB/s)" if rate else ""
+    summary = (
+        f"{counts['shards']} shards, {counts['files']} files, {human_bytes(counts['bytes'])} "
+        f"checksummed in {seconds:.2f} s{speed}"
+    )
+    if findings.problems:
+        print(f"NOT SOUND: {len(findings.problems)} problem(s) in {args.path}; {summary}")
+    elif unverified:
+        strict = " (--strict: exit status 1)" if args.strict else ""
+        print(f"no problems found, but no checksums to verify{strict}: {summary}")
+    else:
+        print(f"sound: {summary}")
+    return status

@@ -1,0 +1,338 @@
+"""The ``guideloom-pipes`` command line, run as a user runs it (a subprocess): exit statuses
+and output for a sound dataset, GuideLoom-written fixtures, and each corruption the readers
+refuse (gap, truncation, wrong dtype, half-written shard, checksum mismatch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from guideloom_pipes import (
+    DocumentPickleFormat,
+    DocumentStorage,
+    StreamNumpyFormat,
+    StreamStorage,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "tests" / "data" / "guideloom-1.1"
+DTYPE = np.dtype([("tokens", "<i4")])
+
+
+def cli(*args: object) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "guideloom_pipes", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def _write(path: Path, shards: int = 3, dtype: np.dtype = DTYPE) -> Path:
+    with StreamStorage(path, StreamNumpyFormat(dtype)).sync_writer() as writer:
+        for shard in range(shards):
+            writer.append(shard, {"tokens": np.arange(100 * shard, 100 * shard + 100)})
+    return path
+
+
+@pytest.fixture
+def sound(tmp_path: Path) -> Path:
+    return _write(tmp_path / "tokens")
+
+
+def _one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+# --- a sound dataset ---------------------------------------------------------------------------
+
+
+def test_info_describes_a_sound_stream(sound: Path) -> None:
+    done = cli("info", sound, "--sequence-length", 16)
+    assert done.returncode == 0, done.stderr
+    assert "kind:      stream (StreamStorage), written by guideloom_pipes" in done.stdout
+    assert "shards:    3" in done.stdout
+    assert "elements:  300" in done.stdout
+    assert "samples:   18 (sequence length 16)" in done.stdout
+    assert "0000002  committed" in done.stdout
+
+
+def test_info_json_is_one_object_for_scripts(sound: Path) -> None:
+    facts = json.loads(cli("info", sound, "--json", "-L", 10).stdout)
+    assert facts["kind"] == "stream"
+    assert facts["dtype"] == [["tokens", "<i4"]]
+    assert (facts["shards"], facts["elements"], facts["samples"]) == (3, 300, 30)
+    assert facts["bytes"] == 1200
+    assert [s["state"] for s in facts["shard_list"]] == ["committed"] * 3
+
+
+def test_info_of_documents_counts_documents(tmp_path: Path) -> None:
+    with DocumentStorage(tmp_path, DocumentPickleFormat()).sync_writer() as writer:
+        for i in range(5):
+            writer.append(i % 2, {"id": i})
+    facts = json.loads(cli("info", tmp_path, "--json").stdout)
+    assert (facts["kind"], facts["format"], facts["documents"]) == (
+        "document",
+        "DocumentPickleFormat",
+        5,
+    )
+
+
+def test_verify_of_a_sound_dataset_exits_0(sound: Path) -> None:
+    done = cli("verify", sound)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1].startswith("sound: 3 shards, 3 files")
+
+
+def test_verify_json_reports_what_it_checked(sound: Path) -> None:
+    report = json.loads(cli("verify", sound, "--json").stdout)
+    assert report["sound"] and report["checksummed"]
+    assert (report["files"], report["bytes"], report["exit_status"]) == (3, 1200, 0)
+
+
+def test_verify_shows_progress_as_plain_lines_without_tqdm(sound: Path) -> None:
+    done = cli("verify", sound, "--progress", "always")
+    assert done.returncode == 0
+    assert "verifying done: 1.2 KiB of 1.2 KiB (100%)" in done.stderr
+
+
+def test_head_prints_the_first_samples_one_line_each(sound: Path) -> None:
+    done = cli("head", sound, "-n", 2, "--sequence-length", 3)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["0\ttokens=[0,1,2]", "1\ttokens=[3,4,5]"]
+
+
+def test_head_defaults_to_5_samples_and_json_is_one_object_a_line(sound: Path) -> None:
+    lines = cli("head", sound, "--json", "-L", 2).stdout.splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"index": i, "tokens": [2 * i, 2 * i + 1]} for i in range(5)
+    ]
+
+
+def test_the_console_script_runs_the_same_command_line(sound: Path) -> None:
+    script = shutil.which("guideloom-pipes", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("the package is not installed (pip install -e .)")
+    done = subprocess.run([script, "info", str(sound), "--json"], capture_output=True, text=True)
+    assert json.loads(done.stdout)["shards"] == 3
+
+
+# --- GuideLoom-written data (no commit records) ------------------------------------------------
+
+
+def test_info_of_guideloom_data_without_dtype_says_to_pass_it_and_exits_0() -> None:
+    done = cli("info", FIXTURES / "stream")
+    assert done.returncode == 0
+    assert "written by GuideLoom (no commit records)" in done.stdout
+    assert "dtype unknown: pass --dtype" in done.stdout
+    assert "shards:    3" in done.stdout
+    assert "bytes:     550" in done.stdout
+
+
+def test_info_of_guideloom_data_with_dtype_counts_elements_and_samples() -> None:
+    dtype = "tokens:int32,loss_mask:uint8"
+    facts = json.loads(cli("info", FIXTURES / "stream", "--dtype", dtype, "-L", 5, "--json").stdout)
+    assert (facts["elements"], facts["samples"]) == (37 + 50 + 23, 22)
+
+
+def test_head_of_guideloom_data_needs_dtype_exit_2() -> None:
+    done = cli("head", FIXTURES / "stream")
+    assert done.returncode == 2
+    assert "pass --dtype" in _one_line_error(done)
+
+
+def test_head_of_guideloom_data_with_dtype_decodes_its_fields() -> None:
+    expected = json.loads((FIXTURES / "expected.json").read_text())["stream"]["windows"]["1"]
+    done = cli("head", FIXTURES / "stream", "--dtype", "tokens:int32,loss_mask:uint8", "-L", 1)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1] == (
+        f"1\ttokens={expected[1]['tokens']}\tloss_mask={expected[1]['loss_mask']}".replace(" ", "")
+    )
+
+
+def test_head_of_guideloom_documents_unpickles_them() -> None:
+    done = cli("head", FIXTURES / "document", "-n", 2, "--json")
+    assert [json.loads(line)["id"] for line in done.stdout.splitlines()] == [0, 1]
+
+
+def test_head_of_a_guideloom_stream_with_metadata_shows_the_payloads() -> None:
+    done = cli("head", FIXTURES / "stream_meta", "--dtype", "int32", "-n", 1, "-L", 4, "--json")
+    sample = json.loads(done.stdout)
+    assert sample["tokens"] == [0, 1, 2, 3]
+    assert sample["payloads"] == ["doc:0/chunk:0", "doc:1/chunk:0"]
+
+
+@pytest.mark.parametrize("kind", ["stream", "document", "stream_meta"])
+def test_verify_of_guideloom_data_checks_what_it_can_and_exits_0(kind: str) -> None:
+    done = cli("verify", FIXTURES / kind)
+    assert done.returncode == 0, done.stdout
+    assert "no commit records: no checksums" in done.stdout
+
+
+def test_verify_strict_of_guideloom_data_exits_1() -> None:
+    assert cli("verify", FIXTURES / "document", "--strict").returncode == 1
+
+
+def test_a_kind_the_files_do_not_have_is_refused_for_recorded_data(sound: Path) -> None:
+    done = cli("info", sound, "--kind", "document")
+    assert done.returncode == 2
+    assert "pass --kind stream" in _one_line_error(done)
+
+
+# --- corruptions the readers refuse ------------------------------------------------------------
+
+
+def _problems(done: subprocess.CompletedProcess[str]) -> list[str]:
+    return [line for line in done.stdout.splitlines() if line.startswith("problem: ")]
+
+
+def test_verify_reports_a_gap(sound: Path) -> None:
+    for path in sound.glob("0000001.*"):
+        path.unlink()
+    done = cli("verify", sound)
+    assert done.returncode == 1
+    (problem,) = _problems(done)
+    assert "shard 0000001 is missing" in problem and "Rewrite the missing shard" in problem
+
+
+def test_verify_reports_a_truncated_file(sound: Path) -> None:
+    path = sound / "0000001.in_band.bin"
+    path.write_bytes(path.read_bytes()[:-4])
+    done = cli("verify", sound)
+    assert done.returncode == 1
+    (problem,) = _problems(done)
+    assert "0000001.in_band.bin" in problem and "truncated" in problem
+    assert "rewrite shard 1" in problem
+
+
+def test_verify_reports_a_shard_of_another_dtype(sound: Path) -> None:
+    other = np.dtype([("tokens", "<i2")])
+    with (
+        pytest.warns(UserWarning, match="remain above"),
+        StreamStorage(sound, StreamNumpyFormat(other)).sync_writer() as writer,
+    ):
+        writer.append(1, {"tokens": np.arange(10)})
+    done = cli("verify", sound)
+    assert done.returncode == 1
+    (problem,) = _problems(done)
+    assert "shard 0000001" in problem and "was written with dtype" in problem
+
+
+def test_verify_reports_a_half_written_shard(sound: Path) -> None:
+    (sound / "0000002.shard.json").unlink()  # its data is there, its commit never happened
+    done = cli("verify", sound)
+    assert done.returncode == 1
+    (problem,) = _problems(done)
+    assert "shard 0000002" in problem and "no commit record" in problem
+    assert "Rewrite shard 2" in problem
+
+
+def test_verify_reports_a_checksum_mismatch(sound: Path) -> None:
+    path = sound / "0000000.in_band.bin"
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    done = cli("verify", sound)
+    assert done.returncode == 1
+    (problem,) = _problems(done)
+    assert "0000000.in_band.bin fails its checksum" in problem
+    assert "rewrite shard 0" in problem
+
+
+def test_verify_reports_every_bad_shard_on_its_own_line(sound: Path) -> None:
+    for shard in (0, 2):
+        path = sound / f"{shard:07d}.in_band.bin"
+        data = bytearray(path.read_bytes())
+        data[0] ^= 1
+        path.write_bytes(bytes(data))
+    (sound / "0000001.in_band.bin").write_bytes(b"")
+    report = json.loads(cli("verify", sound, "--json").stdout)
+    assert sorted(p["shard"] for p in report["problems"]) == [0, 1, 2]
+    assert report["exit_status"] == 1
+
+
+def test_info_still_describes_a_damaged_dataset(sound: Path) -> None:
+    (sound / "0000002.shard.json").unlink()
+    facts = json.loads(cli("info", sound, "--json").stdout)
+    assert [s["state"] for s in facts["shard_list"]] == ["committed", "committed", "uncommitted"]
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "head", "recover"])
+def test_a_missing_path_is_exit_2_with_one_line_naming_it(tmp_path: Path, command: str) -> None:
+    done = cli(command, tmp_path / "nope")
+    assert done.returncode == 2
+    line = _one_line_error(done)
+    assert str(tmp_path / "nope") in line and "does not exist" in line
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "head"])
+def test_a_directory_that_is_not_a_dataset_is_exit_2(tmp_path: Path, command: str) -> None:
+    done = cli(command, tmp_path)
+    assert done.returncode == 2
+    assert "is not a dataset" in _one_line_error(done)
+
+
+def test_bad_usage_is_exit_2_with_one_line() -> None:
+    done = cli("info")
+    assert done.returncode == 2
+    assert "DIR" in _one_line_error(done)
+    assert cli("frobnicate", ".").returncode == 2
+
+
+def test_a_bad_dtype_is_exit_2_naming_the_fix() -> None:
+    done = cli("head", FIXTURES / "stream", "--dtype", "int33")
+    assert done.returncode == 2
+    assert "--dtype int32" in _one_line_error(done)
+
+
+def test_debug_shows_the_traceback(tmp_path: Path) -> None:
+    done = cli("info", tmp_path / "nope", "--debug")
+    assert done.returncode == 2
+    assert "Traceback" in done.stderr
+
+
+# --- recover -----------------------------------------------------------------------------------
+
+
+def test_recover_removes_what_a_dead_writer_left_and_keeps_committed_data(sound: Path) -> None:
+    stale = sound / "0000001.in_band.bin.tmp"
+    stale.write_bytes(b"half")
+    (sound / "0000001.shard.json.tmp").write_bytes(b"")  # its lock, no longer held
+    before = {p.name: p.read_bytes() for p in sound.glob("*") if not p.name.endswith(".tmp")}
+    dry = cli("recover", sound, "--dry-run")
+    assert dry.returncode == 0
+    assert "shard 0000001: would remove its temporary files" in dry.stdout
+    assert stale.exists()
+    done = cli("recover", sound, "--json")
+    assert json.loads(done.stdout)["cleaned"] == [1]
+    assert not stale.exists()
+    after = {p.name: p.read_bytes() for p in sound.glob("*")}
+    assert after == before
+    assert cli("recover", sound).stdout.strip() == f"nothing to recover in {sound}"
+
+
+def test_recover_leaves_a_shard_a_live_writer_holds(sound: Path) -> None:
+    writer = StreamStorage(sound, StreamNumpyFormat(DTYPE)).sync_writer()
+    try:
+        writer.append(1, {"tokens": np.arange(3)})  # holds shard 1's lock, has a .tmp file
+        done = cli("recover", sound, "--json")
+        assert json.loads(done.stdout)["held"] == [1]
+        assert (sound / "0000001.in_band.bin.tmp").exists()
+    finally:
+        writer.abort()
