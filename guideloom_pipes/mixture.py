@@ -556,7 +556,11 @@ class MixtureDataset:
             return reader[index]
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
-        """The samples at ``ids``, through a reader opened for this call."""
+        """The samples at ``ids``, through a reader opened for this call.
+
+        Args:
+            ids: Positions of the mixture, an integer array or sequence in ``[0, len)``.
+        """
         with self.sync_reader() as reader:
             return reader.read_batch(ids)
 
@@ -594,7 +598,14 @@ class MixtureDataset:
         return passes.apply(component, pass_, offset)
 
     def prefix_counts(self, k: int) -> dict[str, int]:
-        """How many of positions ``0 .. k-1`` each component gets (exact)."""
+        """How many of positions ``0 .. k-1`` each component gets (exact).
+
+        Args:
+            k: The prefix length, >= 0 (may exceed ``len``: the schedule goes on).
+
+        Returns:
+            name -> count; the counts sum to ``k``.
+        """
         k = operator.index(k)
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
@@ -659,7 +670,12 @@ class MixtureReader(_DatasetReaderBase):
         return self.dataset.num_samples
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
-        """The samples at ``ids`` (positions of the mixture), in that order."""
+        """The samples at ``ids`` (positions of the mixture), in that order.
+
+        Args:
+            ids: An integer array or sequence of positions in ``[0, len)``; one out of range
+                raises ``IndexError`` naming it.
+        """
         self._check_open()
         dataset = self.dataset
         positions = dataset._check_ids(ids)

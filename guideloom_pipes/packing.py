@@ -555,7 +555,12 @@ class PackedReader(_DatasetReaderBase):
     # -- reading ----------------------------------------------------------------------------
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
-        """The windows at ``ids``, each a dict of four int64 arrays, in that order."""
+        """The windows at ``ids``, each a dict of four int64 arrays, in that order.
+
+        Args:
+            ids: An integer array or sequence of window numbers in ``[0, len)``; one out of
+                range raises ``IndexError`` naming it.
+        """
         self._check_open()
         ids = _as_ids(ids, self._length)
         dataset = self.dataset
