@@ -5,6 +5,8 @@ the dataset changes, cache_dir fallback, ignored by listing and verify), refusal
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -292,7 +294,7 @@ def test_one_rewritten_shard_is_a_change(documents_dir):
     assert got == reference_documents(new, 4, None, list(range(len(new))))
 
 
-def test_listing_and_verify_ignore_the_sidecar(documents_dir):
+def test_listing_verify_recover_and_the_cli_ignore_the_sidecar(documents_dir):
     read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS))
     assert sidecars(documents_dir)
     storage = _storage(documents_dir)
@@ -300,6 +302,19 @@ def test_listing_and_verify_ignore_the_sidecar(documents_dir):
     with DocumentDataset(storage).sync_reader() as reader:
         assert len(reader) == 60
         assert reader.storage_reader.num_shards == 2
+    names = sidecars(documents_dir)
+    for command in ("info", "verify", "recover"):
+        done = subprocess.run(
+            [sys.executable, "-m", "guideloom_pipes", command, str(documents_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, (command, done.stdout, done.stderr)
+        assert "packing" not in done.stdout + done.stderr
+    assert storage.recover() == {"rolled_forward": [], "removed": [], "cleaned": []}
+    assert sidecars(documents_dir) == names
 
 
 def test_a_corrupt_sidecar_is_rebuilt(documents_dir):
