@@ -467,6 +467,13 @@ class MixtureDataset:
         self.components: dict[str, Any] = dict(components)
         given = _check_weights(names, weights)
         self._integer_weights = _integer_weights(given)
+        tiny = [c for c, w in enumerate(self._integer_weights) if w == 0]
+        if tiny:
+            raise ValueError(
+                f"weight of {names[tiny[0]]!r} is below 2**-30 of the total ({given[tiny[0]]!r} "
+                f"of {sum(given)!r}): the schedule cannot give it a share; raise it or drop the "
+                f"component"
+            )
         denominator = sum(self._integer_weights)
         #: the realised proportions ``W_c / D`` (module docstring), by name
         self.weights: dict[str, float] = {

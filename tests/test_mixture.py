@@ -279,6 +279,7 @@ def test_a_component_whose_length_changed_is_refused_when_a_reader_opens(tmp_pat
         ({"a": float("nan"), "b": 1}, "'a'.*finite"),
         ({"a": float("inf"), "b": 1}, "'a'.*finite"),
         ({"a": "1", "b": 1}, "'a'.*number"),
+        ({"a": 1e-12, "b": 1}, "'a' is below 2\\*\\*-30"),
     ],
 )
 def test_bad_weights_are_refused_naming_the_key(weights, message):
