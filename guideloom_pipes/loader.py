@@ -218,10 +218,11 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             collate_fn: As for the constructor.
             sequence_length: Elements per sample; required for stream storages, refused for
                 document storages.
-            device, local_batch_size, rank, world_size, num_workers, parallel_method,
-                shuffle, shuffle_seed, pin_memory, drop_last, prefetch: As for the
-                constructor (GuideLoom's keywords and defaults).
             **kwargs: The constructor's other keywords (torch ``DataLoader`` names).
+
+        ``device``, ``local_batch_size``, ``rank``, ``world_size``, ``num_workers``,
+        ``parallel_method``, ``shuffle``, ``shuffle_seed``, ``pin_memory``, ``drop_last`` and
+        ``prefetch`` are as for the constructor (GuideLoom's keywords and defaults).
         """
         kwargs.update(
             device=device,
