@@ -15,6 +15,7 @@ from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.mixture import MixtureDataset
 from guideloom_pipes.opening import open_storage
 from guideloom_pipes.packing import PackedDataset
+from guideloom_pipes.parallel import WriteParallelError, WriteReport, write_parallel
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
 __version__ = "0.1.0"
@@ -24,12 +25,14 @@ GUIDELOOM_VERSION = "1.1.0"
 if TYPE_CHECKING:
     from guideloom_pipes import pipes
     from guideloom_pipes.loader import StatefulDataLoader
+    from guideloom_pipes.pipes.collate import pad_collate
     from guideloom_pipes.pipes.packed import collate_packed
 
 _LAZY = {
     "StatefulDataLoader": ("guideloom_pipes.loader", "StatefulDataLoader"),
     "pipes": ("guideloom_pipes.pipes", None),
     "collate_packed": ("guideloom_pipes.pipes.packed", "collate_packed"),
+    "pad_collate": ("guideloom_pipes.pipes.collate", "pad_collate"),
 }
 
 
@@ -61,10 +64,14 @@ __all__ = [
     "StreamNumpyFormat",
     "StreamStorage",
     "StreamWithMetaStorage",
+    "WriteParallelError",
+    "WriteReport",
     "__version__",
     "collate_packed",
     "io",
     "open_storage",
+    "pad_collate",
     "pipes",
     "types",
+    "write_parallel",
 ]

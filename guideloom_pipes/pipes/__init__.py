@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
-    from guideloom_pipes.pipes.collate import Collate, default_collate
+    from guideloom_pipes.pipes.collate import Collate, default_collate, pad_collate
     from guideloom_pipes.pipes.device import PinMemory, Prefetcher, ToDevice, apply_to_tensors
     from guideloom_pipes.pipes.packed import collate_packed
     from guideloom_pipes.pipes.positions import Positions, RankPositions, num_steps
@@ -35,6 +35,7 @@ _STAGES = {
     "DataLoaderTimeoutError": "_pool",
     "Collate": "collate",
     "default_collate": "collate",
+    "pad_collate": "collate",
     "collate_packed": "packed",
     "PinMemory": "device",
     "Prefetcher": "device",
@@ -79,6 +80,7 @@ __all__ = [
     "default_collate",
     "draw_seed",
     "num_steps",
+    "pad_collate",
 ]
 
 

@@ -1,14 +1,17 @@
-"""Batching and collation: a list of samples -> one batch."""
+"""Batching and collation: a list of samples -> one batch (``default_collate``, and
+``pad_collate`` for documents of different lengths)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import default_collate as _torch_default_collate
 from torchdata.nodes import BaseNode
 
-__all__ = ["Collate", "default_collate"]
+__all__ = ["Collate", "default_collate", "pad_collate"]
 
 
 def default_collate(samples: Sequence[Any]) -> Any:
@@ -23,6 +26,136 @@ def default_collate(samples: Sequence[Any]) -> Any:
     if len(samples) == 0:
         return []
     return _torch_default_collate(samples if isinstance(samples, list) else list(samples))
+
+
+def _as_sequence(value: Any) -> np.ndarray | None:
+    """``value`` as a 1-D numeric array if it is one (array, tensor, list of numbers)."""
+    if isinstance(value, torch.Tensor):
+        value = value.numpy()
+    elif isinstance(value, (list, tuple)):
+        if not all(isinstance(v, (int, float, np.integer, np.floating)) for v in value):
+            return None
+        value = np.asarray(value)
+    if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "biuf":
+        return value
+    return None
+
+
+def _pad(
+    name: str, columns: list[np.ndarray], width: int, value: Any, left: bool
+) -> tuple[torch.Tensor, np.ndarray]:
+    """``columns`` padded to ``width`` with ``value``: the ``(B, width)`` tensor and mask."""
+    dtype = np.result_type(*[c.dtype for c in columns])
+    try:
+        fill = np.array(value).astype(dtype, casting="same_kind")
+    except TypeError:
+        raise ValueError(
+            f"pad_collate: pad value {value!r} does not fit field {name!r} of dtype {dtype}"
+        ) from None
+    out = np.full((len(columns), width), fill, dtype=dtype)
+    mask = np.zeros((len(columns), width), dtype=bool)
+    for row, column in enumerate(columns):
+        n = min(len(column), width)
+        if left:
+            out[row, width - n :] = column[:n]
+            mask[row, width - n :] = True
+        else:
+            out[row, :n] = column[:n]
+            mask[row, :n] = True
+    return torch.from_numpy(out), mask
+
+
+def pad_collate(
+    samples: Sequence[Any],
+    *,
+    pad_value: Any = 0,
+    max_length: int | None = None,
+    pad_to_multiple_of: int | None = None,
+    padding_side: str = "right",
+) -> Any:
+    """Batch documents of token arrays of different lengths: pad them to one length.
+
+    Each sample is a 1-D array of tokens (a numpy array, a tensor or a list of ints), or a
+    dict of fields: every field that is a 1-D numeric array is padded (all of a sample's
+    sequence fields must have one length); number fields become a ``(B,)`` tensor, other
+    values a list.
+
+    Args:
+        samples: one local batch (what a ``DocumentDataset`` of token arrays yields).
+        pad_value: the value of the padding; a dict ``{field: value}`` gives each field its
+            own (e.g. ``{"tokens": 0, "labels": -100}``; fields not in it get 0).
+        max_length: truncate longer documents to this many tokens.
+        pad_to_multiple_of: round the padded length up to a multiple of this (tensor cores
+            like multiples of 8).
+        padding_side: ``"right"`` (default) or ``"left"`` (for generation).
+
+    Returns:
+        A dict: each sequence field as a ``(B, T)`` tensor (``tokens`` for samples that are
+        bare arrays), ``attention_mask`` (``(B, T)`` bool, True on real tokens) and
+        ``lengths`` (``(B,)`` int64, tokens per document before padding, after
+        truncation). ``T`` is the longest document's length (after truncation, rounded up).
+        An empty rank batch (``drop_last=False``) stays ``[]``.
+
+    Raises:
+        ValueError: a sample has no sequence field, its sequence fields differ in length,
+            samples have different fields, or a pad value does not fit a field's dtype.
+    """
+    if padding_side not in ("right", "left"):
+        raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
+    if len(samples) == 0:
+        return []
+    rows = [s if isinstance(s, Mapping) else {"tokens": s} for s in samples]
+    names = list(rows[0])
+    for index, row in enumerate(rows):
+        if list(row) != names:
+            raise ValueError(
+                f"pad_collate: sample {index} has fields {list(row)}, sample 0 has {names}"
+            )
+    sequences: dict[str, list[np.ndarray]] = {}
+    others: dict[str, list[Any]] = {}
+    for name in names:
+        found = [_as_sequence(row[name]) for row in rows]
+        arrays = [array for array in found if array is not None]
+        if len(arrays) == len(rows):
+            sequences[name] = arrays
+        else:
+            others[name] = [row[name] for row in rows]
+    if not sequences:
+        raise ValueError(
+            f"pad_collate needs token arrays: no field of the samples is a 1-D numeric array "
+            f"(fields: {names})"
+        )
+    lengths = np.array([len(c) for c in next(iter(sequences.values()))], dtype=np.int64)
+    for name, columns in sequences.items():
+        sizes = np.array([len(c) for c in columns])
+        if (sizes != lengths).any():
+            bad = int(np.flatnonzero(sizes != lengths)[0])
+            raise ValueError(
+                f"pad_collate: sample {bad}'s field {name!r} has {sizes[bad]} elements but its "
+                f"other sequence fields have {lengths[bad]}; fields padded together need one length"
+            )
+    if max_length is not None:
+        lengths = np.minimum(lengths, max_length)
+    width = int(lengths.max()) if len(lengths) else 0
+    if pad_to_multiple_of:
+        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
+    values = pad_value if isinstance(pad_value, Mapping) else {}
+    out: dict[str, Any] = {}
+    mask = None
+    for name, columns in sequences.items():
+        value = values.get(name, 0) if isinstance(pad_value, Mapping) else pad_value
+        out[name], mask = _pad(name, columns, width, value, padding_side == "left")
+    out["attention_mask"] = torch.from_numpy(mask)
+    out["lengths"] = torch.from_numpy(lengths)
+    for name, column in others.items():
+        if all(
+            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+            for v in column
+        ):
+            out[name] = torch.as_tensor(np.asarray(column))
+        else:
+            out[name] = column
+    return out
 
 
 class Collate(BaseNode[Any]):

@@ -266,6 +266,17 @@ class DocumentWriter(ShardWriterBase, DocumentStorageSyncWriterAbstract[Any]):
         except KeyError:
             raise KeyError(f"shard {shard} was not written by this writer") from None
 
+    def start(self, shard: int) -> None:
+        """Start shard ``shard`` with nothing in it: it is committed at close even if
+        nothing is appended to it (an empty shard, where appends would otherwise be the
+        only way to create one)."""
+        self._check_open()
+        with self._lock:
+            transaction = self._transaction(shard)
+            if transaction.shard not in self._logs:
+                self._logs[transaction.shard] = PayloadLog(transaction.files[OUT_OF_BAND])
+            self._written(transaction.shard)
+
     def _commit_args(self, shard: int) -> dict[str, Any]:
         log = self._logs[shard]
         log.write_index(self._transactions[shard].files[INDEX])

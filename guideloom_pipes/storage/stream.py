@@ -208,6 +208,16 @@ class StreamWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
         except KeyError:
             raise KeyError(f"shard {shard} was not written by this writer") from None
 
+    def start(self, shard: int) -> None:
+        """Start shard ``shard`` with nothing in it: it is committed at close even if
+        nothing is appended to it (an empty shard, where appends would otherwise be the
+        only way to create one)."""
+        self._check_open()
+        with self._lock:
+            transaction = self._transaction(shard)
+            self._lengths.setdefault(transaction.shard, 0)
+            self._written(transaction.shard)
+
     def _commit_args(self, shard: int) -> dict[str, Any]:
         return {"count": self._lengths[shard], "dtype": self.dtype}
 

@@ -1,0 +1,343 @@
+"""``write_parallel``: a dataset written by many workers (a local process pool, or any
+``concurrent.futures.Executor``, Dask's included), item ``k`` of the input becoming shard ``k``
+through the atomic commit; resumable by a fingerprint of each item kept in the shard's commit
+record. numpy only: it never imports torch."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import os
+import pickle
+import stat
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from guideloom_pipes.progress import Progress
+from guideloom_pipes.storage.base import StorageBase
+from guideloom_pipes.storage.commit import WRITER_MODES, remove_shards_from
+from guideloom_pipes.storage.errors import StorageError
+from guideloom_pipes.storage.names import _NAME, RECORD, shard_name
+from guideloom_pipes.storage.records import ShardRecord, format_name
+
+__all__ = ["WriteParallelError", "WriteReport", "item_fingerprint", "write_parallel"]
+
+
+@dataclass
+class WriteReport:
+    """What :func:`write_parallel` did."""
+
+    #: shard ids written (converted and committed) in this run
+    written: list[int] = field(default_factory=list)
+    #: shard ids skipped: committed by an earlier run from the same item
+    skipped: list[int] = field(default_factory=list)
+    #: shard ids whose item failed (left uncommitted: their earlier version, if any, stays)
+    failed: list[int] = field(default_factory=list)
+    #: shard ids at or above ``len(items)`` removed (``mode="overwrite"``)
+    removed: list[int] = field(default_factory=list)
+    #: records appended, over the shards written
+    records: int = 0
+    #: bytes of the files written
+    bytes: int = 0
+    #: wall-clock seconds
+    seconds: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"{len(self.written)} shards written, {len(self.skipped)} skipped (unchanged), "
+            f"{len(self.failed)} failed"
+            + (f", {len(self.removed)} removed (above the items)" if self.removed else "")
+            + f"; {self.records} records, {self.bytes} bytes in {self.seconds:.2f} s"
+        )
+
+
+class WriteParallelError(RuntimeError):
+    """Items failed in :func:`write_parallel`; every other item was written.
+
+    Attributes:
+        failures: ``(index, item, exception)`` of each failed item, by index.
+        report: the :class:`WriteReport` of the run.
+    """
+
+    def __init__(self, failures: list[tuple[int, Any, BaseException]], report: WriteReport):
+        self.failures = failures
+        self.report = report
+        lines = [
+            f"item {index} ({_short(item)}): {type(error).__name__}: {error}"
+            for index, item, error in failures
+        ]
+        super().__init__(
+            f"{len(failures)} of the items failed in write_parallel; their shards "
+            f"({', '.join(shard_name(i) for i, _, _ in failures[:10])}"
+            f"{', ...' if len(failures) > 10 else ''}) were not committed, every other item "
+            f"was written ({report}). Fix them and run again: unchanged items are skipped.\n"
+            + "\n".join(lines)
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.failures, self.report))
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+def item_fingerprint(item: Any) -> bytes:
+    """What identifies an item's input: for a path to a file, its absolute path, size and
+    modification time (so an edited file is rewritten); for anything else, its pickle."""
+    if isinstance(item, (str, os.PathLike)):
+        path = os.fspath(item)
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError):
+            info = None
+        if info is not None and stat.S_ISREG(info.st_mode):
+            return f"file\0{os.path.abspath(path)}\0{info.st_size}\0{info.st_mtime_ns}".encode()
+    return b"pickle\0" + pickle.dumps(item, protocol=4)
+
+
+def _fingerprint(
+    item: Any,
+    convert_bytes: bytes,
+    storage: StorageBase,
+    fingerprint: Callable[[Any], str | bytes] | None,
+) -> str:
+    own = fingerprint(item) if fingerprint is not None else item_fingerprint(item)
+    if isinstance(own, str):
+        own = own.encode()
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (own, convert_bytes, format_name(storage.format).encode(), storage.kind.encode()):
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return "blake2b:" + digest.hexdigest()
+
+
+def _write_shard(
+    storage: Any, shard: int, item: Any, convert: Callable[[Any], Iterable[Any]], fp: str
+) -> tuple[int, int]:
+    """In a worker: convert ``item`` and commit it as shard ``shard``; (records, bytes)."""
+    writer: Any = storage.sync_writer(mode="update")
+    writer._warn_older_above = False  # the other shards are other workers' business
+    with writer:
+        writer.start(shard)  # an item that yields nothing is an empty shard, not a gap
+        records = 0
+        for record in convert(item):
+            writer.append(shard, record)
+            records += 1
+        writer.set_fingerprint(shard, fp)
+    committed = writer._transactions[shard].record
+    return records, sum(f.size for f in committed.files.values())
+
+
+def _unchanged(storage: StorageBase, shard: int, fp: str) -> bool:
+    """Whether shard ``shard`` is committed from the item of fingerprint ``fp`` with its
+    files at their recorded sizes."""
+    directory = os.fspath(storage.dir)
+    stem = os.path.join(directory, shard_name(shard))
+    try:
+        with open(stem + RECORD, "rb") as file:
+            record = ShardRecord.from_json(file.read(), stem + RECORD)
+    except (OSError, StorageError):
+        return False
+    if record.state != "committed" or record.fingerprint != fp or record.kind != storage.kind:
+        return False
+    for suffix in storage.suffixes:
+        expected = record.files.get(suffix.lstrip("."))
+        try:
+            size = os.stat(os.path.join(directory, record.file_name(suffix))).st_size
+        except OSError:
+            return False
+        if expected is None or expected.size != size:
+            return False
+    return True
+
+
+def _check_picklable(convert: Any) -> bytes:
+    try:
+        return pickle.dumps(convert, protocol=4)
+    except Exception as error:
+        raise TypeError(
+            f"convert {_short(convert)} cannot be pickled ({type(error).__name__}: {error}), "
+            f"so it cannot be sent to worker processes: define it with `def` at the top level "
+            f"of a module (not a lambda, a nested function or a bound method of an unpicklable "
+            f"object); use functools.partial for its arguments. Nothing was written"
+        ) from error
+
+
+def _shards_present(directory: str) -> set[int]:
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return set()
+    found = set()
+    for name in names:
+        match = _NAME.match(name)
+        if match and not match.group("temporary") and match.group("generation") is None:
+            found.add(int(match.group("shard")))
+    return found
+
+
+def write_parallel(
+    storage: Any,
+    items: Sequence[Any] | Iterable[Any],
+    convert: Callable[[Any], Iterable[Any]],
+    *,
+    executor: cf.Executor | None = None,
+    max_workers: int | None = None,
+    progress: bool = True,
+    resume: bool = True,
+    mode: str = "overwrite",
+    fingerprint: Callable[[Any], str | bytes] | None = None,
+    max_in_flight: int | None = None,
+) -> WriteReport:
+    """Write a dataset from ``items`` in parallel: item ``k`` becomes shard ``k``.
+
+    Each item (a file path, a slice of a list, ...) is sent to a worker, where
+    ``convert(item)`` returns the item's records (each what ``writer.append(shard, record)``
+    takes) and a writer of its own commits them as shard ``k`` with the atomic commit of
+    every writer. Which worker finishes first changes nothing: the data files and commit
+    records are byte for byte those of a serial run (records hold no timestamps).
+
+    Args:
+        storage: a :class:`~guideloom_pipes.StreamStorage`,
+            :class:`~guideloom_pipes.DocumentStorage` or
+            :class:`~guideloom_pipes.StreamWithMetaStorage` of a local directory.
+        items: the work items, in shard order (any iterable; it is read once, up front).
+        convert: item -> iterable of records. It crosses to the workers by pickle: a
+            function defined at the top level of a module (or a ``functools.partial`` of
+            one). An unpicklable one is refused before any work starts.
+        executor: where to run: ``None`` starts a local process pool (``max_workers``
+            processes, default one per CPU) and shuts it down at the end; any
+            ``concurrent.futures.Executor`` (a ``ProcessPoolExecutor``, a
+            ``ThreadPoolExecutor``, ``dask.distributed.Client(...).get_executor()``) is used
+            as is and left running.
+        max_workers: processes of the local pool (``executor=None`` only).
+        progress: show items, records and bytes written (a tqdm bar when tqdm is
+            installed, else a log line every few seconds on stderr).
+        resume: skip shard ``k`` when its commit record carries the fingerprint of item
+            ``k`` (the same input, the same ``convert``, format and kind) and its files have
+            their recorded sizes; every other item is written. ``False`` writes them all.
+        mode: ``"overwrite"`` (default): once every item is written, shards numbered
+            ``len(items)`` and above (left by an earlier, longer run) are removed, so the
+            dataset is exactly the items; ``"update"``: they stay (with a warning);
+            ``"create"``: the directory must hold no shards.
+        fingerprint: item -> ``str``/``bytes`` identifying its input, instead of
+            :func:`item_fingerprint` (a path's size and modification time, else the pickle).
+        max_in_flight: items submitted but not finished at any time (default: twice the
+            workers of the local pool, else 256).
+
+    Returns:
+        A :class:`WriteReport`: shards written and skipped, records, bytes.
+
+    Raises:
+        TypeError: ``convert`` cannot be pickled (nothing was written).
+        WriteParallelError: some items failed; every other item was written, the failed
+            ones' shards were not committed. It lists each (index, item, exception).
+    """
+    if not isinstance(storage, StorageBase):
+        raise TypeError(
+            f"write_parallel needs a StreamStorage, DocumentStorage or StreamWithMetaStorage, "
+            f"got {type(storage).__name__}"
+        )
+    if mode not in WRITER_MODES:
+        raise ValueError(f"mode must be one of {', '.join(map(repr, WRITER_MODES))}, got {mode!r}")
+    if executor is not None and not isinstance(executor, cf.Executor):
+        raise TypeError(
+            f"executor must be a concurrent.futures.Executor (or None for a local process "
+            f"pool), got {type(executor).__name__}; for Dask pass client.get_executor()"
+        )
+    if not callable(convert):
+        raise TypeError(f"convert must be callable, got {_short(convert)}")
+    convert_bytes = _check_picklable(convert)
+    try:
+        pickle.dumps(storage, protocol=4)
+    except Exception as error:
+        raise TypeError(
+            f"the storage {storage!r} cannot be pickled ({error}), so workers cannot open it "
+            f"(is its format or read backend defined at the top level of a module?)"
+        ) from error
+    directory = os.fspath(storage.dir)
+    work = list(items)
+    started = time.perf_counter()
+    if mode == "create" and _shards_present(directory):
+        raise FileExistsError(
+            f"{directory} already holds shards and write_parallel was called with "
+            f"mode='create'; write into a new directory, or use mode='overwrite'"
+        )
+    report = WriteReport()
+    prints = [_fingerprint(item, convert_bytes, storage, fingerprint) for item in work]
+    todo = []
+    for shard, fp in enumerate(prints):
+        if resume and mode != "create" and _unchanged(storage, shard, fp):
+            report.skipped.append(shard)
+        else:
+            todo.append(shard)
+    owned = executor is None
+    if owned:
+        workers = max_workers or os.cpu_count() or 1
+        executor = cf.ProcessPoolExecutor(max_workers=min(workers, max(1, len(todo))))
+    assert executor is not None
+    if max_in_flight is None:
+        pool = getattr(executor, "_max_workers", None)
+        max_in_flight = 2 * pool if isinstance(pool, int) and pool > 0 else 256
+    failures: list[tuple[int, Any, BaseException]] = []
+    bar = Progress("write_parallel", len(work), "items", enabled=progress)
+    try:
+        if report.skipped:
+            bar.update(len(report.skipped), skipped=len(report.skipped))
+        pending: dict[cf.Future[tuple[int, int]], int] = {}
+        queue = iter(todo)
+
+        def fill() -> None:
+            for shard in queue:
+                future = executor.submit(
+                    _write_shard, storage, shard, work[shard], convert, prints[shard]
+                )
+                pending[future] = shard
+                if len(pending) >= max_in_flight:
+                    return
+
+        fill()
+        while pending:
+            done, _ = cf.wait(list(pending), return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                shard = pending.pop(future)
+                try:
+                    records, size = future.result()
+                except Exception as error:
+                    failures.append((shard, work[shard], error))
+                    report.failed.append(shard)
+                    bar.update(1, failed=1)
+                    continue
+                report.written.append(shard)
+                report.records += records
+                report.bytes += size
+                bar.update(1, records=records, bytes=size)
+            fill()
+    finally:
+        if owned:
+            executor.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    report.written.sort()
+    report.failed.sort()
+    report.seconds = time.perf_counter() - started
+    if failures:
+        failures.sort(key=lambda failure: failure[0])
+        raise WriteParallelError(failures, report)
+    above = sorted(s for s in _shards_present(directory) if s >= len(work))
+    if above and mode == "overwrite":
+        report.removed = remove_shards_from(directory, len(work))
+    elif above:
+        warnings.warn(
+            f"write_parallel wrote shards 0..{len(work) - 1} of {directory}, but {len(above)} "
+            f"shard(s) above them remain from an earlier write: readers see them after the "
+            f"new ones. Use mode='overwrite' to make the dataset exactly the items",
+            UserWarning,
+            stacklevel=2,
+        )
+    report.seconds = time.perf_counter() - started
+    return report
