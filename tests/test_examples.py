@@ -110,3 +110,17 @@ def test_mix_and_pack_example_resumes_a_blend_of_packed_corpora_on_another_world
     stdout = _run([sys.executable, str(EXAMPLES / "mix_and_pack.py")], tmp_path)
     assert "resumed steps match: True" in stdout
     assert "cu_seqlens of the first batch: [0," in stdout
+
+
+@pytest.mark.timeout(240)
+def test_tokenize_corpus_writes_one_shard_per_file_with_eos_after_each_document(tmp_path):
+    stdout = _run([sys.executable, str(EXAMPLES / "tokenize_corpus.py")], tmp_path)
+    assert "first run: 8 shards written, 0 skipped" in stdout
+    assert "second run: 0 shards written, 8 skipped" in stdout
+    assert "shards:    8" in stdout and "samples:   50 (sequence length 64)" in stdout
+    files = sorted((tmp_path / "corpus").glob("*.txt"))
+    out = tmp_path / "data" / "corpus-tokens"
+    for shard, path in enumerate(files):
+        tokens = np.fromfile(out / f"{shard:07d}.in_band.bin", dtype="<i4")
+        assert tokens[-1] == 256
+        assert bytes(tokens[:-1].astype(np.uint8)) == path.read_bytes()
