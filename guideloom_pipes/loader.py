@@ -11,7 +11,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 from torchdata.nodes import BaseNode
@@ -47,8 +47,16 @@ _NUM_SAMPLES_KEY = "num_samples"
 #: Extra key of ours: the global batch size of the run that reached the offset. Padding
 #: takes an offset past the dataset's end by less than that, so it bounds a valid offset.
 _GLOBAL_BATCH_KEY = "global_batch_size"
-SourceT = TypeVar("SourceT")
-BatchT = TypeVar("BatchT")
+if TYPE_CHECKING:
+    # Defaults (PEP 696) for type checkers only: a loader built without a typed collate_fn is
+    # a StatefulDataLoader[Any, Any] instead of an error asking the user for an annotation.
+    from typing_extensions import TypeVar as _TypeVarWithDefault
+
+    SourceT = _TypeVarWithDefault("SourceT", default=Any)
+    BatchT = _TypeVarWithDefault("BatchT", default=Any)
+else:
+    SourceT = TypeVar("SourceT")
+    BatchT = TypeVar("BatchT")
 
 
 class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[SourceT, BatchT]):
@@ -112,7 +120,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
     def __init__(
         self,
         dataset: Any,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: Callable[[list[Any]], BatchT] | None = None,
         *,
         device: torch.device | str | int | None = None,
         local_batch_size: int = 1,
@@ -195,7 +203,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
     def from_storage(
         cls,
         storage: Any,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: Callable[[list[Any]], BatchT] | None = None,
         *,
         sequence_length: int | None = None,
         device: torch.device | str | int | None = None,
@@ -210,7 +218,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         drop_last: bool = True,
         prefetch: int = 0,
         **kwargs: Any,
-    ) -> StatefulDataLoader[Any, Any]:
+    ) -> StatefulDataLoader[Any, BatchT]:
         """A loader over a storage: ``StreamDataset`` or ``DocumentDataset`` picked for you.
 
         Args:
@@ -359,7 +367,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         iterator = self._iterator() if self._iterator is not None else None
         return iterator if iterator is not None and iterator._active else None
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[BatchT]:
         if self._active_iterator() is not None:
             raise RuntimeError(
                 "an iterator of this loader is still active: drain it or call its close() "
@@ -423,7 +431,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             return 0
         return (2 * self.num_workers or 1) + self.prefetch
 
-    def steps(self, n: int) -> Iterator[Any]:
+    def steps(self, n: int) -> Iterator[BatchT]:
         """Exactly ``n`` batches from where the loader stands, across epoch ends.
 
         Training loops count steps, not epochs: ``for batch in loader.steps(n)`` delivers

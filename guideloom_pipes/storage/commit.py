@@ -83,7 +83,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import PurePath
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
@@ -683,6 +683,9 @@ def _too_many_files(error: OSError, shard: int, open_shards: int, per_shard: int
     )
 
 
+_WriterT = TypeVar("_WriterT", bound="ShardWriterBase")
+
+
 class ShardWriterBase:
     """Bookkeeping shared by the writers: one transaction per touched shard, commit on close.
 
@@ -743,7 +746,7 @@ class ShardWriterBase:
         self._present = _shards_in(self.directory)
         self._opened = True
 
-    def __enter__(self) -> Any:
+    def __enter__(self: _WriterT) -> _WriterT:
         self.open()
         return self
 
