@@ -72,6 +72,7 @@ SCENARIOS = (
     "train-loop",
     "mixture",
     "packed",
+    "parallel-write",
 )
 #: The end-of-document token of the packed scenario's stream.
 PACKED_EOS = 0
@@ -370,6 +371,13 @@ class Bench:
             for kind, dataset, collate in kinds
         ]
         self.rows += measure("packed", contenders, self.sizes, self.log)
+
+    def parallel_write_scenario(self) -> None:
+        """``write_parallel`` of a CPU-bound conversion: 2 worker processes against 1, on a
+        process pool and on a Dask LocalCluster (see ``bench/writing.py``)."""
+        from guideloom_pipes.bench.writing import parallel_write_rows
+
+        self.rows += parallel_write_rows(self.root / "parallel-write", self.sizes, self.log)
 
     def scale_scenario(self) -> None:
         started = time.perf_counter()
