@@ -10,12 +10,17 @@ otherwise; several directives may share one comment, separated by ``;``:
 ``<!-- continues in a new process -->``
     the block runs after the one before it, in the same working directory (its files are
     there) but in a new process: what a restarted program sees (the tutorial's resume).
-``<!-- needs: cuda -->``, ``<!-- needs: s3 -->``
-    the block needs what this machine may not have; without it the block is skipped, and the
-    skip, with its reason, is listed in the test report (``-rs``).
+``<!-- needs: cuda -->``, ``<!-- needs: s3 -->``, ``<!-- needs: dask -->``
+    the block needs what this machine may not have (a GPU, an S3 server, the ``[dask]``
+    extra); without it the block is skipped, and the skip, with its reason, is listed in the
+    test report (``-rs``).
 ``<!-- run: torchrun -->``
     the block is a training script: it runs as ``torchrun --standalone --nproc-per-node=2``
     (on CPU).
+``<!-- file: train.py -->``
+    the block is a file the page tells you to save: it is written into the working directory
+    under that name (not run), and joins the chain of the block before it, so that the blocks
+    after it can run it (the tutorial's training script).
 
 Bash and other blocks are not run. A chain of blocks joined by ``continues`` is one test,
 named after its page and the lines of its first and last block. The script of a chain keeps
@@ -40,7 +45,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _COMMENT = re.compile(r"^\s*<!--(?P<body>.*?)-->\s*$")
-_NEEDS = {"cuda", "s3"}
+_NEEDS = {"cuda", "s3", "dask"}
 _TORCH_WORDS = re.compile(
     r"\bimport torch\b|\bfrom torch\b|StatefulDataLoader|collate_packed|pad_collate|"
     r"guideloom_pipes\.pipes|\bfrom guideloom_pipes import pipes\b"
@@ -57,6 +62,7 @@ class Block:
     continues: str | None = None  # None, "namespace" or "process"
     needs: set[str] = field(default_factory=set)
     torchrun: bool = False
+    file: str | None = None  # written into the working directory under this name, not run
 
     @property
     def name(self) -> str:
@@ -82,10 +88,16 @@ def _directives(comment: str, where: str) -> Block:
             block.needs.add(need)
         elif directive == "run: torchrun":
             block.torchrun = True
+        elif directive.startswith("file:"):
+            name = directive.removeprefix("file:").strip()
+            if not name or "/" in name or name.startswith("."):
+                raise ValueError(f"{where}: 'file:' needs a plain file name, got {name!r}")
+            block.file = name
         else:
             raise ValueError(
                 f"{where}: unknown directive {directive!r} before a python block (known: "
-                "continues, continues in a new process, needs: cuda|s3, run: torchrun)"
+                "continues, continues in a new process, needs: cuda|s3|dask, run: torchrun, "
+                "file: NAME)"
             )
     return block
 
@@ -119,6 +131,8 @@ def python_blocks(page: Path) -> list[Block]:
                 line[len(indent) :] if line.startswith(indent) else line
                 for line in lines[i + 1 : end]
             )
+            if block.file and blocks:
+                block.continues = block.continues or "process"
             if block.continues and not blocks:
                 raise ValueError(f"{where}: the first python block of a page continues nothing")
             blocks.append(block)
@@ -155,7 +169,7 @@ def _script(blocks: list[Block]) -> str:
 def _processes(chain: list[Block]) -> list[list[Block]]:
     steps: list[list[Block]] = []
     for block in chain:
-        if block.continues == "namespace":
+        if block.continues == "namespace" and not steps[-1][0].file:
             steps[-1].append(block)
         else:
             steps.append([block])
@@ -173,6 +187,8 @@ def _skip_reason(chain: list[Block]) -> str | None:
 
         if not torch.cuda.is_available():
             return "needs CUDA: no CUDA device here (runs in the device check when one is lent)"
+    if "dask" in needs and importlib.util.find_spec("distributed") is None:
+        return "needs Dask: pip install -e '.[dask]'"
     if "s3" in needs:
         return "needs S3: no S3 server fixture in this suite"
     return None
@@ -228,6 +244,9 @@ def test_python_block_runs(chain: list[Block], tmp_path: Path) -> None:
         pytest.skip(f"{_chain_id(chain)}: {reason}")
     for number, blocks in enumerate(_processes(chain)):
         page = blocks[0].page
+        if blocks[0].file:
+            (tmp_path / blocks[0].file).write_text(blocks[0].code + "\n", encoding="utf-8")
+            continue
         script = tmp_path / f"{page.stem.replace('-', '_')}_md_{number}.py"
         script.write_text(_script(blocks), encoding="utf-8")
         if any(block.torchrun for block in blocks):
