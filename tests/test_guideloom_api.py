@@ -1072,8 +1072,13 @@ def test_read_many_still_takes_any_iterable_of_ints(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("storage_class", [StreamStorage, DocumentStorage, StreamWithMetaStorage])
 def test_storages_take_guideloom_parameter_names(storage_class: type) -> None:
-    names = list(inspect.signature(storage_class).parameters)
-    assert names == ["storage_dir", "storage_format", "read_interface"]
+    parameters = inspect.signature(storage_class).parameters
+    assert list(parameters)[:3] == ["storage_dir", "storage_format", "read_interface"]
+    # ours (docs/remote.md) come after GuideLoom's, keyword-only: positions unchanged
+    assert {name: p.kind for name, p in list(parameters.items())[3:]} == {
+        "storage_options": inspect.Parameter.KEYWORD_ONLY,
+        "retry": inspect.Parameter.KEYWORD_ONLY,
+    }
 
 
 def test_a_storage_built_with_keywords_reads_like_one_built_positionally(tmp_path: Path) -> None:

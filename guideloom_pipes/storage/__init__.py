@@ -10,6 +10,7 @@ from guideloom_pipes.storage.errors import (
     StorageError,
     UncommittedShardError,
 )
+from guideloom_pipes.storage.remote import RemoteReadError, RetryPolicy
 from guideloom_pipes.storage.stream import StreamStorage
 from guideloom_pipes.storage.stream_meta import StreamWithMetaStorage
 
@@ -17,6 +18,8 @@ __all__ = [
     "CorruptShardError",
     "DatasetChangedError",
     "DocumentStorage",
+    "RemoteReadError",
+    "RetryPolicy",
     "ShardDecodeError",
     "ShardLockedError",
     "StaleWriteWarning",

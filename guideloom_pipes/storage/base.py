@@ -14,6 +14,7 @@ from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing, discover
 from guideloom_pipes.storage.names import shard_name
 from guideloom_pipes.storage.records import format_name
+from guideloom_pipes.storage.remote import RetryPolicy, is_url, resolve_location
 from guideloom_pipes.storage.shard_files import ShardFiles
 from guideloom_pipes.storage.verify import check_listing, verify_checksums
 from guideloom_pipes.types import Storage
@@ -25,11 +26,18 @@ class StorageBase(Storage):
     Args:
         storage_dir: the dataset directory; any ``pathlib.PurePath`` (a custom backend may
             serve paths that are not local files; writers need a local directory). A ``str``
-            is taken as a local ``Path``.
+            is taken as a local ``Path``, unless it is a URL (contains ``://``): ``file://``
+            is a local path, any other is read in byte ranges through fsspec
+            (``docs/remote.md``). A ``Path`` is always local.
         storage_format: the storage format.
         read_interface: the read backend (default :class:`~guideloom_pipes.io.MmapIO`), in
             GuideLoom's convention (:class:`~guideloom_pipes.types.IOReaderAbstract`) or with
-            a path-taking ``sync_reader(path)``.
+            a path-taking ``sync_reader(path)``. Not with a remote URL (``ValueError``).
+        storage_options: for a URL, the fsspec file system's options (credentials,
+            ``endpoint_url``, ...), as in ``fsspec.open``; unused for a local location.
+        retry: for a URL, how transient failures are retried
+            (:class:`~guideloom_pipes.storage.remote.RetryPolicy`; default
+            ``RetryPolicy()``); unused for a local location.
 
     The directory and format are also ``storage.dir`` and ``storage.format``.
     """
@@ -39,8 +47,18 @@ class StorageBase(Storage):
     suffixes: tuple[str, ...] = ()
 
     def __init__(
-        self, storage_dir: PurePath | str, storage_format: Any, read_interface: Any = None
+        self,
+        storage_dir: PurePath | str,
+        storage_format: Any,
+        read_interface: Any = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
+        if is_url(storage_dir):
+            storage_dir, read_interface = resolve_location(
+                storage_dir, read_interface, storage_options, retry
+            )
         if isinstance(storage_dir, str):
             from pathlib import Path
 
@@ -53,6 +71,8 @@ class StorageBase(Storage):
         self.dir = storage_dir
         self.format = storage_format
         self.read_interface = read_interface
+        #: the fsspec options of a URL location (unused for a local one)
+        self.storage_options = storage_options
         self._check_format(storage_format)
 
     @property

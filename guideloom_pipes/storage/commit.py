@@ -101,6 +101,7 @@ from guideloom_pipes.storage.names import (
     versioned_name,
 )
 from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord, format_name
+from guideloom_pipes.storage.remote import RemotePath
 
 #: every data-file suffix (a stopped writer's leftovers may be of any kind)
 _DATA_SUFFIXES = (IN_BAND, OUT_OF_BAND, INDEX)
@@ -708,6 +709,12 @@ class ShardWriterBase:
                 f"mode must be one of {', '.join(map(repr, WRITER_MODES))}, got {mode!r}: "
                 f"'update' replaces only the shards written, 'overwrite' also removes the "
                 f"others, 'create' refuses a directory that holds shards"
+            )
+        if isinstance(directory, RemotePath):
+            raise NotImplementedError(
+                f"writing to a URL ({directory}) is not supported yet (issue 12): write the "
+                f"dataset to a local directory and upload its files, each shard's "
+                f"{{k:07d}}.shard.json last (docs/remote.md)"
             )
         self.directory = os.fspath(directory)
         #: ``"update"``, ``"overwrite"`` or ``"create"`` (see :data:`WRITER_MODES`)

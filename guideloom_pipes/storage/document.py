@@ -192,9 +192,12 @@ class DocumentStorage(StorageBase, DocumentStorageAbstract[InDataT, OutDataT]):
     """Document storage: encoded documents plus an offset index per shard.
 
     Args:
-        storage_dir: the dataset directory.
+        storage_dir: the dataset directory, or its URL (``"s3://bucket/data"``; see
+            ``docs/remote.md``).
         storage_format: a document format (e.g. :class:`~guideloom_pipes.DocumentPickleFormat`).
         read_interface: the read backend (default memory-mapped).
+        storage_options: for a URL, the fsspec file system's options.
+        retry: for a URL, a :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
 
     The format's ``unpack(encoded_data, shard)`` gets a fresh ``bytearray`` from ``read``,
     and a ``memoryview`` of a fresh ``bytearray`` from ``read_many`` (as GuideLoom does);
@@ -209,8 +212,17 @@ class DocumentStorage(StorageBase, DocumentStorageAbstract[InDataT, OutDataT]):
         storage_dir: PurePath | str,
         storage_format: Any,
         read_interface: Any = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: Any = None,
     ) -> None:
-        super().__init__(storage_dir, storage_format, read_interface)
+        super().__init__(
+            storage_dir,
+            storage_format,
+            read_interface,
+            storage_options=storage_options,
+            retry=retry,
+        )
 
     def _check_format(self, format: Any) -> None:
         missing = [n for n in ("pack", "unpack") if not callable(getattr(format, n, None))]

@@ -231,8 +231,13 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
             f"dataset right now. Open it again once the writer has closed"
         )
     if backend.list_dir is not None:
+        # a backend that lists sizes too (FsspecIO's object stores) spares a request per file
+        list_sized = getattr(backend.backend, "list_dir_sizes", None)
         try:
-            names = list(backend.list_dir(directory))
+            if callable(list_sized):
+                sized = dict(list_sized(directory))
+            else:
+                sized = dict.fromkeys(backend.list_dir(directory), -1)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"dataset directory {_display(directory)} does not exist; check the path"
@@ -242,7 +247,7 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
             path = directory / name
             return ShardRecord.from_json(_read_whole(backend, path), _display(path))
 
-        entries = dict.fromkeys(names, (-1, 0, 0))
+        entries = {name: (int(size), 0, 0) for name, size in sized.items()}
         return _finish(backend, *_assemble(directory, entries, ours, read_remote))
     return _probe(backend, directory, ours[0])
 

@@ -64,10 +64,13 @@ class StreamWithMetaStorage(
     """A stream whose elements carry a pointer to a per-chunk metadata payload.
 
     Args:
-        storage_dir: the dataset directory.
+        storage_dir: the dataset directory, or its URL (``"s3://bucket/data"``; see
+            ``docs/remote.md``).
         storage_format: a stream-with-metadata format (see
             :class:`~guideloom_pipes.types.StreamWithMetaStorageFormat`).
         read_interface: the read backend (default memory-mapped).
+        storage_options: for a URL, the fsspec file system's options.
+        retry: for a URL, a :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
     """
 
     kind = "stream_meta"
@@ -78,8 +81,17 @@ class StreamWithMetaStorage(
         storage_dir: PurePath | str,
         storage_format: Any,
         read_interface: Any = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: Any = None,
     ) -> None:
-        super().__init__(storage_dir, storage_format, read_interface)
+        super().__init__(
+            storage_dir,
+            storage_format,
+            read_interface,
+            storage_options=storage_options,
+            retry=retry,
+        )
 
     def _check_format(self, format: Any) -> None:
         check_stream_format(format, ("size", "pack", "unpack"))

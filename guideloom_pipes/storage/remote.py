@@ -1,0 +1,507 @@
+"""Datasets at a URL: :class:`FsspecIO`, a read backend that reads byte ranges of objects
+through fsspec (``s3://``, ``gs://``, ``http(s)://``, any fsspec protocol), retrying transient
+failures (:class:`RetryPolicy`) and never returning a short read as data.
+
+fsspec is optional (``pip install guideloom_pipes[remote]``): it is imported only when a
+storage is given a URL. A storage built from ``"s3://bucket/prefix"`` keeps its location as
+a :class:`RemotePath` (a ``PurePosixPath`` whose ``str`` is the URL again), so the rest of
+the storage layer joins names to it as to any directory; listing, commit records and size
+checks run as for a local dataset (see ``listing.py`` and ``verify.py``).
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path, PurePath, PurePosixPath
+from typing import Any, TypeVar, overload
+from urllib.parse import unquote, urlparse
+
+from guideloom_pipes.storage.errors import StorageError
+from guideloom_pipes.storage.io import _AsyncAdapter
+from guideloom_pipes.storage.names import _NAME, shard_name
+from guideloom_pipes.types import IOAsyncReaderAbstract, IOReaderAbstract, IOSyncReaderAbstract
+
+T = TypeVar("T")
+
+#: Protocols whose "directories" cannot be listed reliably: shards are found by probing ids.
+_UNLISTABLE = frozenset({"http", "https"})
+
+
+def is_url(location: Any) -> bool:
+    """Whether a storage location is a URL: a ``str`` containing ``://`` (a ``Path`` never is)."""
+    return isinstance(location, str) and "://" in location
+
+
+def file_url_path(url: str) -> Path | None:
+    """The local path of a ``file://`` URL, or None for any other URL."""
+    parsed = urlparse(url)
+    if parsed.scheme != "file":
+        return None
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(
+            f"{url}: a file:// URL names a local path (file:///abs/path or "
+            f"file://localhost/abs/path), not a file on host {parsed.netloc!r}"
+        )
+    return Path(unquote(parsed.path))
+
+
+class RemotePath(PurePosixPath):
+    """A URL held as a path: ``/`` joins names under it and ``str()`` (``os.fspath``) gives
+    the URL back (``RemotePath("s3://bucket/data") / "x"`` is ``s3://bucket/data/x``).
+
+    pathlib folds the ``//`` after the scheme into one ``/``; ``str`` puts it back.
+    """
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        scheme, separator, rest = text.partition(":/")
+        if separator and scheme.isascii() and "/" not in scheme:
+            return f"{scheme}://{rest}"
+        return text
+
+    def __fspath__(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    @property
+    def protocol(self) -> str:
+        """The URL's scheme (``s3``, ``http``, ...)."""
+        return str(self).partition("://")[0]
+
+
+class RemoteReadError(StorageError, OSError):
+    """A read of a remote dataset kept failing with transient errors (connection resets,
+    timeouts, HTTP 5xx, S3 SlowDown) after every attempt its :class:`RetryPolicy` allows.
+    The last failure is the ``__cause__``."""
+
+
+class _ShortRead(OSError):
+    """A ranged read returned fewer bytes than the object holds there: never data."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How reads of a remote dataset retry transient failures.
+
+    A transient failure (connection reset or refused, timeout, HTTP 5xx or 429, S3
+    ``SlowDown`` / ``503``, a short read) is tried again after a delay that doubles each
+    time, from ``base_delay`` up to ``max_delay`` seconds, each delay shortened by a random
+    fraction up to ``jitter`` (so many readers do not retry in step). After ``attempts``
+    tries in all, :class:`RemoteReadError` names the URL, the shard and the attempts. Other
+    failures (a missing object, no permission) are raised at once.
+
+    Args:
+        attempts: tries in all, the first included (>= 1; 1 turns retrying off).
+        base_delay: seconds before the second try.
+        max_delay: longest delay between two tries.
+        jitter: fraction (0..1) of each delay that is random.
+    """
+
+    attempts: int = 6
+    base_delay: float = 0.2
+    max_delay: float = 10.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
+            raise TypeError(f"attempts must be an int, got {self.attempts!r}")
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be >= 1 (1: no retries), got {self.attempts}")
+        if not self.base_delay >= 0 or not self.max_delay >= 0:
+            raise ValueError(
+                f"base_delay and max_delay must be >= 0 seconds, got {self.base_delay} and "
+                f"{self.max_delay}"
+            )
+        if not 0 <= self.jitter <= 1:
+            raise ValueError(f"jitter must be between 0 and 1, got {self.jitter}")
+
+    def delay(self, failures: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait after the ``failures``-th failed try (1 for the first)."""
+        full = min(self.max_delay, self.base_delay * 2 ** (failures - 1))
+        return full * (1 - self.jitter * (rng or random).random())
+
+
+_TRANSIENT_ERRNOS = frozenset(
+    code
+    for code in (
+        errno.ECONNRESET,
+        errno.ECONNABORTED,
+        errno.ECONNREFUSED,
+        errno.ETIMEDOUT,
+        errno.EPIPE,
+        errno.EBUSY,  # s3fs: SlowDown, ServiceUnavailable, 503
+        errno.EAGAIN,
+        getattr(errno, "EREMOTEIO", None),  # s3fs: InternalError, 500
+        getattr(errno, "ENETRESET", None),
+    )
+    if code is not None
+)
+#: Exception classes (by name, so no client library is imported) that mean "try again".
+_TRANSIENT_NAMES = frozenset(
+    {
+        # aiohttp (fsspec's http, s3fs)
+        "ClientConnectionError",
+        "ClientOSError",
+        "ServerDisconnectedError",
+        "ServerTimeoutError",
+        "ClientPayloadError",
+        "ConnectionTimeoutError",
+        "SocketTimeoutError",
+        # botocore / s3fs
+        "HTTPClientError",
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ReadTimeoutError",
+        "ConnectTimeoutError",
+        "ResponseStreamingError",
+        "IncompleteReadError",
+        "IncompleteRead",
+        "FSTimeoutError",
+        # requests / urllib3 / http.client
+        "RemoteDisconnected",
+        "ChunkedEncodingError",
+        "ProtocolError",
+        "_ShortRead",
+    }
+)
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "ServiceUnavailable",
+        "InternalError",
+        "RequestTimeout",
+        "Throttling",
+        "ThrottlingException",
+    }
+)
+
+
+def _transient_one(error: BaseException) -> bool:
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    if any(cls.__name__ in _TRANSIENT_NAMES for cls in type(error).__mro__):
+        return True
+    status = getattr(error, "status", None)  # aiohttp.ClientResponseError
+    if isinstance(status, int) and (status >= 500 or status in (408, 429)):
+        return True
+    response = getattr(error, "response", None)  # botocore ClientError
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code in _TRANSIENT_CODES or (isinstance(http, int) and http >= 500):
+            return True
+    return isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a failure worth trying again:
+    a connection reset, refused or closed early, a timeout, an HTTP 5xx / 408 / 429, an S3
+    ``SlowDown`` / ``ServiceUnavailable`` / ``InternalError``, a short read.
+
+    fsspec's HTTP client reports any failure to learn an object's size as
+    ``FileNotFoundError``; the error it was raised from tells a real 404 from a 503.
+    """
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if _transient_one(current):
+            return True
+        todo += [current.__cause__, current.__context__]
+    return False
+
+
+def _shard_label(url: str) -> str:
+    match = _NAME.match(url.rpartition("/")[2])
+    return f"shard {shard_name(int(match.group('shard')))}" if match else "the dataset"
+
+
+def _import_fsspec(url: str) -> Any:
+    try:
+        import fsspec
+    except ImportError:
+        raise ImportError(
+            f"reading {url} needs fsspec, an optional dependency: pip install "
+            f"guideloom_pipes[remote] (plus the protocol's own package, e.g. s3fs for s3://, "
+            f"gcsfs for gs://)"
+        ) from None
+    return fsspec
+
+
+class FsspecIO(IOReaderAbstract[PurePath]):
+    """Reads objects under a URL through fsspec, a byte range per read.
+
+    Built by the storages for a URL location (``StreamStorage("s3://bucket/data", fmt)``);
+    you do not pass it as ``read_interface``. Every request (size, ranged read, listing) is
+    retried on transient failures as ``retry`` says; a ranged read that returns fewer bytes
+    than the object holds there is retried too, and never returned.
+
+    Args:
+        url: the dataset's URL (any fsspec protocol).
+        storage_options: keyword arguments of the fsspec file system (credentials,
+            ``endpoint_url``, ``client_kwargs``, ...), as in ``fsspec.open``.
+        retry: the :class:`RetryPolicy` (default ``RetryPolicy()``).
+    """
+
+    #: an open reader holds no descriptor: the storages keep every reader open
+    holds_fd = False
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        self.retry = RetryPolicy() if retry is None else retry
+        self._fs: Any = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def is_supported() -> bool:
+        """Whether fsspec is installed."""
+        try:
+            import fsspec  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec file system (made on first use, in each process)."""
+        fs = self._fs
+        if fs is None:
+            with self._lock:
+                if self._fs is None:
+                    fsspec = _import_fsspec(self.url)
+                    self._fs = fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+                fs = self._fs
+        return fs
+
+    def call(self, what: str, url: str, function: Callable[[], T]) -> T:
+        """``function()``, tried again on transient failures as :attr:`retry` says; then a
+        :class:`RemoteReadError` naming ``what`` was done, ``url``, the shard, the attempts."""
+        policy = self.retry
+        started = time.monotonic()
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return function()
+            except Exception as error:
+                if not is_transient(error):
+                    raise
+                if attempt == policy.attempts:
+                    elapsed = time.monotonic() - started
+                    raise RemoteReadError(
+                        f"{what} {url} ({_shard_label(url)}) failed {attempt} time(s) over "
+                        f"{elapsed:.1f} s with transient errors, the last: "
+                        f"{type(error).__name__}: {error}. The server or the network kept "
+                        f"failing; check them, or allow more attempts (retry=RetryPolicy("
+                        f"attempts=...))"
+                    ) from error
+            time.sleep(policy.delay(attempt))
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _make(self, path: PurePath) -> _RemoteReader:
+        return _RemoteReader(self, str(path))
+
+    def _make_async(self, path: PurePath) -> _AsyncAdapter:
+        return _AsyncAdapter(self._make(path))
+
+    @overload
+    def sync_reader(self) -> Callable[[PurePath], IOSyncReaderAbstract]: ...
+
+    @overload
+    def sync_reader(self, path: PurePath) -> IOSyncReaderAbstract: ...
+
+    def sync_reader(
+        self, path: PurePath | None = None
+    ) -> Callable[[PurePath], IOSyncReaderAbstract] | IOSyncReaderAbstract:
+        """A factory of readers of objects (given a path: the reader of that object)."""
+        return self._make if path is None else self._make(path)
+
+    @overload
+    def async_reader(self) -> Callable[[PurePath], IOAsyncReaderAbstract]: ...
+
+    @overload
+    def async_reader(self, path: PurePath) -> IOAsyncReaderAbstract: ...
+
+    def async_reader(
+        self, path: PurePath | None = None
+    ) -> Callable[[PurePath], IOAsyncReaderAbstract] | IOAsyncReaderAbstract:
+        """A factory of ``async`` readers (calls run in a worker thread)."""
+        return self._make_async if path is None else self._make_async(path)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the file system (sessions, event loop) is made again in each process
+        state = dict(self.__dict__)
+        state["_fs"] = None
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+class ListingFsspecIO(FsspecIO):
+    """:class:`FsspecIO` for stores that list a prefix (object stores, not HTTP): discovery
+    lists it, with sizes, so a gap in the shard ids is found and no size costs a request."""
+
+    def list_dir_sizes(self, path: PurePath) -> dict[str, int]:
+        """The name and size of each object directly under ``path``."""
+        url = str(path)
+
+        def listing() -> list[dict[str, Any]]:
+            fs = self.fs
+            fs.invalidate_cache(url)  # a listing cached by an earlier open may be stale
+            return list(fs.ls(url, detail=True))
+
+        try:
+            entries = self.call("listing", url, listing)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"dataset {url} does not exist (nothing under that prefix); check the URL"
+            ) from None
+        found = {}
+        for entry in entries:
+            if entry.get("type", "file") != "file":
+                continue
+            name = str(entry["name"]).rstrip("/").rpartition("/")[2]
+            found[name] = int(entry.get("size") or 0)
+        return found
+
+    def list_dir(self, path: PurePath) -> Iterable[str]:
+        """The names of the objects directly under ``path``."""
+        return list(self.list_dir_sizes(path))
+
+
+class _RemoteReader(IOSyncReaderAbstract):
+    """Byte ranges of one object: its size on ``open`` (one request), a request per read."""
+
+    def __init__(self, backend: FsspecIO, url: str) -> None:
+        self.backend = backend
+        self.url = url
+        self._size = -1
+
+    def open(self) -> None:
+        if self._size >= 0:
+            return
+        info = self.backend.call("finding the size of", self.url, self._info)
+        if info.get("type") == "directory":
+            raise IsADirectoryError(f"{self.url} is a directory, not a shard file")
+        size = info.get("size")
+        if size is None:
+            raise OSError(
+                f"{self.url}: the server did not say the object's size (no Content-Length), "
+                f"so its shards cannot be checked against their commit records; serve the "
+                f"files with their sizes (a static file server does)"
+            )
+        self._size = int(size)
+
+    def _info(self) -> dict[str, Any]:
+        return dict(self.backend.fs.info(self.url))
+
+    def close(self) -> None:
+        self._size = -1
+
+    def filesize(self) -> int:
+        if self._size < 0:
+            raise RuntimeError(f"reader of {self.url} is not open; call open() first")
+        return self._size
+
+    def read(self, offset: int, size: int) -> memoryview:
+        size_now = self.filesize()
+        end = min(offset + size, size_now)
+        want = max(0, end - offset)
+        if want == 0:
+            return memoryview(b"")
+
+        def ranged() -> memoryview:
+            data = self.backend.fs.cat_file(self.url, start=offset, end=end)
+            if len(data) != want:
+                raise _ShortRead(
+                    f"asked for bytes {offset}..{end} ({want} bytes), got {len(data)} bytes"
+                )
+            return memoryview(data)
+
+        return self.backend.call(f"reading bytes {offset}..{end} of", self.url, ranged)
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` with the bytes at ``offset`` (one ranged request); the bytes
+        read, fewer than ``len(buffer)`` only past the end of the object."""
+        data = self.read(offset, len(buffer))
+        got = len(data)
+        buffer[:got] = data
+        return got
+
+
+def remote_backend(
+    url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy | None
+) -> FsspecIO:
+    """The backend for a dataset at ``url`` (not ``file://``): fsspec imported now, so a
+    missing fsspec or protocol package is an error at once, naming what to install."""
+    fsspec = _import_fsspec(url)
+    protocol = url.partition("://")[0].lower()
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ImportError as error:
+        raise ImportError(
+            f"reading {url} needs the package of fsspec's {protocol!r} protocol: {error}"
+        ) from None
+    except ValueError as error:
+        raise ValueError(f"{url}: fsspec knows no protocol {protocol!r} ({error})") from None
+    cls = FsspecIO if protocol in _UNLISTABLE else ListingFsspecIO
+    return cls(url.rstrip("/"), storage_options, retry)
+
+
+def resolve_location(
+    location: Any,
+    read_interface: Any,
+    storage_options: dict[str, Any] | None,
+    retry: RetryPolicy | None,
+) -> tuple[PurePath, Any]:
+    """A storage's location and backend from what it was given: a URL's
+    :class:`RemotePath` and :class:`FsspecIO` (a ``file://`` URL: its local path and
+    ``read_interface``); anything else as it is."""
+    if not is_url(location):
+        return location, read_interface
+    local = file_url_path(location)
+    if local is not None:
+        return local, read_interface
+    if read_interface is not None:
+        raise ValueError(
+            f"read_interface={read_interface!r} cannot read {location}: a URL is read in "
+            f"byte ranges through fsspec. Drop read_interface (pass storage_options= for the "
+            f"store's options), or give a local Path with your backend"
+        )
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
+    backend = remote_backend(location, storage_options, retry)
+    return RemotePath(backend.url), backend
+
+
+__all__ = [
+    "FsspecIO",
+    "ListingFsspecIO",
+    "RemotePath",
+    "RemoteReadError",
+    "RetryPolicy",
+    "file_url_path",
+    "is_transient",
+    "is_url",
+    "resolve_location",
+]

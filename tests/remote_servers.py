@@ -1,0 +1,382 @@
+"""Real servers on loopback for the remote-storage tests: moto's S3 server (a subprocess),
+nginx (a subprocess with its own configuration, serving a temporary directory) and a small
+TCP fault proxy (threads) that delays, resets or answers 503 on a schedule.
+
+Everything listens on 127.0.0.1 only. A server that cannot start skips its tests, unless
+``GUIDELOOM_PIPES_REQUIRE_SERVERS=1`` (CI), where it fails them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import queue
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+LOOPBACK = "127.0.0.1"
+REQUIRE = os.environ.get("GUIDELOOM_PIPES_REQUIRE_SERVERS") == "1"
+#: seconds a server may take to start before its tests are skipped (failed under REQUIRE)
+START_TIMEOUT = 60
+
+
+def unavailable(reason: str) -> None:
+    """Skip the test, or fail it where servers are required (CI)."""
+    if REQUIRE:
+        pytest.fail(f"{reason} (GUIDELOOM_PIPES_REQUIRE_SERVERS=1: servers must start)")
+    pytest.skip(reason)
+
+
+def need_modules(*names: str) -> None:
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if missing:
+        unavailable(
+            f"needs {', '.join(missing)} (pip install guideloom_pipes[remote] installs them)"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return int(probe.getsockname()[1])
+
+
+def _stop(process: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(sig)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+# --- moto's S3 server -----------------------------------------------------------------------
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    process: subprocess.Popen[Any]
+
+    def options(self, endpoint: str | None = None, **extra: Any) -> dict[str, Any]:
+        """s3fs storage_options for this server (or for a proxy in front of it)."""
+        return {
+            "endpoint_url": endpoint or self.endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "client_kwargs": {"region_name": "eu-west-1"},
+            "skip_instance_cache": True,
+            **extra,
+        }
+
+    def filesystem(self) -> Any:
+        import s3fs
+
+        return s3fs.S3FileSystem(**self.options())
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[S3Server]:
+    need_modules("moto", "s3fs", "flask", "werkzeug")
+    port = free_port()
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stderr is not None
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def drain() -> None:  # the server logs every request: keep its pipe empty
+            assert process.stderr is not None
+            for line in process.stderr:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=drain, name="moto-log", daemon=True).start()
+        seen = []
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
+                unavailable(f"moto's S3 server did not start: {''.join(seen)[-2000:]}")
+            assert line is not None
+            seen.append(line)
+            if "Running on" in line:  # printed once the socket listens
+                break
+        yield S3Server(f"http://{LOOPBACK}:{port}", process)
+    finally:
+        _stop(process)
+
+
+# --- nginx ----------------------------------------------------------------------------------
+
+
+@dataclass
+class HttpServer:
+    url: str
+    root: Path
+    process: subprocess.Popen[Any]
+    port: int
+
+
+_NGINX_CONF = """\
+{user}daemon off;
+master_process on;
+worker_processes 2;
+pid {tmp}/nginx.pid;
+error_log {tmp}/error.log warn;
+events {{ worker_connections 512; }}
+http {{
+    access_log off;
+    client_body_temp_path {tmp}/client_body;
+    proxy_temp_path {tmp}/proxy;
+    fastcgi_temp_path {tmp}/fastcgi;
+    uwsgi_temp_path {tmp}/uwsgi;
+    scgi_temp_path {tmp}/scgi;
+    default_type application/octet-stream;
+    keepalive_requests 100000;
+    server {{
+        listen {host}:{port};
+        root {root};
+        location / {{ }}
+    }}
+}}
+"""
+
+
+@contextlib.contextmanager
+def nginx_server(tmp: Path) -> Iterator[HttpServer]:
+    """nginx serving ``tmp/root`` on a loopback port. Its listening socket is made here and
+    handed to nginx (nginx's ``NGINX`` variable for inherited sockets), so connections queue
+    from the start: no port race and no wait for it to bind."""
+    nginx = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
+    if nginx is None:
+        unavailable("nginx is not installed (apt-get install -y nginx)")
+    assert nginx is not None
+    root = tmp / "root"
+    root.mkdir()
+    listener = socket.socket()
+    listener.bind((LOOPBACK, 0))
+    listener.listen(512)
+    port = int(listener.getsockname()[1])
+    user = "user root root;\n" if os.geteuid() == 0 else ""
+    conf = tmp / "nginx.conf"
+    conf.write_text(_NGINX_CONF.format(user=user, tmp=tmp, host=LOOPBACK, port=port, root=root))
+    fd = listener.fileno()
+    command = [nginx, "-e", str(tmp / "error.log"), "-p", str(tmp), "-c", str(conf)]
+    env = {**os.environ, "NGINX": f"{fd};"}
+    check = subprocess.run(
+        [*command, "-t"], capture_output=True, text=True, env=env, pass_fds=(fd,), timeout=60
+    )
+    if check.returncode != 0:
+        listener.close()
+        unavailable(f"nginx refuses its configuration: {check.stderr[-2000:]}")
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, pass_fds=(fd,)
+    )
+    listener.close()  # nginx holds it now
+    try:
+        yield HttpServer(f"http://{LOOPBACK}:{port}", root, process, port)
+    finally:
+        _stop(process, signal.SIGQUIT)
+
+
+# --- the fault proxy ------------------------------------------------------------------------
+
+_S3_503 = (
+    b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+    b"<Message>Please reduce your request rate.</Message></Error>"
+)
+#: What the proxy does with one request: "pass", "delay" (then pass), "reset" (the
+#: connection is reset, nothing answered), "503" (a 503 SlowDown answer), "truncate" (half
+#: the answer, then a reset), "stall" (no answer until the client gives up).
+ACTIONS = ("pass", "delay", "reset", "503", "truncate", "stall")
+
+
+@dataclass
+class FaultProxy:
+    """A TCP proxy on loopback in front of an HTTP server, one request per connection.
+
+    ``schedule(n)`` says what to do with the n-th request (0-based): one of
+    :data:`ACTIONS`. Each request is forwarded with ``Connection: close``, so every request
+    has its own connection and its own fate. At most ``max_connections`` are served at once.
+    ``log`` records (action, request line) of every request.
+    """
+
+    upstream_port: int
+    schedule: Callable[[int], str] = lambda n: "pass"
+    delay: float = 0.02
+    max_connections: int = 64
+    log: list[tuple[str, str]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._listener = socket.socket()
+        self._listener.bind((LOOPBACK, 0))
+        self._listener.listen(256)
+        self.port = int(self._listener.getsockname()[1])
+        self.url = f"http://{LOOPBACK}:{self.port}"
+        self._lock = threading.Lock()
+        self._count = 0
+        self._stopped = threading.Event()
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._threads: list[threading.Thread] = []
+        self._accepter = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
+        self._accepter.start()
+
+    def count(self, action: str) -> int:
+        with self._lock:
+            return sum(1 for done, _ in self.log if done == action)
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self._slots.acquire()
+            thread = threading.Thread(
+                target=self._serve, args=(client,), name="fault-proxy-conn", daemon=True
+            )
+            with self._lock:
+                self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            client.settimeout(30)
+            head, body = _read_request(client)
+            if head is None:
+                return
+            with self._lock:
+                number = self._count
+                self._count += 1
+            action = self.schedule(number)
+            request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            with self._lock:
+                self.log.append((action, request_line))
+            if action == "reset":
+                _reset(client)
+                return
+            if action == "503":
+                client.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_S3_503) + _S3_503
+                )
+                return
+            if action == "stall":
+                self._stopped.wait(30)  # until the client gives up (it closes) or we stop
+                return
+            if action == "delay":
+                time.sleep(self.delay)  # the fault itself: latency added to this request
+            with socket.create_connection((LOOPBACK, self.upstream_port), timeout=30) as up:
+                up.sendall(_close_connection(head) + body)
+                answer = _read_all(up)
+            if action == "truncate":
+                client.sendall(answer[: max(1, len(answer) // 2)])
+                _reset(client)
+                return
+            client.sendall(answer)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                client.close()
+            self._slots.release()
+
+    def close(self) -> None:
+        self._stopped.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close() does not)
+        self._listener.close()
+        self._accepter.join(10)
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(10)
+
+
+def _reset(connection: socket.socket) -> None:
+    connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    connection.close()
+
+
+def _read_request(client: socket.socket) -> tuple[bytes | None, bytes]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = client.recv(65536)
+        if not chunk:
+            return None, b""
+        data += chunk
+        if len(data) > 1 << 20:
+            return None, b""
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value.strip())
+    while len(body) < length:
+        chunk = client.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n", body
+
+
+def _close_connection(head: bytes) -> bytes:
+    lines = head.rstrip(b"\r\n").split(b"\r\n")
+    kept = [lines[0]] + [
+        line
+        for line in lines[1:]
+        if line.partition(b":")[0].strip().lower() not in (b"connection", b"keep-alive")
+    ]
+    return b"\r\n".join([*kept, b"Connection: close", b"", b""])
+
+
+def _read_all(connection: socket.socket) -> bytes:
+    chunks = []
+    while chunk := connection.recv(1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@contextlib.contextmanager
+def fault_proxy(
+    upstream_port: int, schedule: Callable[[int], str], **kw: Any
+) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(upstream_port, schedule, **kw)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
