@@ -64,9 +64,9 @@ def local_path(path_or_url: Any) -> Path:
         return Path(unquote(parsed.path))
     if parsed.scheme and len(parsed.scheme) > 1 and "://" in path_or_url:
         raise ValueError(
-            f"{path_or_url}: only local paths and file:// URLs open here; for another store, "
-            f"build the storage with its read backend (StreamStorage(path, fmt, "
-            f"read_interface=...))"
+            f"{path_or_url}: open_storage opens local paths and file:// URLs only; for another "
+            f"store, build the storage with its format (StreamStorage(location, fmt), or with "
+            f"read_interface= a backend that reads it)"
         )
     return Path(path_or_url)
 

@@ -26,8 +26,8 @@ FIXTURES = ROOT / "tests" / "data" / "guideloom-1.1"
 DTYPE = np.dtype([("tokens", "<i4")])
 
 
-def cli(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def cli(*args: object, path: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [path, str(ROOT)]))}
     return subprocess.run(
         [sys.executable, "-m", "guideloom_pipes", *map(str, args)],
         capture_output=True,
@@ -103,10 +103,24 @@ def test_verify_json_reports_what_it_checked(sound: Path) -> None:
     assert (report["files"], report["bytes"], report["exit_status"]) == (3, 1200, 0)
 
 
-def test_verify_shows_progress_as_plain_lines_without_tqdm(sound: Path) -> None:
-    done = cli("verify", sound, "--progress", "always")
+def test_verify_shows_progress_as_plain_lines_without_tqdm(sound: Path, tmp_path: Path) -> None:
+    blocked = tmp_path / "no-tqdm"
+    (blocked / "tqdm").mkdir(parents=True)
+    (blocked / "tqdm" / "__init__.py").write_text("raise ImportError('tqdm blocked')\n")
+    done = cli("verify", sound, "--progress", "always", path=str(blocked))
     assert done.returncode == 0
     assert "verifying done: 1.2 KiB of 1.2 KiB (100%)" in done.stderr
+
+
+def test_verify_shows_a_tqdm_bar_when_tqdm_is_installed(sound: Path) -> None:
+    pytest.importorskip("tqdm")
+    done = cli("verify", sound, "--progress", "always")
+    assert done.returncode == 0
+    assert "verifying: 100%" in done.stderr
+
+
+def test_verify_shows_no_progress_on_a_small_dataset_by_default(sound: Path) -> None:
+    assert "verifying" not in cli("verify", sound).stderr
 
 
 def test_head_prints_the_first_samples_one_line_each(sound: Path) -> None:
@@ -336,3 +350,36 @@ def test_recover_leaves_a_shard_a_live_writer_holds(sound: Path) -> None:
         assert (sound / "0000001.in_band.bin.tmp").exists()
     finally:
         writer.abort()
+
+
+def test_a_stream_with_metadata_of_ours_verifies_and_shows_its_payloads(tmp_path: Path) -> None:
+    from guideloom_pipes import StreamWithMetaStorage
+    from tests.storage_formats import ChunkMetaFormat
+
+    with StreamWithMetaStorage(tmp_path, ChunkMetaFormat()).sync_writer() as writer:
+        writer.append(0, {"doc": 0, "tokens": [1, 2, 3], "chunk_ids": [0, 0, 1]})
+        writer.append(1, {"doc": 1, "tokens": [4, 5], "chunk_ids": [0, 0]})
+    assert cli("verify", tmp_path).returncode == 0
+    facts = json.loads(cli("info", tmp_path, "--json").stdout)
+    assert (facts["kind"], facts["elements"], facts["payloads"]) == ("stream_meta", 5, 3)
+    sample = json.loads(cli("head", tmp_path, "-L", 3, "-n", 1, "--json").stdout)
+    assert sample["tokens"] == [1, 2, 3]
+    assert sample["payloads"] == ["doc:0/chunk:0", "doc:0/chunk:1"]
+
+
+def test_the_command_line_never_imports_torch(sound: Path) -> None:
+    code = (
+        "import sys\n"
+        "from guideloom_pipes.cli import main\n"
+        f"for command in ('info', 'verify', 'head'):\n"
+        f"    assert main([command, {str(sound)!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'the CLI imported torch'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import pickle
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -266,8 +267,9 @@ def test_a_thread_pool_works_as_an_executor_and_writers_do_not_warn(tmp_path: Pa
 
 
 def test_progress_without_tqdm_prints_items_records_and_bytes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails: as if not installed
     write_parallel(_storage(tmp_path), [(0, 10), (0, 4)], numbers, executor=SerialExecutor())
     err = capsys.readouterr().err
     assert "write_parallel done: 2 items of 2 items (100%), records 3, bytes 56 B" in err
@@ -351,3 +353,12 @@ def test_a_writer_started_on_a_shard_commits_it_empty_for_every_kind(tmp_path: P
         writer.start(0)  # twice is once
     with docs.sync_reader() as reader:
         assert (reader.num_shards, reader.total_length) == (1, 0)
+
+
+def test_progress_with_tqdm_shows_a_bar_of_items_records_and_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("tqdm")
+    write_parallel(_storage(tmp_path), [(0, 10), (0, 4)], numbers, executor=SerialExecutor())
+    err = capsys.readouterr().err
+    assert "write_parallel: 100%" in err and "2/2" in err and "records 3" in err
