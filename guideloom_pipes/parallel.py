@@ -110,7 +110,11 @@ def _fingerprint(
     if isinstance(own, str):
         own = own.encode()
     digest = hashlib.blake2b(digest_size=16)
-    for part in (own, convert_bytes, format_name(storage.format).encode(), storage.kind.encode()):
+    try:  # the format's class and settings (a StreamNumpyFormat's dtype)
+        format_bytes = pickle.dumps(storage.format, protocol=4)
+    except Exception:
+        format_bytes = format_name(storage.format).encode()
+    for part in (own, convert_bytes, format_bytes, storage.kind.encode()):
         digest.update(len(part).to_bytes(8, "little"))
         digest.update(part)
     return "blake2b:" + digest.hexdigest()
@@ -219,7 +223,8 @@ def write_parallel(
         progress: show items, records and bytes written (a tqdm bar when tqdm is
             installed, else a log line every few seconds on stderr).
         resume: skip shard ``k`` when its commit record carries the fingerprint of item
-            ``k`` (the same input, the same ``convert``, format and kind) and its files have
+            ``k`` (the same input, the same ``convert``, format (class and settings, such as
+            the dtype) and kind) and its files have
             their recorded sizes; every other item is written. ``False`` writes them all.
         mode: ``"overwrite"`` (default): once every item is written, shards numbered
             ``len(items)`` and above (left by an earlier, longer run) are removed, so the

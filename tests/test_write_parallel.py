@@ -362,3 +362,13 @@ def test_progress_with_tqdm_shows_a_bar_of_items_records_and_bytes(
     write_parallel(_storage(tmp_path), [(0, 10), (0, 4)], numbers, executor=SerialExecutor())
     err = capsys.readouterr().err
     assert "write_parallel: 100%" in err and "2/2" in err and "records 3" in err
+
+
+def test_another_dtype_rewrites_every_shard(tmp_path: Path) -> None:
+    items = [(0, 10), (10, 30)]
+    serial = SerialExecutor()
+    write_parallel(_storage(tmp_path), items, numbers, executor=serial, progress=False)
+    wider = StreamStorage(tmp_path, StreamNumpyFormat(np.dtype([("tokens", "<i8")])))
+    assert write_parallel(wider, items, numbers, executor=serial, progress=False).written == [0, 1]
+    with wider.sync_reader() as reader:
+        assert reader.total_length == 30
