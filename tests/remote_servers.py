@@ -238,6 +238,10 @@ class FaultProxy:
     delay: float = 0.02
     max_connections: int = 64
     log: list[tuple[str, str]] = field(default_factory=list)
+    #: requests (by request line) held until ``parties`` of them are in flight together,
+    #: logged "together" (or "alone" if the others never came within 10 s)
+    together: Callable[[str], bool] | None = None
+    parties: int = 4
 
     def __post_init__(self) -> None:
         self._listener = socket.socket()
@@ -249,6 +253,7 @@ class FaultProxy:
         self._count = 0
         self._stopped = threading.Event()
         self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._barrier = threading.Barrier(self.parties)
         self._threads: list[threading.Thread] = []
         self._accepter = threading.Thread(target=self._accept, name="fault-proxy", daemon=True)
         self._accepter.start()
@@ -283,6 +288,13 @@ class FaultProxy:
                 self._count += 1
             action = self.schedule(number)
             request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            if self.together is not None and self.together(request_line):
+                try:
+                    self._barrier.wait(timeout=10)
+                    action = "together"
+                except threading.BrokenBarrierError:
+                    action = "alone"
+                    self._barrier.reset()
             with self._lock:
                 self.log.append((action, request_line))
             if action == "reset":

@@ -622,3 +622,28 @@ def test_a_server_that_cannot_start_skips_or_fails_where_servers_are_required(
     monkeypatch.setattr(remote_servers, "REQUIRE", True)
     with pytest.raises(pytest.fail.Exception, match="GUIDELOOM_PIPES_REQUIRE_SERVERS=1"):
         remote_servers.unavailable("nginx is not installed")
+
+
+def _record_get(line: str) -> bool:
+    return line.startswith("GET") and ".shard.json" in line
+
+
+def test_an_http_open_reads_its_records_and_sizes_concurrently(http: HttpServer) -> None:
+    _write_tokens(http.root / "concurrent", shards=8, per_shard=100)
+    with fault_proxy(http.port, lambda n: "pass", together=_record_get, parties=4) as proxy:
+        storage = StreamStorage(f"{proxy.url}/concurrent", TOKENS)
+        with storage.sync_reader() as reader:
+            assert reader.num_shards == 8
+    # sequential reads would meet no other request at the barrier: "alone", after 10 s
+    assert proxy.count("together") == 8 and proxy.count("alone") == 0
+
+
+def test_an_s3_open_reads_its_records_concurrently(s3: S3Server, tmp_path: Path) -> None:
+    _write_tokens(tmp_path / "data", shards=8, per_shard=100)
+    url = _upload(s3, tmp_path / "data", "concurrent")
+    port = int(s3.endpoint.rpartition(":")[2])
+    with fault_proxy(port, lambda n: "pass", together=_record_get, parties=4) as proxy:
+        storage = StreamStorage(url, TOKENS, storage_options=s3.options(proxy.url))
+        with storage.sync_reader() as reader:
+            assert reader.num_shards == 8
+    assert proxy.count("together") == 8 and proxy.count("alone") == 0

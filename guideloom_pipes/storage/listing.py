@@ -7,10 +7,11 @@ import contextlib
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any
+from typing import Any, TypeVar
 
 from guideloom_pipes.storage.commit import _is_locked
 from guideloom_pipes.storage.errors import DatasetChangedError, StaleWriteWarning
@@ -154,6 +155,24 @@ def _backend_size(backend: ResolvedBackend, path: PurePath) -> int | None:
         reader.close()
 
 
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+def _concurrently(
+    backend: ResolvedBackend, function: Callable[[_T], _R], items: Iterable[_T]
+) -> list[_R]:
+    """``[function(item) for item in items]``, on up to ``open_concurrency`` threads where
+    the backend has that attribute (``FsspecIO``: the requests of an open overlap their
+    latency instead of adding it up); in order, the first error raised."""
+    workers = int(getattr(backend.backend, "open_concurrency", 1) or 1)
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [function(item) for item in items]
+    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="storage-open") as pool:
+        return list(pool.map(function, items))
+
+
 #: how many times an open lists a directory whose files a writer changes meanwhile
 _ATTEMPTS = 8
 
@@ -248,8 +267,26 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
             return ShardRecord.from_json(_read_whole(backend, path), _display(path))
 
         entries = {name: (int(size), 0, 0) for name, size in sized.items()}
-        return _finish(backend, *_assemble(directory, entries, ours, read_remote))
-    return _probe(backend, directory, ours[0])
+        record_names = [name for name in entries if _is_record(name)]
+        fetched = dict(zip(record_names, _concurrently(backend, read_remote, record_names)))
+        return _finish(
+            backend,
+            *_assemble(
+                directory, entries, ours, lambda name: fetched.get(name) or read_remote(name)
+            ),
+        )
+    return _probe(backend, directory, ours)
+
+
+def _is_record(name: str) -> bool:
+    """Whether ``name`` is a shard's commit record (not a temporary one)."""
+    match = _NAME.match(name)
+    return (
+        match is not None
+        and match.group("suffix") == RECORD
+        and not match.group("temporary")
+        and match.group("generation") is None
+    )
 
 
 def _assemble(
@@ -369,7 +406,9 @@ def _warn_stale(directory: PurePath, temporaries: dict[int, list[str]]) -> None:
         )
 
 
-def _probe(backend: ResolvedBackend, directory: PurePath, primary: str) -> ShardListing:
+def _probe(backend: ResolvedBackend, directory: PurePath, ours: tuple[str, ...]) -> ShardListing:
+    primary = ours[0]
+
     def exists(shard: int) -> bool:
         return _backend_size(backend, directory / (shard_name(shard) + primary)) is not None
 
@@ -387,14 +426,32 @@ def _probe(backend: ResolvedBackend, directory: PurePath, primary: str) -> Shard
             low = middle
         else:
             high = middle
+
+    def record_of(shard: int) -> ShardRecord | None:
+        path = directory / (shard_name(shard) + RECORD)
+        if _backend_size(backend, path) is None:
+            return None
+        return ShardRecord.from_json(_read_whole(backend, path), _display(path))
+
     records: dict[int, ShardRecord] = {}
     names: dict[tuple[int, str], str] = {}
-    for shard in range(high):
-        path = directory / (shard_name(shard) + RECORD)
-        if _backend_size(backend, path) is not None:
-            record = ShardRecord.from_json(_read_whole(backend, path), _display(path))
-            records[shard] = record
-            if record.versioned:
-                for suffix in record.files:
-                    names[(shard, "." + suffix)] = record.file_name("." + suffix)
-    return ShardListing(directory, high, {}, records, listed=False, names=names)
+    for shard, record in enumerate(_concurrently(backend, record_of, range(high))):
+        if record is None:
+            continue
+        records[shard] = record
+        if record.versioned:
+            for suffix in record.files:
+                names[(shard, "." + suffix)] = record.file_name("." + suffix)
+    sizes: dict[tuple[int, str], int] = {}
+    if getattr(backend.backend, "open_concurrency", 1) > 1:  # else check_listing asks
+        files = [(shard, suffix) for shard in range(high) for suffix in ours]
+
+        def size_of(file: tuple[int, str]) -> int | None:
+            shard, suffix = file
+            name = names.get(file) or shard_name(shard) + suffix
+            return _backend_size(backend, directory / name)
+
+        for file, size in zip(files, _concurrently(backend, size_of, files)):
+            if size is not None:
+                sizes[file] = size
+    return ShardListing(directory, high, sizes, records, listed=False, names=names)

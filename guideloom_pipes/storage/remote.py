@@ -255,6 +255,8 @@ class FsspecIO(IOReaderAbstract[PurePath]):
 
     #: an open reader holds no descriptor: the storages keep every reader open
     holds_fd = False
+    #: requests an open of the dataset keeps in flight (records, sizes)
+    open_concurrency = 16
 
     def __init__(
         self,
