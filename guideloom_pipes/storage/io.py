@@ -126,16 +126,10 @@ class _AsyncAdapter(IOAsyncReaderAbstract):
         await self.close()
 
 
-class _LocalBackend(IOReaderAbstract[PurePath]):
-    """Shared parts of the local-file backends: factories, listing, async adapters, equality."""
-
-    #: Whether an open reader holds a file descriptor (the storage bounds how many stay open).
-    holds_fd = True
-
-    @staticmethod
-    def is_supported() -> bool:
-        """Whether this backend works here."""
-        return True
+class BackendBase(IOReaderAbstract[PurePath]):
+    """The reader factories every backend of ours shares: ``sync_reader()`` and
+    ``async_reader()`` in GuideLoom's form (a factory of readers) and in ours (given a path,
+    that path's reader), over the one method a backend defines, ``_make(path)``."""
 
     def _make(self, path: PurePath) -> IOSyncReaderAbstract:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -174,6 +168,18 @@ class _LocalBackend(IOReaderAbstract[PurePath]):
         if path is None:
             return self._make_async
         return self._make_async(path)
+
+
+class _LocalBackend(BackendBase):
+    """Shared parts of the local-file backends: listing, equality."""
+
+    #: Whether an open reader holds a file descriptor (the storage bounds how many stay open).
+    holds_fd = True
+
+    @staticmethod
+    def is_supported() -> bool:
+        """Whether this backend works here."""
+        return True
 
     def list_dir(self, path: PurePath) -> Iterable[str]:
         """Names of the entries in directory ``path``."""

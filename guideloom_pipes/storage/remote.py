@@ -18,13 +18,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePath, PurePosixPath
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 from guideloom_pipes.storage.errors import StorageError
-from guideloom_pipes.storage.io import _AsyncAdapter
+from guideloom_pipes.storage.io import BackendBase
 from guideloom_pipes.storage.names import _NAME, shard_name
-from guideloom_pipes.types import IOAsyncReaderAbstract, IOReaderAbstract, IOSyncReaderAbstract
+from guideloom_pipes.types import IOSyncReaderAbstract
 
 T = TypeVar("T")
 
@@ -238,7 +238,7 @@ def _import_fsspec(url: str) -> Any:
     return fsspec
 
 
-class FsspecIO(IOReaderAbstract[PurePath]):
+class FsspecIO(BackendBase):
     """Reads objects under a URL through fsspec, a byte range per read.
 
     Built by the storages for a URL location (``StreamStorage("s3://bucket/data", fmt)``);
@@ -316,33 +316,6 @@ class FsspecIO(IOReaderAbstract[PurePath]):
 
     def _make(self, path: PurePath) -> _RemoteReader:
         return _RemoteReader(self, str(path))
-
-    def _make_async(self, path: PurePath) -> _AsyncAdapter:
-        return _AsyncAdapter(self._make(path))
-
-    @overload
-    def sync_reader(self) -> Callable[[PurePath], IOSyncReaderAbstract]: ...
-
-    @overload
-    def sync_reader(self, path: PurePath) -> IOSyncReaderAbstract: ...
-
-    def sync_reader(
-        self, path: PurePath | None = None
-    ) -> Callable[[PurePath], IOSyncReaderAbstract] | IOSyncReaderAbstract:
-        """A factory of readers of objects (given a path: the reader of that object)."""
-        return self._make if path is None else self._make(path)
-
-    @overload
-    def async_reader(self) -> Callable[[PurePath], IOAsyncReaderAbstract]: ...
-
-    @overload
-    def async_reader(self, path: PurePath) -> IOAsyncReaderAbstract: ...
-
-    def async_reader(
-        self, path: PurePath | None = None
-    ) -> Callable[[PurePath], IOAsyncReaderAbstract] | IOAsyncReaderAbstract:
-        """A factory of ``async`` readers (calls run in a worker thread)."""
-        return self._make_async if path is None else self._make_async(path)
 
     def __getstate__(self) -> dict[str, Any]:
         # the file system (sessions, event loop) is made again in each process
