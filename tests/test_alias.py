@@ -19,7 +19,7 @@ import guideloom_pipes
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = REPO / "guideloom_pipes"
-LAZY_NAMES = {"StatefulDataLoader", "collate_packed", "pipes"}  # need torch
+LAZY_NAMES = {"StatefulDataLoader", "collate_packed", "pad_collate", "pipes"}  # need torch
 TORCH_MODULES = ("torch", "torchdata")
 
 
