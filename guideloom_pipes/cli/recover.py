@@ -12,30 +12,14 @@ from pathlib import Path
 
 from guideloom_pipes.cli.dataset import UsageError
 from guideloom_pipes.opening import local_path
-from guideloom_pipes.storage.commit import _is_locked, _read_record, recover_directory
-from guideloom_pipes.storage.names import _NAME, RECORD, TMP, shard_name
+from guideloom_pipes.storage.commit import _is_locked, recover_directory, recovery_plan
+from guideloom_pipes.storage.names import RECORD, TMP, shard_name
 
 
 def plan(directory: Path) -> dict[str, list[int]]:
     """What :func:`recover_directory` would do, without doing it (``"held"``: shards a live
     writer holds, left alone)."""
-    suspects: dict[int, str] = {}
-    records: list[int] = []
-    for name in os.listdir(directory):
-        match = _NAME.match(name)
-        if match is None:
-            continue
-        shard = int(match.group("shard"))
-        if match.group("temporary") or match.group("generation") is not None:
-            suspects.setdefault(shard, "cleaned")
-        elif match.group("suffix") == RECORD:
-            records.append(shard)
-    for shard in records:
-        record = _read_record(os.fspath(directory / shard_name(shard)))
-        if record is not None and record.state == "deleted":
-            suspects[shard] = "removed"
-        elif record is not None and record.versioned:
-            suspects[shard] = "rolled_forward"
+    suspects = recovery_plan(os.fspath(directory))
     result: dict[str, list[int]] = {"rolled_forward": [], "removed": [], "cleaned": [], "held": []}
     for shard, what in sorted(suspects.items()):
         lock = os.fspath(directory / (shard_name(shard) + RECORD + TMP))

@@ -574,20 +574,16 @@ def commit_transactions(
         raise
 
 
-def recover_directory(directory: str) -> dict[str, list[int]]:
-    """Finish or clean up what stopped writers left in ``directory``.
-
-    For every shard not being written right now (its write lock is free): a committed
-    record naming versioned files is rolled forward to the canonical names, a shard whose
-    removal was interrupted is removed, and versioned files no record names, stale
-    temporaries and stale locks are deleted. Shards a live writer holds are left alone.
-    Returns the shard ids ``{"rolled_forward": [...], "removed": [...], "cleaned": [...]}``.
-    """
-    result: dict[str, list[int]] = {"rolled_forward": [], "removed": [], "cleaned": []}
+def recovery_plan(directory: str) -> dict[int, str]:
+    """The shards of ``directory`` that stopped writers left something of, each with what
+    :func:`recover_directory` would do: ``"rolled_forward"`` (a committed record naming
+    versioned files), ``"removed"`` (an interrupted removal) or ``"cleaned"`` (temporaries,
+    versioned files no record names, a stale lock). Reads names and records only; takes no
+    lock, so a shard in the plan may be one a live writer holds."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
-        return result
+        return {}
     suspects: dict[int, str] = {}
     records: list[int] = []
     for name in names:
@@ -605,6 +601,20 @@ def recover_directory(directory: str) -> dict[str, list[int]]:
             suspects[shard] = "removed"
         elif record is not None and record.versioned:
             suspects[shard] = "rolled_forward"
+    return suspects
+
+
+def recover_directory(directory: str) -> dict[str, list[int]]:
+    """Finish or clean up what stopped writers left in ``directory``.
+
+    For every shard not being written right now (its write lock is free): a committed
+    record naming versioned files is rolled forward to the canonical names, a shard whose
+    removal was interrupted is removed, and versioned files no record names, stale
+    temporaries and stale locks are deleted. Shards a live writer holds are left alone.
+    Returns the shard ids ``{"rolled_forward": [...], "removed": [...], "cleaned": [...]}``.
+    """
+    result: dict[str, list[int]] = {"rolled_forward": [], "removed": [], "cleaned": []}
+    suspects = recovery_plan(directory)
     for shard, what in sorted(suspects.items(), reverse=True):  # removals from the top
         stem = os.path.join(directory, shard_name(shard))
         try:
