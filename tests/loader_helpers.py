@@ -7,11 +7,14 @@ fraction of the time.
 from __future__ import annotations
 
 import contextlib
+import functools
+import multiprocessing
 import os
 import signal
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -295,3 +298,33 @@ def watchdog(gate: Gate, seconds: float = 30) -> Iterator[threading.Timer]:
     finally:
         timer.cancel()
         gate.release()
+
+
+@contextlib.contextmanager
+def closed_at_the_end(monkeypatch: Any, classes: tuple[type, ...]) -> Iterator[None]:
+    """Every object of ``classes`` (stages, pools, loaders: things with ``close()``) made
+    while this is open is closed when it ends, whether the test passed or failed; then no
+    thread or worker process of ours may be left. So a failing test cannot leave threads
+    behind that fail the next tests' own checks. (Held weakly: garbage collection still
+    closes what a test drops.)"""
+    made: list[weakref.ref[Any]] = []
+    for cls in classes:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def register(self: Any, *args: Any, __init: Any = init, **kwargs: Any) -> None:
+            made.append(weakref.ref(self))
+            __init(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "__init__", register)
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        for ref in reversed(made):
+            obj = ref()
+            if obj is not None:
+                with contextlib.suppress(Exception):  # the test reports its own failures
+                    obj.close()
+    assert threads_end() == [], "threads of this test outlived it"
+    assert multiprocessing.active_children() == [], "worker processes outlived the test"

@@ -28,6 +28,7 @@ from loader_helpers import (
     Ids,
     KillsItsWorker,
     ReadError,
+    closed_at_the_end,
     expected_batches,
     ids_collate,
     threads_end,
@@ -45,7 +46,8 @@ from guideloom_pipes import (
     StreamStorage,
     StreamWithMetaStorage,
 )
-from guideloom_pipes.pipes import RankPositions, ReadSamples
+from guideloom_pipes.pipes import Prefetcher, RankPositions, ReadSamples
+from guideloom_pipes.pipes._pool import _ThreadPool
 from guideloom_pipes.shuffle import FeistelPermutation
 
 TOKENS = np.dtype([("tokens", "<i4")])
@@ -54,6 +56,12 @@ TOKENS = np.dtype([("tokens", "<i4")])
 def _loader(dataset: Any = None, collate_fn: Any = ids_collate, **kw: Any) -> StatefulDataLoader:
     kw.setdefault("device", "cpu")
     return StatefulDataLoader(Ids(22) if dataset is None else dataset, collate_fn, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _loaders_closed_whatever_happens(monkeypatch):
+    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, Prefetcher, _ThreadPool)):
+        yield
 
 
 def _state(epoch: int, offset: int, **kw: Any) -> dict[str, Any]:

@@ -12,9 +12,11 @@ import pytest
 pytest.importorskip("torch")
 
 import numpy as np
-from loader_helpers import Ids, ids_collate, stream_ids_collate
+from loader_helpers import Ids, closed_at_the_end, ids_collate, stream_ids_collate
 
 from guideloom_pipes import StatefulDataLoader, StreamNumpyFormat, StreamStorage
+from guideloom_pipes.pipes import ReadSamples
+from guideloom_pipes.pipes._pool import _ThreadPool
 
 DATA = Path(__file__).parent / "data" / "guideloom-1.1"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -23,6 +25,12 @@ RUNS = ORDERS["runs"]
 RESUMES = EXPECTED["resumes"]
 N = ORDERS["num_samples"]
 GUIDELOOM_KEYS = ("epoch", "observation_offset", "shuffle", "shuffle_seed", "drop_last")
+
+
+@pytest.fixture(autouse=True)
+def _loaders_closed_whatever_happens(monkeypatch):
+    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, _ThreadPool)):
+        yield
 
 
 def _run_id(run: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from loader_helpers import (
     Ids,
     InterruptingCollate,
     SlowCollate,
+    closed_at_the_end,
     expected_batches,
     ids_collate,
     threads_end,
@@ -33,6 +34,8 @@ from loader_helpers import (
 
 from guideloom_pipes import StatefulDataLoader
 from guideloom_pipes.loader import DataLoaderTimeoutError
+from guideloom_pipes.pipes import ReadSamples
+from guideloom_pipes.pipes._pool import _ThreadPool
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 
@@ -45,6 +48,12 @@ MODES: dict[str, dict[str, Any]] = {
 #: The first batch of process workers waits for them to start too (a fork of the fork
 #: server, or a whole new interpreter), which can take seconds on a loaded machine.
 _STARTS = {"2-processes": 5.0}
+
+
+@pytest.fixture(autouse=True)
+def _loaders_closed_whatever_happens(monkeypatch):
+    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, _ThreadPool)):
+        yield
 
 
 def _loader(collate_fn: Any = ids_collate, dataset: Any = None, **kw: Any) -> StatefulDataLoader:
@@ -108,6 +117,16 @@ def _train(loader: StatefulDataLoader) -> None:
         pass
 
 
+@pytest.fixture
+def ctrl_c_raises_keyboard_interrupt():
+    """Python's own SIGINT handler for the test: a process started in the background by a
+    shell (``cmd &``) ignores SIGINT from its start, and then neither a SIGINT nor
+    ``_thread.interrupt_main()`` does anything."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupt_when_blocked(gate: Gate, how: str) -> threading.Thread:
     """A thread that interrupts the main thread (as Ctrl-C does) once a read blocks at
     ``gate``: by a SIGINT, or by ``_thread.interrupt_main()`` (no signal: nothing blocked
@@ -130,6 +149,7 @@ def _interrupt_when_blocked(gate: Gate, how: str) -> threading.Thread:
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs POSIX signals")
 @pytest.mark.parametrize("how", ["signal", "interrupt_main"])
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.usefixtures("ctrl_c_raises_keyboard_interrupt")
 def test_ctrl_c_while_a_batch_is_read_returns_at_once_and_stops_the_iterator(mode, how):
     gate = Gate()
     loader = _loader(dataset=BlocksAt(16, 4, gate), **MODES[mode])

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -25,6 +26,7 @@ from loader_helpers import (
     Gate,
     Ids,
     ReadError,
+    closed_at_the_end,
     expected_batches,
     ids_collate,
     our_threads,
@@ -43,10 +45,34 @@ from guideloom_pipes.pipes import (
     ReadSamples,
     Shuffle,
     ToDevice,
+    _pool,
     close_pipeline,
 )
 from guideloom_pipes.pipes._pool import _ThreadPool
 from guideloom_pipes.shuffle import FeistelPermutation
+
+
+@pytest.fixture(autouse=True)
+def _stages_closed_whatever_happens(monkeypatch):
+    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, _ThreadPool)):
+        yield
+
+
+@pytest.fixture
+def cpu_clock_is_the_wall_clock(monkeypatch):
+    """Threads' CPU clocks read the wall clock: a job seems to compute all the time it runs.
+
+    Thread workers decide whether jobs run side by side from the share of its time a job
+    spends on the CPU: jobs that compute run one at a time. On a loaded machine a thread
+    that computes also waits for a core, so that share drops and computing jobs can look
+    like jobs that wait; tests of what the pool does *with* the decision fix it this way.
+    """
+    clocks = types.SimpleNamespace(
+        **{name: getattr(time, name) for name in dir(time) if not name.startswith("_")}
+    )
+    clocks.thread_time = time.perf_counter
+    clocks.clock_gettime = lambda clock: time.perf_counter()
+    monkeypatch.setattr(_pool, "time", clocks)
 
 
 def _positions(node: Any) -> list[list[int]]:
@@ -533,17 +559,52 @@ class _Concurrency(Ids):
         return [int(i) for i in ids]
 
 
-def test_quick_jobs_that_wait_run_side_by_side_and_those_that_compute_do_not():
+def test_quick_jobs_that_wait_run_side_by_side():
     waits = _Concurrency(4000, wait=True)
     node = ReadSamples(RankPositions(4000, 2), waits, num_workers=4, max_in_flight=12)
     assert len(list(node)) == 2000
-    assert node._chunk_size() > 1 and node._side_by_side() and waits.most >= 3
+    assert node._side_by_side()
+    assert node._pool is not None and node._pool._limit == 4  # all workers may run
     node.close()
+
+
+def test_quick_jobs_that_compute_run_one_at_a_time(cpu_clock_is_the_wall_clock):
     computes = _Concurrency(4000, wait=False)
     node = ReadSamples(RankPositions(4000, 2), computes, num_workers=4, max_in_flight=12)
     assert len(list(node)) == 2000
-    assert node._chunk_size() > 1 and not node._side_by_side()
+    assert not node._side_by_side()
+    assert node._pool is not None and node._pool._limit == 1
+    assert computes.most == 1  # counted inside the reads
     node.close()
+
+
+def test_the_first_job_is_judged_after_running_for_chunk_seconds_itself_not_from_its_start():
+    """A worker that starts the first job late (a loaded machine) leaves the probe a
+    glimpse of the job's first moments, spent computing even in a job that then waits."""
+    waited: list[float] = []
+
+    class Job:  # started 1.5 ms into the probe; computes for 0.5 ms, then waits
+        now, start, busy = 0.0, 0.0015, 0.0005
+
+        def running_for(self) -> float | None:
+            return self.now - self.start if self.now > self.start else None
+
+        def running_share(self) -> float | None:
+            running = self.running_for()
+            return min(running, self.busy) / running if running else None
+
+    class Pool(_ThreadPool):  # no threads: time passes only in wait_done
+        def wait_done(self, job: Any, seconds: float) -> bool:
+            waited.append(round(seconds, 6))
+            job.now += seconds
+            return False
+
+    node = ReadSamples(RankPositions(40, 2), Ids(40), num_workers=2, chunk_seconds=0.002)
+    node._pool = Pool(str, 0)
+    node._probe(Job())
+    assert waited == [0.002, 0.0015]  # then 1.5 ms more, for 2 ms of its own
+    assert node._side_by_side()  # judged by its share over those 2 ms (1/4): it waits
+    node._pool = None
 
 
 def _idle_pool(fn: Any, workers: int) -> _ThreadPool:
@@ -607,11 +668,13 @@ def test_raising_the_limit_wakes_sleeping_workers_for_queued_jobs():
     pool.close()
 
 
-def test_slow_batches_that_compute_run_on_one_worker_at_a_time():
+def test_slow_batches_that_compute_run_on_one_worker_at_a_time(cpu_clock_is_the_wall_clock):
     dataset = _Concurrency(60, wait=False, seconds=0.003)  # 3 ms a batch: one batch per job
     node = ReadSamples(RankPositions(60, 2), dataset, num_workers=3, collate_fn=ids_collate)
     assert list(node) == [[i, i + 1] for i in range(0, 60, 2)]
-    assert dataset.most == 1 and not node._side_by_side()
+    assert not node._side_by_side()
+    assert node._pool is not None and node._pool._limit == 1
+    assert dataset.most == 1  # counted inside the reads: never two at once
     node.close()
 
 

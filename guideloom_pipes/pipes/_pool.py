@@ -85,6 +85,11 @@ class _Job:
         self.clock: int | None = None
         self.cpu_started = 0.0
 
+    def running_for(self) -> float | None:
+        """Seconds the job has been running (None: not started)."""
+        started = self.started
+        return time.perf_counter() - started if started else None
+
     def running_share(self) -> float | None:
         """The share of its time so far the running job spent on the CPU (None: not
         started, or no per-thread CPU clock here)."""

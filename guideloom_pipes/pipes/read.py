@@ -372,11 +372,20 @@ class ReadSamples(BaseNode[Any]):
         until a finished job tells more."""
         self._probing = False
         pool = self._pool
-        if isinstance(pool, _ThreadPool) and not pool.wait_done(job, self.chunk_seconds):
-            share = job.running_share()
-            if share is None or share < _WAITING:
-                self._cpu_share = 0.0 if share is None else share
-            self._fill()
+        if not isinstance(pool, _ThreadPool) or pool.wait_done(job, self.chunk_seconds):
+            return
+        # Judge the job once it has itself run for chunk_seconds: a worker may have started
+        # it late (a loaded machine), and the first moments of a job that waits are spent
+        # computing (setting up its read). One not started at all is taken to wait.
+        running = job.running_for()
+        while running is not None and running < self.chunk_seconds:
+            if pool.wait_done(job, self.chunk_seconds - running):
+                return  # done: its result tells (see next)
+            running = job.running_for()
+        share = job.running_share()
+        if share is None or share < _WAITING:
+            self._cpu_share = 0.0 if share is None else share
+        self._fill()
 
     def _drop_job(self, job: Any, last: bool) -> None:
         """Forget the rest of a job that failed as a whole (its batches were not delivered)."""
