@@ -290,7 +290,9 @@ class FaultProxy:
             request_line = head.split(b"\r\n", 1)[0].decode("latin-1")
             if self.together is not None and self.together(request_line):
                 try:
-                    self._barrier.wait(timeout=10)
+                    # generous: on a loaded machine the other requests of a concurrent open
+                    # can take seconds to arrive; sequential ones never do
+                    self._barrier.wait(timeout=30)
                     action = "together"
                 except threading.BrokenBarrierError:
                     action = "alone"

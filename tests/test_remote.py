@@ -634,7 +634,7 @@ def test_an_http_open_reads_its_records_and_sizes_concurrently(http: HttpServer)
         storage = StreamStorage(f"{proxy.url}/concurrent", TOKENS)
         with storage.sync_reader() as reader:
             assert reader.num_shards == 8
-    # sequential reads would meet no other request at the barrier: "alone", after 10 s
+    # sequential reads would meet no other request at the barrier: "alone", after 30 s
     assert proxy.count("together") == 8 and proxy.count("alone") == 0
 
 
