@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import operator
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,33 @@ from guideloom_pipes.types import (
 
 #: Samples that iterating a reader decodes at a time (one ``read_batch`` each).
 _ITER_BATCH = 64
+
+
+def open_reader(dataset: Any) -> tuple[Any, bool]:
+    """Open ``dataset`` for reading; return ``(reader, opened_here)``.
+
+    Datasets with a ``sync_reader()`` factory (ours) get an opened reader that the caller must
+    close; any other map-style dataset is its own reader.
+    """
+    factory = getattr(dataset, "sync_reader", None)
+    if callable(factory):
+        reader = factory()
+        reader.open()
+        return reader, True
+    return dataset, False
+
+
+def batch_read_fn(reader: Any) -> Callable[[np.ndarray], list[Any]]:
+    """The fastest way ``reader`` offers to turn an int64 id array into a list of samples:
+    its ``read_batch``, else ``__getitems__``, else ``[i]`` for each id."""
+    read_batch = getattr(reader, "read_batch", None)
+    if callable(read_batch):
+        return read_batch
+    getitems = getattr(reader, "__getitems__", None)
+    if callable(getitems):
+        return lambda ids: list(getitems(ids.tolist()))
+    getitem = reader.__getitem__
+    return lambda ids: [getitem(i) for i in ids.tolist()]
 
 
 def _check_sequence_length(sequence_length: Any) -> int:

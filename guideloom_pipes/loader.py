@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.loader_args import (
     _UNSET,
     _default_device,
@@ -35,7 +36,6 @@ from guideloom_pipes.pipes import (
     default_collate,
 )
 from guideloom_pipes.pipes._pool import DataLoaderTimeoutError, after_orphaned_jobs, seconds_text
-from guideloom_pipes.pipes._worker import _open_reader
 from guideloom_pipes.pipes.read import _CHUNK_SECONDS, _together
 from guideloom_pipes.types import SyncContextManager
 
@@ -291,7 +291,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         """Open the dataset's reader and check it holds a global batch (idempotent)."""
         if self._is_open:
             return
-        reader, owns_reader = _open_reader(self.dataset)
+        reader, owns_reader = open_reader(self.dataset)
         n = len(reader) if hasattr(reader, "__len__") else len(self.dataset)
         if n < self.global_batch_size:
             try:

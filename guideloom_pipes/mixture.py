@@ -38,7 +38,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from guideloom_pipes.datasets import _as_ids, _AsyncDatasetReader, _DatasetReaderBase
+from guideloom_pipes.datasets import (
+    _as_ids,
+    _AsyncDatasetReader,
+    _DatasetReaderBase,
+    batch_read_fn,
+    open_reader,
+)
 from guideloom_pipes.shuffle import FeistelPermutation
 
 __all__ = ["MixtureDataset"]
@@ -374,28 +380,6 @@ def _check_weights(names: list[str], weights: Any) -> list[float]:
     return out
 
 
-def _open(dataset: Any) -> tuple[Any, bool]:
-    """An open reader of ``dataset`` and whether it was opened here (see ``pipes._worker``)."""
-    factory = getattr(dataset, "sync_reader", None)
-    if callable(factory):
-        reader = factory()
-        reader.open()
-        return reader, True
-    return dataset, False
-
-
-def _read_fn(reader: Any) -> Callable[[_I64], list[Any]]:
-    """The fastest way ``reader`` offers to read a batch of ids."""
-    read_batch = getattr(reader, "read_batch", None)
-    if callable(read_batch):
-        return read_batch
-    getitems = getattr(reader, "__getitems__", None)
-    if callable(getitems):
-        return lambda ids: list(getitems(ids.tolist()))
-    getitem = reader.__getitem__
-    return lambda ids: [getitem(i) for i in ids.tolist()]
-
-
 def _field_signature(value: Any, fixed: bool) -> str:
     if isinstance(value, np.ndarray):
         shape = f"shape {value.shape}" if fixed else f"{value.ndim}-D"
@@ -501,14 +485,14 @@ class MixtureDataset:
         lengths: list[int] = []
         first: tuple[str, dict[str, str]] | None = None
         for name in self.names:
-            reader, opened = _open(self.components[name])
+            reader, opened = open_reader(self.components[name])
             try:
                 length = len(reader)
                 if length < 1:
                     raise ValueError(
                         f"component {name!r} is empty (0 samples); drop it or write its data"
                     )
-                sample = _read_fn(reader)(np.zeros(1, dtype=np.int64))[0]
+                sample = batch_read_fn(reader)(np.zeros(1, dtype=np.int64))[0]
             finally:
                 if opened:
                     reader.close()
@@ -646,7 +630,7 @@ class MixtureReader(_DatasetReaderBase):
         opened: list[tuple[Any, bool]] = []
         try:
             for c, name in enumerate(dataset.names):
-                reader, own = _open(dataset.components[name])
+                reader, own = open_reader(dataset.components[name])
                 opened.append((reader, own))
                 now = len(reader)
                 if now != dataset.lengths[c]:
@@ -662,7 +646,7 @@ class MixtureReader(_DatasetReaderBase):
                     reader.close()
             raise
         self._readers = opened
-        self._reads = [_read_fn(reader) for reader, _ in opened]
+        self._reads = [batch_read_fn(reader) for reader, _ in opened]
         self._length = dataset.num_samples
 
     def close(self) -> None:

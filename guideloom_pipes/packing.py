@@ -42,6 +42,8 @@ from guideloom_pipes.datasets import (
     _AsyncDatasetReader,
     _check_sequence_length,
     _DatasetReaderBase,
+    batch_read_fn,
+    open_reader,
 )
 from guideloom_pipes.shuffle import FeistelPermutation
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
@@ -409,23 +411,6 @@ def _write_sidecar(path: Path, fingerprint: str, sums: _I64) -> bool:
     return True
 
 
-def _open(dataset: Any) -> tuple[Any, bool]:
-    factory = getattr(dataset, "sync_reader", None)
-    if callable(factory):
-        reader = factory()
-        reader.open()
-        return reader, True
-    return dataset, False
-
-
-def _reader_fn(reader: Any) -> Any:
-    read_batch = getattr(reader, "read_batch", None)
-    if callable(read_batch):
-        return read_batch
-    getitem = reader.__getitem__
-    return lambda ids: [getitem(i) for i in ids.tolist()]
-
-
 class PackedReader(_DatasetReaderBase):
     """Reader of a :class:`PackedDataset`: a batch of windows per ``read_batch`` call."""
 
@@ -450,7 +435,7 @@ class PackedReader(_DatasetReaderBase):
             self._source, self._owns_source = reader, True
             self._length = len(reader)
             return
-        source, owns = _open(dataset.source)
+        source, owns = open_reader(dataset.source)
         try:
             sums = self._load_sums(source)
         except BaseException:
@@ -458,7 +443,7 @@ class PackedReader(_DatasetReaderBase):
                 source.close()
             raise
         self._source, self._owns_source = source, owns
-        self._read = _reader_fn(source)
+        self._read = batch_read_fn(source)
         self._sums = sums
         documents = len(sums) - 1
         if dataset.seed is not None and documents > 0:
@@ -529,7 +514,7 @@ class PackedReader(_DatasetReaderBase):
         count = len(source)
         extra = 1 if dataset.eos_token is not None else 0
         sums = np.zeros(count + 1, dtype=np.int64)
-        read = _reader_fn(source)
+        read = batch_read_fn(source)
         for start in range(0, count, _BUILD_BATCH):
             ids = np.arange(start, min(count, start + _BUILD_BATCH), dtype=np.int64)
             lengths = [len(_document_tokens(d, dataset.field)) + extra for d in read(ids)]

@@ -20,35 +20,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom_pipes.datasets import batch_read_fn, open_reader
 from guideloom_pipes.pipes._transport import ResultRing, dump_result
 
 _Ids = npt.NDArray[np.int64]
-
-
-def _open_reader(dataset: Any) -> tuple[Any, bool]:
-    """Open ``dataset`` for reading; return ``(reader, opened_here)``.
-
-    Datasets with a ``sync_reader()`` factory (ours) get an opened reader that the caller must
-    close; any other map-style dataset is its own reader.
-    """
-    factory = getattr(dataset, "sync_reader", None)
-    if callable(factory):
-        reader = factory()
-        reader.open()
-        return reader, True
-    return dataset, False
-
-
-def _batch_read_fn(reader: Any) -> Callable[[_Ids], list[Any]]:
-    """The fastest way ``reader`` offers to turn an int64 id array into a list of samples."""
-    read_batch = getattr(reader, "read_batch", None)
-    if callable(read_batch):
-        return read_batch
-    getitems = getattr(reader, "__getitems__", None)
-    if callable(getitems):
-        return lambda ids: list(getitems(ids.tolist()))
-    getitem = reader.__getitem__
-    return lambda ids: [getitem(i) for i in ids.tolist()]
 
 
 class _Failed:
@@ -152,10 +127,10 @@ def _init_process_worker(dataset: Any, collate_fn: Callable[..., Any] | None) ->
     if torch is not None:
         # As torch's DataLoader does: workers share the cores, one intra-op thread each.
         torch.set_num_threads(1)
-    reader, opened = _open_reader(dataset)
+    reader, opened = open_reader(dataset)
     if opened:
         multiprocessing.util.Finalize(reader, reader.close, exitpriority=10)
-    return _ReadTask(_batch_read_fn(reader), collate_fn)
+    return _ReadTask(batch_read_fn(reader), collate_fn)
 
 
 def _dump_outcomes(outcomes: list[Any], ring: ResultRing | None) -> tuple[bytes, list[Any]]:

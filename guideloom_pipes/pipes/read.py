@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.datasets import batch_read_fn, open_reader
 from guideloom_pipes.pipes._pool import (
     DataLoaderTimeoutError,
     _ProcessPool,
@@ -22,9 +23,7 @@ from guideloom_pipes.pipes._pool import (
     seconds_text,
 )
 from guideloom_pipes.pipes._worker import (
-    _batch_read_fn,
     _Failed,
-    _open_reader,
     _ReadTask,
     _RemoteTraceback,
 )
@@ -233,9 +232,9 @@ class ReadSamples(BaseNode[Any]):
     def open(self) -> None:
         """Open this process's reader of the dataset now (otherwise the first reset does)."""
         if self._reader is None:
-            self._reader, self._owns_reader = _open_reader(self.dataset)
+            self._reader, self._owns_reader = open_reader(self.dataset)
         if self._task is None:
-            self._task = _ReadTask(_batch_read_fn(self._reader), self.collate_fn)
+            self._task = _ReadTask(batch_read_fn(self._reader), self.collate_fn)
 
     def close(self) -> None:
         """Stop the workers and close the reader this stage opened (it can be reset again).
