@@ -537,6 +537,39 @@ def test_a_stalled_request_times_out_and_is_retried(http: HttpServer) -> None:
     assert proxy.count("stall") == 1
 
 
+def test_the_retry_policys_timeout_abandons_a_stalled_request_and_retries_it(
+    http: HttpServer,
+) -> None:
+    # no client timeout of the user's: the policy's deadline alone ends the stalled read
+    tokens = _write_tokens(http.root / "stalled-policy", shards=1)
+    stalls = {3}  # the first ranged read of data, after the probes and the record
+    policy = RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.01, timeout=0.5)
+    with fault_proxy(http.port, lambda n: "stall" if n in stalls else "pass") as proxy:
+        storage = StreamStorage(f"{proxy.url}/stalled-policy", TOKENS, retry=policy)
+        with StreamDataset(storage, 100).sync_reader() as reader:
+            got = [reader[i]["tokens"].tolist() for i in range(len(reader))]
+    assert got == [tokens[i * 100 : (i + 1) * 100].tolist() for i in range(10)]
+    assert proxy.count("stall") == 1
+
+
+def test_a_server_that_never_answers_fails_after_the_attempts_naming_the_timeout(
+    http: HttpServer,
+) -> None:
+    _write_tokens(http.root / "never", shards=1)
+    policy = RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.01, timeout=0.3)
+    with fault_proxy(http.port, lambda n: "stall") as proxy:
+        storage = StreamStorage(f"{proxy.url}/never", TOKENS, retry=policy)
+        with pytest.raises(RemoteReadError, match=r"failed 2 time\(s\).*FSTimeoutError"):
+            StreamDataset(storage, 100).sync_reader().open()
+    assert proxy.count("stall") == 2
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, "30", True])
+def test_a_retry_timeout_that_is_not_positive_seconds_is_refused(timeout: object) -> None:
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+        RetryPolicy(timeout=timeout)  # type: ignore[arg-type]
+
+
 def test_persistent_failures_raise_an_error_naming_url_shard_and_attempts(
     http: HttpServer,
 ) -> None:

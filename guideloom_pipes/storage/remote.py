@@ -97,17 +97,25 @@ class RetryPolicy:
     tries in all, :class:`RemoteReadError` names the URL, the shard and the attempts. Other
     failures (a missing object, no permission) are raised at once.
 
+    A request that has not finished after ``timeout`` seconds is abandoned and counts as a
+    transient failure, so a server or connection that stops answering costs a retry, never
+    a hung training job. The deadline covers the whole request (waiting for a connection
+    included) on fsspec's asynchronous file systems (``http(s)://``, ``s3://``, ``gs://``,
+    ``az://``); a synchronous one relies on its own client's timeouts.
+
     Args:
         attempts: tries in all, the first included (>= 1; 1 turns retrying off).
         base_delay: seconds before the second try.
         max_delay: longest delay between two tries.
         jitter: fraction (0..1) of each delay that is random.
+        timeout: seconds one request may take (> 0), or None for no deadline of ours.
     """
 
     attempts: int = 6
     base_delay: float = 0.2
     max_delay: float = 10.0
     jitter: float = 0.5
+    timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
         if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
@@ -121,6 +129,15 @@ class RetryPolicy:
             )
         if not 0 <= self.jitter <= 1:
             raise ValueError(f"jitter must be between 0 and 1, got {self.jitter}")
+        if self.timeout is not None and (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not self.timeout > 0
+        ):
+            raise ValueError(
+                f"timeout must be a number of seconds > 0, or None for no deadline, got "
+                f"{self.timeout!r}"
+            )
 
     def delay(self, failures: int, rng: random.Random | None = None) -> float:
         """Seconds to wait after the ``failures``-th failed try (1 for the first)."""
@@ -314,6 +331,24 @@ class FsspecIO(BackendBase):
             time.sleep(policy.delay(attempt))
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def once(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """One try of the file system's ``method(*args, **kwargs)``; on an asynchronous file
+        system abandoned after :attr:`RetryPolicy.timeout` seconds with fsspec's
+        ``FSTimeoutError`` (a transient failure: :meth:`call` tries again)."""
+        fs = self.fs
+        timeout = self.retry.timeout
+        if timeout is not None and getattr(fs, "async_impl", False):
+            from fsspec.asyn import sync
+
+            # the coroutine is cancelled at the deadline, its connection released
+            return sync(fs.loop, getattr(fs, "_" + method), *args, timeout=timeout, **kwargs)
+        return getattr(fs, method)(*args, **kwargs)
+
+    def request(self, what: str, url: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`once` through :meth:`call`: retried on transient failures, timeouts
+        included."""
+        return self.call(what, url, lambda: self.once(method, *args, **kwargs))
+
     def _make(self, path: PurePath) -> _RemoteReader:
         return _RemoteReader(self, str(path))
 
@@ -340,13 +375,9 @@ class ListingFsspecIO(FsspecIO):
         """The name and size of each object directly under ``path``."""
         url = str(path)
 
-        def listing() -> list[dict[str, Any]]:
-            fs = self.fs
-            fs.invalidate_cache(url)  # a listing cached by an earlier open may be stale
-            return list(fs.ls(url, detail=True))
-
+        self.fs.invalidate_cache(url)  # a listing cached by an earlier open may be stale
         try:
-            entries = self.call("listing", url, listing)
+            entries = list(self.request("listing", url, "ls", url, detail=True))
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"dataset {url} does not exist (nothing under that prefix); check the URL"
@@ -375,7 +406,7 @@ class _RemoteReader(IOSyncReaderAbstract):
     def open(self) -> None:
         if self._size >= 0:
             return
-        info = self.backend.call("finding the size of", self.url, self._info)
+        info = dict(self.backend.request("finding the size of", self.url, "info", self.url))
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{self.url} is a directory, not a shard file")
         size = info.get("size")
@@ -386,9 +417,6 @@ class _RemoteReader(IOSyncReaderAbstract):
                 f"files with their sizes (a static file server does)"
             )
         self._size = int(size)
-
-    def _info(self) -> dict[str, Any]:
-        return dict(self.backend.fs.info(self.url))
 
     def close(self) -> None:
         self._size = -1
@@ -406,7 +434,7 @@ class _RemoteReader(IOSyncReaderAbstract):
             return memoryview(b"")
 
         def ranged() -> memoryview:
-            data = self.backend.fs.cat_file(self.url, start=offset, end=end)
+            data = self.backend.once("cat_file", self.url, start=offset, end=end)
             if len(data) != want:
                 raise _ShortRead(
                     f"asked for bytes {offset}..{end} ({want} bytes), got {len(data)} bytes"
