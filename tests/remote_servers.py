@@ -356,10 +356,19 @@ def _read_request(client: socket.socket) -> tuple[bytes | None, bytes]:
             return None, b""
     head, _, body = data.partition(b"\r\n\r\n")
     length = 0
+    kept = [head.split(b"\r\n")[0]]
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             length = int(value.strip())
+        if name.strip().lower() == b"expect" and value.strip().lower() == b"100-continue":
+            # the client sends the body only once told to (botocore's uploads); the request
+            # is then forwarded whole, without the Expect header
+            if not body:
+                client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            continue
+        kept.append(line)
+    head = b"\r\n".join(kept)
     while len(body) < length:
         chunk = client.recv(65536)
         if not chunk:

@@ -179,15 +179,20 @@ def test_a_remote_storage_pickles_with_its_url_and_options() -> None:
     assert copy.backend.storage_options == {"anon": True} and copy.backend.retry == FAST
 
 
-def test_writing_to_a_url_is_refused_and_makes_no_local_directory(
+def test_a_writer_to_a_url_stages_in_the_temporary_directory_and_removes_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import tempfile
+
     need_modules("fsspec", "s3fs")
     monkeypatch.chdir(tmp_path)
     storage = StreamStorage("s3://bucket/data", TOKENS)
-    with pytest.raises(NotImplementedError, match="write the dataset to a local directory"):
-        storage.sync_writer()
-    assert list(tmp_path.iterdir()) == []
+    writer = storage.sync_writer()  # no request yet: the URL is listed at open
+    staging = Path(writer.directory)
+    assert staging.parent == Path(tempfile.gettempdir()) and staging.is_dir()
+    assert list(tmp_path.iterdir()) == []  # nothing under the working directory
+    writer.abort()
+    assert not staging.exists()
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess[str]:
@@ -680,3 +685,213 @@ def test_an_s3_open_reads_its_records_concurrently(s3: S3Server, tmp_path: Path)
         with storage.sync_reader() as reader:
             assert reader.num_shards == 8
     assert proxy.count("together") == 8 and proxy.count("alone") == 0
+
+
+# --- writing to a URL -----------------------------------------------------------------------
+
+
+def _s3_storages(s3: S3Server, prefix: str) -> dict[str, Any]:
+    return _storages(f"s3://{BUCKET}/{prefix}", storage_options=s3.options(), retry=FAST)
+
+
+def _write_each_kind(storage: Any) -> None:
+    """The same appends for a storage of each kind: three shards of known content."""
+    with storage.sync_writer() as writer:
+        for shard in range(3):
+            if isinstance(storage, DocumentStorage):
+                for i in range(4):
+                    writer.append(shard, {"shard": shard, "i": i, "text": "x" * (i * 7)})
+            elif isinstance(storage, StreamWithMetaStorage):
+                tokens = list(range(shard * 100, shard * 100 + 30))
+                writer.append(
+                    shard, {"doc": shard, "tokens": tokens, "chunk_ids": [t // 8 for t in tokens]}
+                )
+            else:
+                tokens = np.arange(shard * 50, shard * 50 + 40)
+                writer.append(shard, {"tokens": tokens, "loss_mask": tokens % 2})
+
+
+@pytest.mark.parametrize("kind", ["stream", "document", "stream_meta"])
+def test_a_dataset_written_to_s3_is_byte_for_byte_the_one_written_to_a_directory(
+    s3: S3Server, kind: str, tmp_path: Path
+) -> None:
+    remote = _s3_storages(s3, "written")[kind]
+    local = _storages(str(tmp_path / "local"))[kind]
+    _write_each_kind(remote)
+    _write_each_kind(local)
+    assert _everything(remote) == _everything(local)
+    fs = s3.filesystem()
+    fs.get(f"{BUCKET}/written/{kind}/", f"{tmp_path / 'downloaded'}/", recursive=True)
+    downloaded = sorted((tmp_path / "downloaded").iterdir())
+    written = sorted((tmp_path / "local" / kind).iterdir())
+    # the same names (canonical, a settled record per shard, no versioned file left) and
+    # the same bytes, records included (both are generation 1)
+    assert [p.name for p in downloaded] == [p.name for p in written]
+    assert [p.read_bytes() for p in downloaded] == [p.read_bytes() for p in written]
+
+
+def test_a_rewrite_to_s3_replaces_the_shard_and_counts_its_generation(s3: S3Server) -> None:
+    storage = StreamStorage(
+        f"s3://{BUCKET}/rewrite", TOKENS, storage_options=s3.options(), retry=FAST
+    )
+    for value in (1, 2):
+        with storage.sync_writer() as writer:
+            writer.append(0, {"tokens": np.full(10, value, dtype="<i4")})
+    with StreamDataset(storage, 10).sync_reader() as reader:
+        assert reader[0]["tokens"].tolist() == [2] * 10
+    record = json.loads(s3.filesystem().cat_file(f"{BUCKET}/rewrite/0000000.shard.json"))
+    assert record["generation"] == 2 and not record.get("versioned")
+
+
+def test_a_failed_upload_leaves_the_remote_dataset_as_it_was(s3: S3Server) -> None:
+    storage = StreamStorage(
+        f"s3://{BUCKET}/failed", TOKENS, storage_options=s3.options(), retry=FAST
+    )
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(10, dtype="<i4")})
+    # a writer that opens through the proxy, whose every request then fails (reset)
+    port = int(s3.endpoint.rpartition(":")[2])
+    action = {"now": "pass"}
+    with fault_proxy(port, lambda n: action["now"]) as proxy:
+        broken = StreamStorage(
+            f"s3://{BUCKET}/failed",
+            TOKENS,
+            storage_options=s3.options(proxy.url, config_kwargs={"retries": {"max_attempts": 1}}),
+            retry=RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.01),
+        )
+        writer = broken.sync_writer()
+        writer.append(0, {"tokens": np.full(10, 7, dtype="<i4")})
+        staging = writer.directory
+        action["now"] = "reset"
+        with pytest.raises(RemoteReadError):
+            writer.close()
+        assert proxy.count("reset") >= 2 and proxy.count("pass") >= 1
+    assert not os.path.exists(staging)  # the local staging directory is gone too
+    with StreamDataset(storage, 10).sync_reader() as reader:
+        assert reader[0]["tokens"].tolist() == list(range(10))
+
+
+def test_an_upload_failing_at_any_request_leaves_the_old_shard_or_the_new_one(
+    s3: S3Server,
+) -> None:
+    """For every n: the close's first n requests succeed, every later one fails. Each shard
+    then reads as its old version or its new one, whole, and a later writer completes it.
+    The loop ends at the first n with which the close succeeds."""
+    port = int(s3.endpoint.rpartition(":")[2])
+    old = [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [0, 1, 2, 3, 4]]
+    new = [[7] * 5, [7] * 5, [8] * 5]
+    outcomes = []
+    for passing in range(200):
+        url = f"s3://{BUCKET}/partial/{passing}"
+        storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+        with storage.sync_writer() as writer:
+            writer.append(0, {"tokens": np.arange(10, dtype="<i4")})
+            writer.append(1, {"tokens": np.arange(5, dtype="<i4")})
+        closing: dict[str, int | None] = {"from": None}
+
+        def schedule(
+            n: int, closing: dict[str, int | None] = closing, passing: int = passing
+        ) -> str:
+            first = closing["from"]
+            return "pass" if first is None or n < first + passing else "reset"
+
+        with fault_proxy(port, schedule) as proxy:
+            options = s3.options(proxy.url, config_kwargs={"retries": {"max_attempts": 1}})
+            writer = StreamStorage(
+                url, TOKENS, storage_options=options, retry=RetryPolicy(attempts=1)
+            ).sync_writer()
+            writer.append(0, {"tokens": np.full(10, 7, dtype="<i4")})
+            writer.append(1, {"tokens": np.full(5, 8, dtype="<i4")})
+            closing["from"] = len(proxy.log)
+            try:
+                writer.close()
+                failed = False
+            except RemoteReadError:
+                failed = True
+        with StreamDataset(storage, 5).sync_reader() as reader:
+            got = [reader[i]["tokens"].tolist() for i in range(len(reader))]
+        assert got[:2] in (old[:2], new[:2]) and got[2:] in (old[2:], new[2:]), passing
+        outcomes.append((got[:2] == new[:2], got[2:] == new[2:]))
+        with storage.sync_writer() as writer:
+            writer.append(0, {"tokens": np.full(10, 3, dtype="<i4")})
+            writer.append(1, {"tokens": np.full(5, 4, dtype="<i4")})
+        names = sorted(p.rpartition("/")[2] for p in s3.filesystem().ls(url[5:]))
+        assert names == [
+            "0000000.in_band.bin", "0000000.shard.json", "0000001.in_band.bin",
+            "0000001.shard.json",
+        ], passing  # fmt: skip
+        with StreamDataset(storage, 5).sync_reader() as reader:
+            assert [reader[i]["tokens"].tolist() for i in range(3)] == [[3] * 5, [3] * 5, [4] * 5]
+        if not failed:
+            break
+    else:
+        raise AssertionError("the close never succeeded")
+    # the failures fell before the commit points, between them and after them
+    assert outcomes[0] == (False, False) and outcomes[-1] == (True, True)
+    assert (True, False) in outcomes
+
+
+def test_an_aborted_writer_to_s3_uploads_nothing(s3: S3Server) -> None:
+    storage = StreamStorage(
+        f"s3://{BUCKET}/aborted", TOKENS, storage_options=s3.options(), retry=FAST
+    )
+    with pytest.raises(KeyError), storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(10, dtype="<i4")})
+        staging = writer.directory
+        raise KeyError("stop")
+    assert not os.path.exists(staging)
+    assert not s3.filesystem().exists(f"{BUCKET}/aborted")
+
+
+def test_writer_modes_on_s3(s3: S3Server) -> None:
+    url = f"s3://{BUCKET}/modes"
+    storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+    with storage.sync_writer() as writer:
+        for shard in range(3):
+            writer.append(shard, {"tokens": np.full(4, shard, dtype="<i4")})
+    with pytest.raises(FileExistsError, match="mode='create'"):
+        storage.sync_writer(mode="create").open()
+    warns = pytest.warns(UserWarning, match=r"remain above it.*0000001, 0000002")
+    with warns, storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.full(4, 9, dtype="<i4")})
+    with storage.sync_writer(mode="overwrite") as writer:
+        writer.append(0, {"tokens": np.full(4, 5, dtype="<i4")})
+    names = sorted(p.rpartition("/")[2] for p in s3.filesystem().ls(f"{BUCKET}/modes"))
+    assert names == ["0000000.in_band.bin", "0000000.shard.json"]
+    with StreamDataset(storage, 4).sync_reader() as reader:
+        assert len(reader) == 1 and reader[0]["tokens"].tolist() == [5] * 4
+
+
+def test_a_record_naming_versioned_files_on_s3_reads_the_new_shard(s3: S3Server) -> None:
+    # an upload stopped between its commit point and the canonical copies: readers read the
+    # versioned files the record names, and the next write of the shard cleans them up
+    url = f"s3://{BUCKET}/stopped"
+    storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.full(4, 1, dtype="<i4")})
+    fs = s3.filesystem()
+    record = json.loads(fs.cat_file(f"{BUCKET}/stopped/0000000.shard.json"))
+    fs.pipe_file(f"{BUCKET}/stopped/0000000.v2.in_band.bin", np.full(4, 2, "<i4").tobytes())
+    import zlib
+
+    record.update(
+        generation=2,
+        versioned=True,
+        guideloom_pipes_record=2,
+        files={"in_band.bin": {"size": 16, "crc32": zlib.crc32(np.full(4, 2, "<i4").tobytes())}},
+    )
+    fs.pipe_file(f"{BUCKET}/stopped/0000000.shard.json", json.dumps(record).encode())
+    with StreamDataset(storage, 4).sync_reader() as reader:
+        assert reader[0]["tokens"].tolist() == [2] * 4
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.full(4, 3, dtype="<i4")})
+    names = sorted(p.rpartition("/")[2] for p in fs.ls(f"{BUCKET}/stopped"))
+    assert names == ["0000000.in_band.bin", "0000000.shard.json"]
+    with StreamDataset(storage, 4).sync_reader() as reader:
+        assert reader[0]["tokens"].tolist() == [3] * 4
+
+
+def test_writing_to_an_http_url_is_refused_naming_the_fix(http: HttpServer) -> None:
+    storage = StreamStorage(f"{http.url}/readonly", TOKENS)
+    with pytest.raises(ValueError, match="HTTP server is read-only"):
+        storage.sync_writer()

@@ -74,6 +74,8 @@ import contextlib
 import errno
 import fcntl
 import os
+import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -713,19 +715,20 @@ class ShardWriterBase:
     #: (``write_parallel``'s workers write one shard each and turn it off)
     _warn_older_above = True
 
-    def __init__(self, directory: PurePath, mode: str = "update") -> None:
+    def __init__(self, directory: PurePath, mode: str = "update", backend: Any = None) -> None:
         if mode not in WRITER_MODES:
             raise ValueError(
                 f"mode must be one of {', '.join(map(repr, WRITER_MODES))}, got {mode!r}: "
                 f"'update' replaces only the shards written, 'overwrite' also removes the "
                 f"others, 'create' refuses a directory that holds shards"
             )
+        #: for a URL: what publishes the shards, staged in a local directory, at close
+        self._upload: Any = None
         if isinstance(directory, RemotePath):
-            raise NotImplementedError(
-                f"writing to a URL ({directory}) is not supported yet (issue 12): write the "
-                f"dataset to a local directory and upload its files, each shard's "
-                f"{{k:07d}}.shard.json last (docs/remote.md)"
-            )
+            from guideloom_pipes.storage.upload import RemoteUpload
+
+            self._upload = RemoteUpload(backend, str(directory), mode, self.kind)
+            directory = PurePath(tempfile.mkdtemp(prefix="guideloom_pipes-upload-"))
         self.directory = os.fspath(directory)
         #: ``"update"``, ``"overwrite"`` or ``"create"`` (see :data:`WRITER_MODES`)
         self.mode = mode
@@ -740,7 +743,12 @@ class ShardWriterBase:
         # A writer dropped (or left open at exit) without close() or abort(): warn, and
         # remove its temporaries and locks as abort() would. Holds no reference to self.
         self._finalizer = weakref.finalize(
-            self, _abandon, self._transactions, self.directory, type(self).__name__
+            self,
+            _abandon,
+            self._transactions,
+            self.directory,
+            type(self).__name__,
+            self._upload is not None,
         )
 
     def open(self) -> None:
@@ -748,6 +756,8 @@ class ShardWriterBase:
         :func:`recover_directory`); also done by ``with`` and by the first ``append``."""
         if self._opened:
             return
+        if self._upload is not None:
+            self._upload.open()
         os.makedirs(self.directory, exist_ok=True)
         if self.mode == "create":
             found = sorted(n for n in os.listdir(self.directory) if _NAME.match(n))
@@ -846,6 +856,16 @@ class ShardWriterBase:
             if shard not in self._appended and not transaction.done:
                 transaction.abort()  # every append to it was refused: keep the old shard
         transactions = [t for s, t in sorted(self._transactions.items()) if s in self._appended]
+        if self._upload is not None:
+            try:  # committed in the staging directory, then published, record last
+                self.open()
+                commit_transactions(
+                    self.directory, transactions, lambda t: self._record_args(t.shard)
+                )
+                self._upload.publish(self.directory, [t.shard for t in transactions])
+            finally:
+                shutil.rmtree(self.directory, ignore_errors=True)
+            return
         if self.mode != "overwrite":
             commit_transactions(self.directory, transactions, lambda t: self._record_args(t.shard))
             if self.mode == "update" and transactions and self._warn_older_above:
@@ -891,6 +911,8 @@ class ShardWriterBase:
             for transaction in self._transactions.values():
                 if not transaction.done:
                     transaction.abort()
+            if self._upload is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)  # nothing was uploaded
 
 
 #: the modes of a writer: replace the shards written (GuideLoom's behaviour); make the
@@ -1001,20 +1023,27 @@ def remove_shards_from(directory: str, first: int) -> list[int]:
     return sorted(shard for shard, _ in removal.marked)
 
 
-def _abandon(transactions: dict[int, ShardTransaction], directory: str, writer: str) -> None:
+def _abandon(
+    transactions: dict[int, ShardTransaction], directory: str, writer: str, staging: bool = False
+) -> None:
     """What a writer garbage-collected (or left at interpreter exit) unclosed leaves: its
-    uncommitted shards are aborted, with a :class:`ResourceWarning` naming them."""
-    pending = sorted(shard for shard, t in transactions.items() if not t.done)
-    if not pending:
-        return
-    names = ", ".join(shard_name(shard) for shard in pending)
-    warnings.warn(
-        f"a {writer} of {directory} was dropped without close() or abort(), with shard(s) "
-        f"{names} uncommitted: they were discarded (their previous versions stay). Use the "
-        f"writer in a `with` block, or call close() to commit",
-        ResourceWarning,
-        stacklevel=2,
-    )
-    for shard in pending:
-        with contextlib.suppress(Exception):
-            transactions[shard].abort()
+    uncommitted shards are aborted, with a :class:`ResourceWarning` naming them (and the
+    staging directory of a writer to a URL removed: nothing of it was uploaded)."""
+    try:
+        pending = sorted(shard for shard, t in transactions.items() if not t.done)
+        if not pending:
+            return
+        names = ", ".join(shard_name(shard) for shard in pending)
+        warnings.warn(
+            f"a {writer} of {directory} was dropped without close() or abort(), with shard(s) "
+            f"{names} uncommitted: they were discarded (their previous versions stay). Use "
+            f"the writer in a `with` block, or call close() to commit",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        for shard in pending:
+            with contextlib.suppress(Exception):
+                transactions[shard].abort()
+    finally:
+        if staging:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -255,7 +255,7 @@ class DocumentWriter(ShardWriterBase, DocumentStorageSyncWriterAbstract[Any]):
     suffixes = (INDEX, OUT_OF_BAND)
 
     def __init__(self, storage: DocumentStorage, mode: str = "update") -> None:
-        super().__init__(storage.dir, mode)
+        super().__init__(storage.dir, mode, storage.read_interface)
         self.format = storage.format
         self._logs: dict[int, PayloadLog] = {}
 

@@ -196,7 +196,7 @@ class StreamWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
     suffixes = (IN_BAND,)
 
     def __init__(self, storage: StreamStorage, mode: str = "update") -> None:
-        super().__init__(storage.dir, mode)
+        super().__init__(storage.dir, mode, storage.read_interface)
         self.format = storage.format
         self.dtype = np.dtype(storage.format.stream_dtype)
         self._lengths: dict[int, int] = {}

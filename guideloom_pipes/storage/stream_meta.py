@@ -122,7 +122,7 @@ class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]
     suffixes = (IN_BAND, INDEX, OUT_OF_BAND)
 
     def __init__(self, storage: StreamWithMetaStorage, mode: str = "update") -> None:
-        super().__init__(storage.dir, mode)
+        super().__init__(storage.dir, mode, storage.read_interface)
         self.format = storage.format
         self.dtype = np.dtype(storage.format.stream_dtype)
         self.records = record_dtype(self.dtype)
