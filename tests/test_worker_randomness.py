@@ -291,3 +291,12 @@ def test_an_epoch_after_an_early_close_drops_the_answers_still_in_flight():
         assert next(it) == expected[0]
         it.close()  # batches read ahead are still coming
         assert list(loader) == expected  # the epoch restarts, as GuideLoom's does
+
+
+@pytest.mark.parametrize("mode", ["2-threads", "2-processes"])
+def test_default_collate_in_workers_stacks_into_ordinary_memory(mode):
+    # torch's collate stacks into shared memory when get_worker_info() is set; ours need not
+    loader = _loader(np.arange(40).reshape(20, 2), None, timeout=60, **MODES[mode])
+    batches = _epochs(loader, 1)[0]
+    assert torch.equal(torch.cat(batches), torch.arange(36).reshape(18, 2))
+    assert not any(batch.is_shared() for batch in batches)
