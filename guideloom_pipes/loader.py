@@ -574,7 +574,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
     # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What was delivered: GuideLoom's five keys plus ``num_samples`` (ours).
+        """What was delivered: GuideLoom's five keys plus ``num_samples``,
+        ``global_batch_size`` and ``base_seed`` (ours; the base seed makes each batch's
+        random draws repeat on resume).
 
         ``observation_offset`` grows by the global batch size for each batch handed to the
         caller (padding included; prefetched batches do not count). A drained iterator moves
@@ -618,7 +620,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         It may come from a loader with another world size or batch size (the offset is
         global). Shuffle, seed and drop_last mismatches warn; a loader built with
         ``shuffle_seed=None`` adopts the state's seed. A state from a dataset of another
-        size warns.
+        size warns. A state's ``base_seed`` replaces this loader's (worker processes started
+        with another one start again), so the resumed batches draw what the saved run's did.
 
         Args:
             state_dict: A dict from :meth:`state_dict` (or GuideLoom's).
