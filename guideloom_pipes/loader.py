@@ -33,10 +33,18 @@ from guideloom_pipes.pipes import (
     Shuffle,
     ToDevice,
     close_pipeline,
+    collate_packed,
     default_collate,
+    pad_collate,
 )
-from guideloom_pipes.pipes._pool import DataLoaderTimeoutError, after_orphaned_jobs, seconds_text
-from guideloom_pipes.pipes.read import _CHUNK_SECONDS, _together
+from guideloom_pipes.pipes._pool import (
+    DataLoaderTimeoutError,
+    _ProcessPool,
+    after_orphaned_jobs,
+    seconds_text,
+)
+from guideloom_pipes.pipes._worker import batch_seed
+from guideloom_pipes.pipes.read import _CHUNK_SECONDS, _mp_context, _together
 from guideloom_pipes.types import SyncContextManager
 
 __all__ = ["DataLoaderTimeoutError", "StatefulDataLoader"]
@@ -47,6 +55,11 @@ _NUM_SAMPLES_KEY = "num_samples"
 #: Extra key of ours: the global batch size of the run that reached the offset. Padding
 #: takes an offset past the dataset's end by less than that, so it bounds a valid offset.
 _GLOBAL_BATCH_KEY = "global_batch_size"
+#: Extra key of ours: the base seed (workers' and batches' seeds; the unseeded shuffle's).
+_BASE_SEED_KEY = "base_seed"
+#: Collates of ours: they draw no random numbers, so batches read by our datasets' readers
+#: and collated by them need no seed.
+_OUR_COLLATES: tuple[Callable[..., Any], ...] = (default_collate, pad_collate, collate_packed)
 if TYPE_CHECKING:
     # Defaults (PEP 696) for type checkers only: a loader built without a typed collate_fn is
     # a StatefulDataLoader[Any, Any] instead of an error asking the user for an annotation.
@@ -107,12 +120,19 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             ``TimeoutError``), in every mode: with ``num_workers=0`` and ``prefetch=0``
             batches are then read in one background thread (no read-ahead), since the
             training thread could not be interrupted. 0: wait forever.
-        generator: A ``torch.Generator`` to draw the shuffle seed from when ``shuffle_seed``
-            is ``None``.
+        generator: A ``torch.Generator`` to draw the base seed from (else torch's global
+            generator): the shuffle seed when ``shuffle_seed`` is ``None``, the workers'
+            seeds (``base_seed + worker_id``) and each batch's seed; see ``base_seed``.
         sampler: Not supported (pass ``shuffle``/``rank``/``world_size``).
         batch_sampler: Not supported (pass ``batch_size``/``drop_last``).
-        worker_init_fn: Not supported.
-        persistent_workers: Only ``False`` (workers live as long as their iterator).
+        worker_init_fn: Called with the worker id in each worker, after torch's
+            ``get_worker_info()`` is set there: once per worker thread (threads start with
+            each iterator), and in a worker process each time it takes a copy of the
+            dataset (each epoch, or once with ``persistent_workers``).
+        persistent_workers: Worker processes keep their copy of the dataset across epochs
+            (``False``: the dataset is sent to them again at each epoch start, so changes
+            made in the main process are seen). The processes themselves start once per
+            loader either way and stop at :meth:`close`.
         pin_memory_device: Only ``""`` (pass ``device``).
         in_order: Only ``True``.
     """
@@ -185,8 +205,15 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self.prefetch = settings.prefetch
         self._seed_given = settings.seed_given
         self.shuffle_seed: int | None = settings.shuffle_seed
+        #: Drawn at construction (see ``generator``); restored by :meth:`load_state_dict`.
+        self.base_seed: int = settings.base_seed
+        self.worker_init_fn = settings.worker_init_fn
+        self.persistent_workers = settings.persistent_workers
         self.device = settings.device
         self.pin_memory = settings.pin_memory
+        # The worker processes, one pool per loader (started at the first iter()).
+        self._process_pool: _ProcessPool | None = None
+        self._pool_finalizer: weakref.finalize[Any, Any] | None = None
 
         self._epoch = 0
         self._offset = 0
@@ -337,10 +364,12 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         return len(self.dataset)
 
     def close(self) -> None:
-        """Close the active iterator (stopping its workers) and the dataset's reader."""
+        """Close the active iterator, stop the worker processes and close the dataset's
+        reader (the next ``iter()`` opens it and starts workers again)."""
         iterator = self._active_iterator()
         if iterator is not None:
             iterator.close()
+        self._stop_process_pool()
         if self._is_open:
             reader, self._reader = self._reader, None
             self._is_open = False
@@ -360,6 +389,50 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         traceback: TracebackType | None,
     ) -> None:
         self.close()
+
+    # -- worker processes ---------------------------------------------------------------------
+
+    def _worker_processes(self) -> _ProcessPool:
+        """The loader's worker processes: started on first use, kept across iterators."""
+        pool = self._process_pool
+        if pool is not None and not pool.closed:
+            return pool
+        self._stop_process_pool()  # (a failed one)
+        pool = _ProcessPool(
+            self.dataset,
+            self.collate_fn if self.collate_fn is not None else default_collate,
+            self.num_workers,
+            _mp_context(self.multiprocessing_context),
+            base_seed=self.base_seed,
+            worker_init_fn=self.worker_init_fn,
+            persistent=self.persistent_workers,
+        )
+        self._process_pool = pool
+        # Stopped by close(), or when the loader is garbage-collected (the finalizer holds
+        # the pool, not the loader).
+        self._pool_finalizer = weakref.finalize(self, pool.close)
+        return pool
+
+    def _stop_process_pool(self) -> None:
+        finalizer, self._pool_finalizer = self._pool_finalizer, None
+        self._process_pool = None
+        if finalizer is not None:
+            finalizer()
+
+    def _batch_seeds(self, epoch: int, offset: int) -> Callable[[int], int] | None:
+        """The seed of the ``k``-th batch of an iterator starting at ``(epoch, offset)``, from
+        the base seed and the batch's place (epoch, global position, rank), so it is the
+        same whichever worker reads the batch and after a resume. ``None`` when only our
+        code reads and collates (nothing draws random numbers)."""
+        collate = self.collate_fn
+        if hasattr(self.dataset, "sync_reader") and (collate is None or collate in _OUR_COLLATES):
+            return None
+        base, rank, step = self.base_seed, self.rank, self.global_batch_size
+
+        def seed(k: int) -> int:
+            return batch_seed(base, epoch, offset + k * step, rank)
+
+        return seed
 
     # -- iteration --------------------------------------------------------------------------
 
@@ -394,15 +467,23 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             node = Shuffle(node, self.shuffle_seed)
         collate = self.collate_fn if self.collate_fn is not None else default_collate
         inline = self.num_workers == 0 and self.prefetch == 0
+        seeds = self._batch_seeds(epoch, offset)
         if inline and not self.timeout:
-            # Everything inline in the training thread: the fewest steps per batch.
-            node = Collate(ReadSamples(node, self.dataset, reader=self._reader), collate)
+            # Everything inline in the training thread: the fewest steps per batch (the
+            # collate inside the read when batches are seeded: it runs under the seed).
+            if seeds is None:
+                node = Collate(ReadSamples(node, self.dataset, reader=self._reader), collate)
+            else:
+                node = ReadSamples(
+                    node, self.dataset, reader=self._reader, collate_fn=collate, batch_seeds=seeds
+                )
         else:
             # Workers read and collate whole batches; finished batches wait in this stage
             # (``prefetch`` of them beyond the workers' own), so no extra thread hop. With
             # num_workers=0, prefetch uses one background thread (GuideLoom's prefetch thread);
             # so does a timeout without prefetch, reading only the batch asked for.
             workers = self.num_workers or 1
+            process = self.num_workers > 0 and self.parallel_method == "process"
             node = ReadSamples(
                 node,
                 self.dataset,
@@ -414,6 +495,12 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 timeout=self.timeout or None,
                 reader=self._reader,
                 chunk_seconds=0 if inline else _CHUNK_SECONDS,
+                batch_seeds=seeds,
+                # workers know who they are (torch's get_worker_info); the prefetch thread of
+                # num_workers=0 is no worker, as in torch
+                base_seed=self.base_seed if self.num_workers else None,
+                worker_init_fn=self.worker_init_fn if self.num_workers else None,
+                process_pool=self._worker_processes() if process else None,
             )
         if self.pin_memory:
             node = PinMemory(node)
@@ -487,7 +574,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
     # -- checkpoints ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What was delivered: GuideLoom's five keys plus ``num_samples`` (ours).
+        """What was delivered: GuideLoom's five keys plus ``num_samples``,
+        ``global_batch_size`` and ``base_seed`` (ours; the base seed makes each batch's
+        random draws repeat on resume).
 
         ``observation_offset`` grows by the global batch size for each batch handed to the
         caller (padding included; prefetched batches do not count). A drained iterator moves
@@ -522,6 +611,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             "drop_last": self.drop_last,
             _NUM_SAMPLES_KEY: self._num_samples(),
             _GLOBAL_BATCH_KEY: offset_batch,
+            _BASE_SEED_KEY: self.base_seed,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -530,7 +620,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         It may come from a loader with another world size or batch size (the offset is
         global). Shuffle, seed and drop_last mismatches warn; a loader built with
         ``shuffle_seed=None`` adopts the state's seed. A state from a dataset of another
-        size warns.
+        size warns. A state's ``base_seed`` replaces this loader's (worker processes started
+        with another one start again), so the resumed batches draw what the saved run's did.
 
         Args:
             state_dict: A dict from :meth:`state_dict` (or GuideLoom's).
@@ -585,6 +676,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 UserWarning,
                 stacklevel=2,
             )
+        saved_base_seed = state_dict.get(_BASE_SEED_KEY)
+        if saved_base_seed is not None:
+            saved_base_seed = _int_arg(f"state_dict[{_BASE_SEED_KEY!r}]", saved_base_seed, 0)
         saved_batch = state_dict.get(_GLOBAL_BATCH_KEY)
         if saved_batch is not None:
             saved_batch = _int_arg(f"state_dict[{_GLOBAL_BATCH_KEY!r}]", saved_batch, 1)
@@ -613,6 +707,11 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._epoch, self._offset = epoch, offset
         self._offset_batch = offset_batch
         self._closed_early = None
+        if saved_base_seed is not None and saved_base_seed != self.base_seed:
+            # The batches' seeds follow the saved run's (workers started with the old base
+            # seed start again, so get_worker_info().seed agrees).
+            self.base_seed = saved_base_seed
+            self._stop_process_pool()
 
 
 class _LoaderIterator(Iterator[Any]):

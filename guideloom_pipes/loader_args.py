@@ -11,13 +11,13 @@ import multiprocessing.context
 import operator
 import pickle
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
-from guideloom_pipes.pipes import draw_seed
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
 _METHODS = ("thread", "process")
@@ -70,8 +70,6 @@ def _check_picklable(name: str, value: Any) -> None:
 def _reject_torch_keywords(
     sampler: Any,
     batch_sampler: Any,
-    worker_init_fn: Any,
-    persistent_workers: Any,
     pin_memory_device: Any,
     in_order: Any,
 ) -> None:
@@ -86,18 +84,6 @@ def _reject_torch_keywords(
         raise ValueError(
             f"batch_sampler={batch_sampler!r} is not supported: pass batch_size= (or "
             "local_batch_size=), drop_last= and shuffle= instead"
-        )
-    if worker_init_fn is not None:
-        raise ValueError(
-            f"worker_init_fn={worker_init_fn!r} is not supported: workers read whole batches "
-            "through the dataset, so put per-worker setup in the dataset (our datasets open "
-            "one reader per worker process) or in collate_fn"
-        )
-    if persistent_workers:
-        raise ValueError(
-            "persistent_workers=True is not supported: workers start with each iterator and "
-            "stop with it, so no thread or process outlives an epoch; remove the keyword "
-            "(thread workers start in microseconds)"
         )
     if pin_memory_device:
         raise ValueError(
@@ -127,6 +113,11 @@ class LoaderSettings:
     shuffle_seed: int | None
     #: Whether the caller passed ``shuffle_seed`` (a loaded state's seed is adopted if not).
     seed_given: bool
+    #: Drawn once at construction (from ``generator``, else torch's global generator): the
+    #: shuffle seed when none is given, the workers' seeds and every batch's seed.
+    base_seed: int
+    worker_init_fn: Callable[[int], Any] | None
+    persistent_workers: bool
     drop_last: bool
     prefetch: int
     pin_memory: bool
@@ -175,9 +166,9 @@ def resolve_arguments(
                 f"{collate_fn})"
             )
         raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
-    _reject_torch_keywords(
-        sampler, batch_sampler, worker_init_fn, persistent_workers, pin_memory_device, in_order
-    )
+    _reject_torch_keywords(sampler, batch_sampler, pin_memory_device, in_order)
+    if worker_init_fn is not None and not callable(worker_init_fn):
+        raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise TypeError(
             f"{type(dataset).__name__} is an iterable-style dataset; this loader needs a "
@@ -248,11 +239,17 @@ def resolve_arguments(
             raise ValueError("pass shuffle_seed or generator, not both")
         shuffle_seed = _int_arg("shuffle_seed", shuffle_seed, 0)
     seed_given = shuffle_seed is not None
+    # As torch's DataLoader draws its base seed (per iterator there, once here): from the
+    # generator, else torch's global one, so torch.manual_seed(s) repeats a run.
+    base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
     if shuffle_seed is None and shuffle:
-        if generator is not None:
-            shuffle_seed = int(torch.empty((), dtype=torch.int64).random_(generator=generator))
-        else:
-            shuffle_seed = draw_seed()
+        shuffle_seed = base_seed
+    persistent_workers = _bool_arg("persistent_workers", persistent_workers)
+    if persistent_workers and num_workers == 0:
+        raise ValueError(
+            "persistent_workers=True needs num_workers > 0 (as in torch): there are no "
+            "workers to keep; remove the keyword or pass num_workers="
+        )
 
     device = _default_device() if device is None else torch.device(device)
     if pin_memory and device.type != "cuda":
@@ -284,6 +281,8 @@ def resolve_arguments(
     if parallel_method == "process" and num_workers > 0:
         _check_picklable("collate_fn", collate_fn)
         _check_picklable("dataset", dataset)
+        if worker_init_fn is not None:
+            _check_picklable("worker_init_fn", worker_init_fn)
 
     return LoaderSettings(
         local_batch_size=local_batch_size,
@@ -296,6 +295,9 @@ def resolve_arguments(
         shuffle=shuffle,
         shuffle_seed=shuffle_seed,
         seed_given=seed_given,
+        base_seed=base_seed,
+        worker_init_fn=worker_init_fn,
+        persistent_workers=persistent_workers,
         drop_last=drop_last,
         prefetch=prefetch,
         pin_memory=pin_memory,

@@ -239,8 +239,7 @@ def test_torch_keywords_work():
     [
         ({"sampler": [0, 1]}, "sampler=.* not supported.*shuffle=True.*rank=/world_size="),
         ({"batch_sampler": [[0, 1]]}, "batch_sampler=.* not supported: pass batch_size="),
-        ({"worker_init_fn": print}, "worker_init_fn=.* not supported"),
-        ({"persistent_workers": True}, "persistent_workers=True is not supported"),
+        ({"persistent_workers": True}, "persistent_workers=True needs num_workers > 0"),
         ({"pin_memory_device": "cuda"}, "pin_memory_device='cuda' is not supported: pass device="),
         ({"in_order": False}, "in_order=False is not supported"),
         ({"batch_size": None}, r"batch_size=None .* not supported"),
@@ -558,6 +557,8 @@ def test_close_does_not_wait_for_a_batch_being_read(kw, closing):
         gate.wait_blocked()  # a worker reads sample 1, blocked until the gate opens
         if closing == "iterator":
             it.close()
+            assert loader._active_iterator() is None
+            loader.close()  # worker processes belong to the loader, which stops them
         else:
             loader.close()
         assert not timer.finished.is_set()  # close() returned with the batch still blocked
@@ -623,6 +624,7 @@ def test_state_dict_has_guideloom_keys_plus_the_dataset_and_global_batch_sizes()
         **_state(0, 0, shuffle=True, shuffle_seed=9, drop_last=False),
         "num_samples": 22,
         "global_batch_size": 2,
+        "base_seed": loader.base_seed,
     }
 
 
@@ -894,6 +896,7 @@ def test_a_process_worker_exception_keeps_its_type_and_remote_traceback():
     with pytest.raises(ReadError, match="cannot read sample 3") as info:
         list(loader)
     assert "__getitem__" in str(info.value.__cause__)
+    loader.close()  # a batch's error leaves the loader's worker processes running until then
     assert multiprocessing.active_children() == []
 
 
@@ -979,12 +982,14 @@ def test_process_results_come_back_through_shared_memory_intact_and_leave_nothin
     for batch in batches:  # each batch owns its memory: writable, not shared with workers
         batch["big"] += 1
         assert not batch["big"].is_shared()
-    assert multiprocessing.active_children() == []
-    assert _memfds() == []  # the rings were the only shared memory, and they are gone
-    it = iter(loader)
+    it = iter(loader)  # the same workers and rings serve the next epoch
     next(it)
     it.close()  # closed early, results still in flight
-    assert multiprocessing.active_children() == [] and _memfds() == []
+    assert len(multiprocessing.active_children()) == 2 and _memfds()
+    assert all(_same(a, b) for a, b in zip(inline, loader))  # answers in flight are dropped
+    loader.close()
+    assert multiprocessing.active_children() == []
+    assert _memfds() == []  # the rings were the only shared memory, and they are gone
 
 
 @pytest.mark.timeout(120)
@@ -1005,6 +1010,7 @@ def test_a_batch_that_cannot_be_pickled_back_raises_for_that_batch():
     loader = _loader(collate_fn=lock_collate, num_workers=1, parallel_method="process", prefetch=1)
     with pytest.raises(TypeError, match="pickle"):
         next(iter(loader))
+    loader.close()
     assert multiprocessing.active_children() == []
 
 

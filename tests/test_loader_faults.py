@@ -106,6 +106,7 @@ def test_a_slow_collate_fn_within_the_timeout_delivers_every_batch(mode):
     )
     assert list(loader) == expected
     assert loader.state_dict()["epoch"] == 1
+    loader.close()  # worker processes belong to the loader
     assert threads_end() == [] and multiprocessing.active_children() == []
 
 
@@ -174,6 +175,7 @@ def test_a_keyboard_interrupt_from_collate_fn_reaches_the_loop_and_stops_the_ite
     # Batches read in one job with the interrupted one (quick ones are) end with it.
     assert delivered == [[0, 1], [2, 3]][: len(delivered)]
     assert loader._active_iterator() is None
+    loader.close()  # worker processes belong to the loader
     assert multiprocessing.active_children() == []
     assert threads_end() == []
     # What was not delivered is read again by the next iterator (or a resume).

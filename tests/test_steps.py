@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("torch")
 
@@ -74,6 +75,13 @@ def test_state_dict_between_steps_counts_only_delivered_batches():
     assert (state["epoch"], state["observation_offset"]) == (0, 6)
 
 
+def _rank_loader(*args: Any, **kwargs: Any) -> StatefulDataLoader:
+    """A rank's loader, built after seeding torch alike on every rank (as DDP scripts do), so
+    the ranks draw the same base seed and report the same state."""
+    torch.manual_seed(0)
+    return make(*args, **kwargs)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     n=st.integers(4, 23),
@@ -92,7 +100,7 @@ def test_steps_resumed_mid_way_on_another_world_size_equal_the_uninterrupted_run
     def run(shape, steps, state=None):
         world_size, batch = shape
         loaders = [
-            make(
+            _rank_loader(
                 n,
                 local_batch_size=batch,
                 rank=rank,

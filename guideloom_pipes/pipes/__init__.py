@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
+    from guideloom_pipes.pipes._worker import BatchRandom, batch_rng
     from guideloom_pipes.pipes.collate import Collate, default_collate, pad_collate
     from guideloom_pipes.pipes.device import PinMemory, Prefetcher, ToDevice, apply_to_tensors
     from guideloom_pipes.pipes.packed import collate_packed
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
 # (torch-free), and importing this package must not import torch for it.
 _STAGES = {
     "DataLoaderTimeoutError": "_pool",
+    "BatchRandom": "_worker",
+    "batch_rng": "_worker",
     "Collate": "collate",
     "default_collate": "collate",
     "pad_collate": "collate",
@@ -65,6 +68,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BatchRandom",
     "Collate",
     "DataLoaderTimeoutError",
     "PinMemory",
@@ -75,6 +79,7 @@ __all__ = [
     "Shuffle",
     "ToDevice",
     "apply_to_tensors",
+    "batch_rng",
     "close_pipeline",
     "collate_packed",
     "default_collate",

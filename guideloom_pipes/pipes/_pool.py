@@ -16,7 +16,12 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from guideloom_pipes.pipes._transport import ResultRing, load_result
-from guideloom_pipes.pipes._worker import _Failed, _process_worker, _RemoteTraceback
+from guideloom_pipes.pipes._worker import (
+    WorkerSetup,
+    _Failed,
+    _process_worker,
+    _RemoteTraceback,
+)
 
 # -- orphaned jobs ------------------------------------------------------------------------------
 # A thread pool closed while its workers run jobs does not wait for them: each such worker
@@ -192,8 +197,17 @@ class _ThreadPool:
     finished job wakes the caller only if it is the job the caller sleeps on.
     """
 
-    def __init__(self, fn: Callable[[Any], Any], num_workers: int, caller_runs: bool = True):
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        num_workers: int,
+        caller_runs: bool = True,
+        init: Callable[[int], None] | None = None,
+    ):
         self._fn = fn
+        self._init = init
+        self._init_error: BaseException | None = None  # what an ``init`` raised, first one
+        self._inits_left = num_workers if init is not None else 0  # workers still in init
         self._caller_runs = caller_runs
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -207,7 +221,7 @@ class _ThreadPool:
         self._busy: set[threading.Thread] = set()  # workers running a job
         self._stopping = False
         self._threads = [
-            threading.Thread(target=self._loop, name=f"guideloom-read-{i}", daemon=True)
+            threading.Thread(target=self._loop, args=(i,), name=f"guideloom-read-{i}", daemon=True)
             for i in range(num_workers)
         ]
         for thread in self._threads:
@@ -225,7 +239,20 @@ class _ThreadPool:
         if alone and alone == self._starts and job.elapsed > 0:
             job.cpu_share = min(1.0, cpu / job.elapsed)
 
-    def _loop(self) -> None:
+    def _loop(self, index: int) -> None:
+        if self._init is not None:
+            error: BaseException | None = None
+            try:
+                self._init(index)
+            except BaseException as raised:  # raised to the caller at its next result()
+                error = raised
+            with self._lock:
+                self._inits_left -= 1
+                if error is not None and self._init_error is None:
+                    self._init_error = error
+                self._finished.notify_all()
+            if error is not None:
+                return
         fn = self._fn
         clock = _thread_clock()
         lock, queue, busy = self._lock, self._queue, self._busy
@@ -297,7 +324,11 @@ class _ThreadPool:
 
     def result(self, job: _Job, timeout: float | None) -> tuple[Any, float, float | None]:
         """``(fn(arg), seconds it took, its CPU share if it ran alone)`` of ``job``;
-        re-raises what ``fn`` raised."""
+        re-raises what ``fn`` raised (and what a worker's ``init`` raised, before anything)."""
+        if self._inits_left:
+            self._wait_for_inits(timeout)
+        if self._init_error is not None:
+            raise self._init_error
         with self._lock:
             mine = self._caller_runs and bool(self._queue) and self._queue[0] is job
             if mine:
@@ -310,6 +341,8 @@ class _ThreadPool:
                     while not job.done:
                         if self._stopping:
                             raise RuntimeError("the read workers were stopped (closed)")
+                        if self._init_error is not None:
+                            raise self._init_error
                         left = None if deadline is None else deadline - time.monotonic()
                         if left is not None and left <= 0:
                             raise _timed_out(timeout)  # type: ignore[arg-type]
@@ -328,6 +361,17 @@ class _ThreadPool:
             failure, job.error = job.error, None
             raise failure
         return job.result, job.elapsed, job.cpu_share
+
+    def _wait_for_inits(self, timeout: float | None) -> None:
+        """Wait until every worker has run its ``init``: no batch is read (by the caller
+        either) before, so a failing ``init`` fails the first batch, whatever the timing."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._inits_left and not self._stopping:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise _timed_out(timeout)  # type: ignore[arg-type]
+                self._finished.wait(WAKE_SECONDS if left is None else min(left, WAKE_SECONDS))
 
     def close(self) -> None:
         """Stop the workers without waiting for the jobs they run: idle workers exit now,
@@ -392,13 +436,14 @@ def _preload_forkserver(
 class _ProcessJob:
     """A job sent to one worker process; done once its answer is read."""
 
-    __slots__ = ("done", "id", "result", "size", "worker")
+    __slots__ = ("abandoned", "done", "id", "result", "size", "worker")
 
     def __init__(self, job_id: int, worker: _Worker, size: int) -> None:
         self.id = job_id
         self.worker = worker
         self.size = size
         self.done = False
+        self.abandoned = size == 0  # nobody reads its answer (a new dataset, a closed epoch)
         self.result: tuple[list[Any], float] = ([], 0.0)
 
 
@@ -422,6 +467,14 @@ class _ProcessPool:
     reads a worker's answers in order when it needs them. Large buffers of the results
     (tensors, numpy arrays) come back through the worker's shared-memory result ring
     (:mod:`guideloom_pipes.pipes._transport`), one copy out on this side.
+
+    A pool can serve several epochs (one per :meth:`begin`): jobs of an epoch left unread
+    (an iterator closed early) are answered and dropped on the way to the next epoch's.
+    ``persistent=False`` hands every worker a fresh copy of the dataset at each epoch after
+    the first (torch's ``persistent_workers=False``: changes made to the dataset in the main
+    process are seen, ``worker_init_fn`` runs again); ``True`` keeps the workers' copies.
+    With ``base_seed`` each worker knows itself (torch's ``get_worker_info()``, seed
+    ``base_seed + worker_id``) and runs ``worker_init_fn(worker_id)`` first.
     """
 
     def __init__(
@@ -430,9 +483,16 @@ class _ProcessPool:
         collate_fn: Callable[[Any], Any] | None,
         num_workers: int,
         context: multiprocessing.context.BaseContext,
+        *,
+        base_seed: int | None = None,
+        worker_init_fn: Callable[[int], Any] | None = None,
+        persistent: bool = True,
     ) -> None:
         self._workers: list[_Worker] = []
         self._next_id = 0
+        self._epochs = 0  # begin() calls so far
+        self._persistent = persistent
+        self.closed = False
         self._start_method = str(context.get_start_method())
         _preload_forkserver(context, dataset, collate_fn)
         try:
@@ -444,9 +504,15 @@ class _ProcessPool:
                     if ring is not None:
                         ring.close()
                     raise
+                setup = (
+                    None
+                    if base_seed is None
+                    else WorkerSetup(index, num_workers, base_seed, worker_init_fn)
+                )
+                handle = None if ring is None else ring.handle()
                 process = context.Process(  # type: ignore[attr-defined]
                     target=_process_worker,
-                    args=(dataset, collate_fn, child_conn, None if ring is None else ring.handle()),
+                    args=(dataset, collate_fn, child_conn, handle, setup),
                     name=f"guideloom-read-{index}",
                     daemon=True,
                 )
@@ -459,16 +525,44 @@ class _ProcessPool:
             self.close()
             raise
 
-    def submit(self, arg: Any) -> _ProcessJob:
-        worker = min(self._workers, key=lambda w: len(w.jobs))
-        job = _ProcessJob(self._next_id, worker, len(arg))
-        self._next_id += 1
+    def begin(self, dataset: Any, collate_fn: Callable[[Any], Any] | None) -> None:
+        """Start an epoch: after the first, without ``persistent``, send every worker a new
+        copy of ``dataset`` and ``collate_fn`` (pickled once), ahead of the epoch's jobs."""
+        self._epochs += 1
+        if self._epochs == 1 or self._persistent:
+            return
+        payload = pickle.dumps((dataset, collate_fn), protocol=5)
+        for worker in self._workers:
+            job = _ProcessJob(self._next_id, worker, 0)
+            self._next_id += 1
+            self._send(worker, (job.id, None, payload))
+            worker.jobs.append(job)
+
+    def _send(self, worker: _Worker, message: Any) -> None:
         try:
-            worker.conn.send_bytes(pickle.dumps((job.id, arg), protocol=5))
+            worker.conn.send_bytes(pickle.dumps(message, protocol=5))
         except OSError as error:
             raise _broken(self._start_method, worker) from error
+
+    def submit(self, arg: Any) -> _ProcessJob:
+        """Send a job: a list of id arrays, or ``(batches, seeds)`` with a seed per batch."""
+        batches, seeds = arg if isinstance(arg, tuple) else (arg, None)
+        worker = min(self._workers, key=lambda w: len(w.jobs))
+        job = _ProcessJob(self._next_id, worker, len(batches))
+        self._next_id += 1
+        self._send(worker, (job.id, batches, seeds))
         worker.jobs.append(job)
         return job
+
+    def release(self) -> None:
+        """The epoch's reader is done with the pool (an iterator ended or closed early):
+        answers of its jobs that have come are read and dropped; the rest are dropped as
+        they come, before the next epoch's."""
+        for worker in self._workers:
+            while worker.jobs and worker.conn.poll():
+                self._receive(worker)
+            for job in worker.jobs:
+                job.abandoned = True
 
     def result(
         self, job: _ProcessJob, timeout: float | None
@@ -506,6 +600,10 @@ class _ProcessPool:
             raise failed.error from _RemoteTraceback(failed.remote)
         job = worker.jobs.popleft()
         assert job.id == job_id, (job.id, job_id)
+        if job.abandoned:
+            job.done = True
+            load_result(data, places, worker.ring)  # (frees its space in the ring)
+            return
         try:
             outcomes = load_result(data, places, worker.ring)
         except Exception as error:
@@ -515,9 +613,10 @@ class _ProcessPool:
 
     def close(self) -> None:
         # Reads have no side effects, so workers still busy (a hung read, an early close)
-        # are terminated rather than waited for: no process outlives its iterator. One that
+        # are terminated rather than waited for: no process outlives its pool. One that
         # ignores SIGTERM gets SIGKILL; one that not even that ends at once (stuck in the
         # kernel, such as a read of a hung network file system) is left to the system.
+        self.closed = True
         workers = self._workers
         alive = [w.process for w in workers if w.process.pid is not None]
         for process in alive:

@@ -7,15 +7,20 @@ starts without importing it.
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import multiprocessing.util
 import pickle
 import queue
+import random
+import struct
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +29,124 @@ from guideloom_pipes.datasets import batch_read_fn, open_reader
 from guideloom_pipes.pipes._transport import ResultRing, dump_result
 
 _Ids = npt.NDArray[np.int64]
+
+# -- per-batch randomness -----------------------------------------------------------------------
+# Which worker reads which batch depends on scheduling here (jobs go to the worker with the
+# fewest in flight, quick batches go several to a job), so a batch's random draws cannot come
+# from a per-worker stream, as in torch: each batch is read under a seed of its own, derived
+# from the loader's base seed and where the batch stands (epoch, global position, rank).
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+#: How a batch's seed reaches the random number generators (see :class:`_ReadTask`).
+Seeding = Literal["process", "restore", "local"]
+
+
+def batch_seed(base_seed: int, epoch: int, position: int, rank: int) -> int:
+    """The 63-bit seed of the batch that starts at global ``position`` of ``epoch`` on
+    ``rank``: a hash, so seeds of neighbouring batches, epochs and runs are unrelated."""
+    key = struct.pack("<4Q", base_seed & _MASK64, epoch, position, rank)
+    digest = hashlib.blake2b(key, digest_size=8, person=b"guideloom-batch").digest()
+    return int.from_bytes(digest, "little") & _MASK63
+
+
+class BatchRandom:
+    """The random number generators of the batch being read, each seeded from the batch's
+    seed when first used (so a batch that draws nothing pays nothing).
+
+    ``random`` is a :class:`random.Random`, ``numpy`` a :class:`numpy.random.Generator`,
+    ``torch`` a CPU ``torch.Generator`` (pass it as ``generator=`` to ``torch.rand`` and
+    friends). Their draws depend only on the batch, never on the thread, worker or mode that
+    reads it: with thread workers, which share the global generators of ``random``, numpy and
+    torch with each other and with the training loop, these are the generators that give
+    exact draws.
+    """
+
+    __slots__ = ("_numpy", "_random", "_torch", "seed")
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._random: random.Random | None = None
+        self._numpy: np.random.Generator | None = None
+        self._torch: Any = None
+
+    @property
+    def random(self) -> random.Random:
+        if self._random is None:
+            self._random = random.Random(self.seed)
+        return self._random
+
+    @property
+    def numpy(self) -> np.random.Generator:
+        if self._numpy is None:
+            self._numpy = np.random.Generator(np.random.PCG64(self.seed))
+        return self._numpy
+
+    @property
+    def torch(self) -> Any:
+        if self._torch is None:
+            torch = importlib.import_module("torch")
+            self._torch = torch.Generator().manual_seed(self.seed)
+        return self._torch
+
+    def __repr__(self) -> str:
+        return f"BatchRandom(seed={self.seed})"
+
+
+_current = threading.local()
+
+
+def batch_rng() -> BatchRandom | None:
+    """The generators of the batch this thread is reading (or collating), else ``None``.
+
+    Set while a loader reads a batch in any mode: inline, in a worker thread (or the
+    training thread helping them), in a worker process.
+    """
+    return getattr(_current, "rng", None)
+
+
+def seed_globals(seed: int) -> None:
+    """Seed the global generators of ``random``, numpy and (if imported) torch's CPU
+    generator from ``seed``, each with a key of its own so their streams are unrelated."""
+    random.seed(seed)
+    np.random.seed((seed & 0xFFFFFFFF, seed >> 32, 0x6E756D70))
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.manual_seed(seed)
+
+
+@contextmanager
+def seeded(seed: int, seeding: Seeding) -> Iterator[None]:
+    """Run a batch's read and collate under its seed.
+
+    ``"process"``: the global generators are seeded (a worker process owns them).
+    ``"restore"``: seeded too, and the caller's states are put back afterwards (reading in
+    the training thread: its own random stream goes on as if the batch drew nothing).
+    ``"local"``: the global generators are left alone (threads share them); only
+    :func:`batch_rng` is set.
+    """
+    previous = getattr(_current, "rng", None)
+    _current.rng = BatchRandom(seed)
+    saved: tuple[Any, Any, Any] | None = None
+    if seeding == "restore":
+        torch = sys.modules.get("torch")
+        saved = (
+            random.getstate(),
+            np.random.get_state(),
+            None if torch is None else torch.default_generator.get_state(),
+        )
+    try:
+        if seeding != "local":
+            seed_globals(seed)
+        yield
+    finally:
+        _current.rng = previous
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch = sys.modules.get("torch")
+            if torch is not None and saved[2] is not None:  # (None: imported meanwhile)
+                torch.default_generator.set_state(saved[2])
 
 
 class _Failed:
@@ -66,35 +189,61 @@ class _ReadTask:
     ``collate_fn`` per batch. An ``Exception`` fails its batch alone; a ``KeyboardInterrupt``
     (Ctrl-C, when the training thread runs the job) or ``SystemExit`` stops the whole job
     at once and propagates.
+
+    With a seed per batch (``seeds`` of :meth:`run`, ``seed`` of a call) each batch is read
+    and collated under its seed (see :func:`seeded`, ``seeding`` says how). A reader with
+    ``read_batch`` (ours: it draws no random numbers) still reads a chunk with one call and
+    only the collates run under the seeds; any other reader (a user's ``__getitem__``) reads
+    each batch under its seed.
     """
 
-    __slots__ = ("_collate", "_read")
+    __slots__ = ("_collate", "_read", "_read_is_ours", "seeding")
 
-    def __init__(self, read: Callable[[_Ids], list[Any]], collate_fn: Callable[..., Any] | None):
+    def __init__(
+        self,
+        read: Callable[[_Ids], list[Any]],
+        collate_fn: Callable[..., Any] | None,
+        *,
+        read_is_ours: bool = True,
+        seeding: Seeding = "local",
+    ):
         self._read = read
         self._collate = collate_fn
+        self._read_is_ours = read_is_ours
+        self.seeding: Seeding = seeding
 
-    def __call__(self, ids: _Ids) -> Any:
+    def __call__(self, ids: _Ids, seed: int | None = None) -> Any:
+        if seed is not None:
+            with seeded(seed, self.seeding):
+                return self._plain(ids)
+        return self._plain(ids)
+
+    def _plain(self, ids: _Ids) -> Any:
         samples = self._read(ids) if len(ids) else []
         if self._collate is None:
             return samples
         return self._collate(samples)
 
-    def _one(self, ids: _Ids) -> Any:
+    def _one(self, ids: _Ids, seed: int | None = None) -> Any:
         try:
-            return self(ids)
+            return self(ids, seed)
         except Exception as error:
             return _Failed(error)
 
-    def run(self, batches: list[_Ids]) -> list[Any]:
+    def run(self, job: list[_Ids] | tuple[list[_Ids], list[int] | None]) -> list[Any]:
         """Each batch's result, or a :class:`_Failed` for a batch whose read or collate raised.
 
-        The ids of all batches are read with one call; if that raises (or returns the wrong
-        number of samples), each batch is read alone, so an error belongs to the batch that
-        caused it and the batches around it are intact.
+        ``job`` is the list of the batches' id arrays, or ``(batches, seeds)`` with a seed
+        per batch (or ``None``). The ids of all batches are read with one call (unless each
+        batch must be read under its seed); if that raises (or returns the wrong number of
+        samples), each batch is read alone, so an error belongs to the batch that caused it
+        and the batches around it are intact.
         """
+        batches, seeds = job if isinstance(job, tuple) else (job, None)
         if len(batches) == 1:
-            return [self._one(batches[0])]
+            return [self._one(batches[0], None if seeds is None else seeds[0])]
+        if seeds is not None and not self._read_is_ours:
+            return [self._one(ids, seed) for ids, seed in zip(batches, seeds, strict=True)]
         sizes = [len(ids) for ids in batches]
         total = sum(sizes)
         try:
@@ -102,11 +251,13 @@ class _ReadTask:
             if len(samples) != total:
                 raise ValueError("a read returned the wrong number of samples")
         except Exception:
-            return [self._one(ids) for ids in batches]
+            if seeds is None:
+                return [self._one(ids) for ids in batches]
+            return [self._one(ids, seed) for ids, seed in zip(batches, seeds, strict=True)]
         collate = self._collate
         out: list[Any] = []
         start = 0
-        for size in sizes:
+        for index, size in enumerate(sizes):
             part = samples[start : start + size]
             start += size
             if not isinstance(part, list):
@@ -115,22 +266,88 @@ class _ReadTask:
                 out.append(part)
                 continue
             try:
-                out.append(collate(part))
+                if seeds is None:
+                    out.append(collate(part))
+                else:
+                    with seeded(seeds[index], self.seeding):
+                        out.append(collate(part))
             except Exception as error:
                 out.append(_Failed(error))
         return out
 
 
-def _init_process_worker(dataset: Any, collate_fn: Callable[..., Any] | None) -> _ReadTask:
-    """Set up a process worker: one intra-op torch thread, this process's own reader."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        # As torch's DataLoader does: workers share the cores, one intra-op thread each.
-        torch.set_num_threads(1)
-    reader, opened = open_reader(dataset)
-    if opened:
-        multiprocessing.util.Finalize(reader, reader.close, exitpriority=10)
-    return _ReadTask(batch_read_fn(reader), collate_fn)
+class WorkerSetup(NamedTuple):
+    """What a worker process is told of itself: torch's ``WorkerInfo`` fields and the user's
+    ``worker_init_fn``."""
+
+    worker_id: int
+    num_workers: int
+    #: The loader's base seed: the worker's seed is ``base_seed + worker_id``, as in torch.
+    base_seed: int
+    worker_init_fn: Callable[[int], Any] | None = None
+
+
+def _set_torch_worker_info(setup: WorkerSetup, dataset: Any) -> bool:
+    """Make ``torch.utils.data.get_worker_info()`` describe this worker process, if torch is
+    imported here (a worker whose dataset needs no torch never imports it); whether it is."""
+    if "torch" not in sys.modules:
+        return False
+    worker = importlib.import_module("torch.utils.data._utils.worker")
+    worker._worker_info = worker.WorkerInfo(  # type: ignore[attr-defined]
+        id=setup.worker_id,
+        num_workers=setup.num_workers,
+        seed=setup.base_seed + setup.worker_id,
+        dataset=dataset,
+    )
+    return True
+
+
+class _ProcessWorkerState:
+    """A worker process's dataset copy, its reader and the read task built on them."""
+
+    def __init__(self, setup: WorkerSetup | None) -> None:
+        self.setup = setup
+        self.dataset: Any = None
+        self.task: _ReadTask | None = None
+        self.info_set = False
+        self._close_reader: Callable[[], Any] | None = None
+
+    def start(self, dataset: Any, collate_fn: Callable[..., Any] | None) -> None:
+        """Take a (new) copy of the dataset: close the previous reader, tell torch, run
+        ``worker_init_fn``, open this process's reader."""
+        if self._close_reader is not None:
+            close, self._close_reader = self._close_reader, None
+            self.task = None
+            close()
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            # As torch's DataLoader does: workers share the cores, one intra-op thread each.
+            torch.set_num_threads(1)
+        setup = self.setup
+        self.dataset = dataset
+        if setup is not None:
+            if setup.worker_init_fn is not None:
+                importlib.import_module("torch")  # the function may ask get_worker_info()
+            seed_globals(setup.base_seed + setup.worker_id)  # as torch seeds a worker
+            self.info_set = _set_torch_worker_info(setup, dataset)
+            if setup.worker_init_fn is not None:
+                setup.worker_init_fn(setup.worker_id)
+        reader, opened = open_reader(dataset)
+        if opened:
+            self._close_reader = multiprocessing.util.Finalize(
+                reader, reader.close, exitpriority=10
+            )
+        read_is_ours = callable(getattr(reader, "read_batch", None))
+        self.task = _ReadTask(
+            batch_read_fn(reader), collate_fn, read_is_ours=read_is_ours, seeding="process"
+        )
+
+    def run(self, batches: list[_Ids], seeds: list[int] | None) -> list[Any]:
+        if not self.info_set and self.setup is not None:
+            # torch imported since the start (by the dataset's first read): tell it now
+            self.info_set = _set_torch_worker_info(self.setup, self.dataset)
+        assert self.task is not None
+        return self.task.run((batches, seeds))
 
 
 def _dump_outcomes(outcomes: list[Any], ring: ResultRing | None) -> tuple[bytes, list[Any]]:
@@ -164,24 +381,30 @@ def _process_worker(
     collate_fn: Callable[..., Any] | None,
     conn: Any,
     ring_handle: Any,
+    setup: WorkerSetup | None = None,
 ) -> None:
     """Main function of a process worker: jobs in from ``conn``, results out through it.
 
-    A job is ``(job_id, [ids, ...])``; its answer ``(job_id, seconds, places, pickle)``, the
-    chunk's outcomes pickled by :func:`dump_result` (large buffers in the result ring). A
-    failure to start is answered once with job id -1 and the error. A thread of the worker
-    reads the jobs (see :func:`_receive_jobs`). The worker ends when the parent closes its end
-    of ``conn`` (or terminates it).
+    A job is ``(job_id, [ids, ...], seeds)`` (``seeds``: one per batch, or ``None``); its
+    answer ``(job_id, seconds, places, pickle)``, the chunk's outcomes pickled by
+    :func:`dump_result` (large buffers in the result ring). ``(job_id, None, payload)`` hands
+    the worker a new copy of the dataset (``payload`` pickles ``(dataset, collate_fn)``: a new
+    epoch without persistent workers); it is answered with no outcomes. A failure to start
+    (or to take a new dataset) is answered once with job id -1 and the error, and the worker
+    exits. A thread of the worker reads the jobs (see :func:`_receive_jobs`). The worker ends
+    when the parent closes its end of ``conn`` (or terminates it).
     """
     ring = None
+    state = _ProcessWorkerState(setup)
     try:
         try:
-            task = _init_process_worker(dataset, collate_fn)
+            state.start(dataset, collate_fn)
             ring = ResultRing.attach(ring_handle) if ring_handle is not None else None
         except Exception as error:
             data, _ = _dump_outcomes([_Failed(error)], None)
             conn.send_bytes(pickle.dumps((-1, 0.0, [], data), protocol=5))
             return
+        del dataset
         jobs: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         threading.Thread(
             target=_receive_jobs, args=(conn, jobs), name="guideloom-jobs", daemon=True
@@ -190,10 +413,20 @@ def _process_worker(
             message = jobs.get()
             if message is None:
                 return
-            job_id, batches = pickle.loads(message)
+            job_id, batches, extra = pickle.loads(message)
+            if batches is None:  # a new copy of the dataset
+                try:
+                    state.start(*pickle.loads(extra))
+                except Exception as error:
+                    data, _ = _dump_outcomes([_Failed(error)], None)
+                    conn.send_bytes(pickle.dumps((-1, 0.0, [], data), protocol=5))
+                    return
+                data, _ = _dump_outcomes([], None)
+                conn.send_bytes(pickle.dumps((job_id, 0.0, [], data), protocol=5))
+                continue
             started = time.perf_counter()
             try:
-                outcomes = task.run(batches)
+                outcomes = state.run(batches, extra)
             except BaseException as error:  # a KeyboardInterrupt or SystemExit of user code
                 outcomes = [_Failed(error)] * len(batches)
             elapsed = time.perf_counter() - started

@@ -8,10 +8,26 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate as _torch_default_collate
+from torch.utils.data._utils.collate import collate as _torch_collate
+from torch.utils.data._utils.collate import collate_tensor_fn as _torch_collate_tensor_fn
+from torch.utils.data._utils.collate import default_collate_fn_map
 from torchdata.nodes import BaseNode
 
 __all__ = ["Collate", "default_collate", "pad_collate"]
+
+
+def _stack_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """torch's tensor collate without its shared-memory output: torch allocates that when
+    ``get_worker_info()`` is set (for its pipe to worker processes); our worker threads
+    need none, and our worker processes hand results back through their result ring."""
+    elem = batch[0]
+    if elem.is_nested or elem.layout != torch.strided:  # torch's errors for these
+        return _torch_collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+    return torch.stack(list(batch), 0)
+
+
+#: torch's collate rules, tensors stacked into ordinary memory (see :func:`_stack_tensors`).
+_COLLATE_FN_MAP = {**default_collate_fn_map, torch.Tensor: _stack_tensors}
 
 
 def default_collate(samples: Sequence[Any]) -> Any:
@@ -25,7 +41,8 @@ def default_collate(samples: Sequence[Any]) -> Any:
     """
     if len(samples) == 0:
         return []
-    return _torch_default_collate(samples if isinstance(samples, list) else list(samples))
+    samples = samples if isinstance(samples, list) else list(samples)
+    return _torch_collate(samples, collate_fn_map=_COLLATE_FN_MAP)
 
 
 def _as_sequence(value: Any) -> np.ndarray | None:

@@ -7,11 +7,13 @@ import contextlib
 import multiprocessing
 import multiprocessing.context
 import operator
+import threading
 from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
+import torch.utils.data._utils.worker as _torch_worker
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.datasets import batch_read_fn, open_reader
@@ -40,6 +42,52 @@ _WAITING = 0.35
 _START_METHODS = ("spawn", "forkserver", "fork")
 #: A worker's time per job of quick batches to aim for (``chunk_seconds``' default).
 _CHUNK_SECONDS = 0.002
+
+
+# -- torch's get_worker_info() in worker threads --------------------------------------------
+# torch's function returns a module global, which is per process. For our worker threads it
+# must answer per thread: its code is swapped for code that first looks at a thread-local
+# slot (the same function object, so every name bound to it, including one imported with
+# ``from torch.utils.data import get_worker_info`` before this module, answers per thread).
+_THREAD_INFO = "_guideloom_thread_worker_info"
+_thread_info = threading.local()
+
+
+def _per_thread_get_worker_info() -> Any:  # pragma: no cover - runs as torch's function
+    info = getattr(_guideloom_thread_worker_info, "info", None)  # type: ignore[name-defined]  # noqa: F821
+    return _worker_info if info is None else info  # type: ignore[name-defined]  # noqa: F821
+
+
+def _answer_worker_info_per_thread() -> None:
+    """Make ``torch.utils.data.get_worker_info()`` answer per thread (idempotent)."""
+    namespace = vars(_torch_worker)
+    if _THREAD_INFO in namespace:
+        return
+    function = _torch_worker.get_worker_info
+    code = _per_thread_get_worker_info.__code__
+    namespace[_THREAD_INFO] = _thread_info
+    if function.__code__.co_freevars or "_worker_info" not in namespace:
+        # Not the function we know (another torch): wrap the names instead.
+        def get_worker_info() -> Any:
+            info = getattr(_thread_info, "info", None)
+            return function() if info is None else info
+
+        get_worker_info.__doc__ = function.__doc__
+        import torch.utils.data as data
+        import torch.utils.data.dataloader as dataloader
+
+        for module in (_torch_worker, data, dataloader):
+            module.get_worker_info = get_worker_info  # type: ignore[attr-defined]
+        return
+    function.__code__ = code.replace(co_name=function.__code__.co_name)
+
+
+_answer_worker_info_per_thread()
+
+
+def thread_worker_info(info: Any) -> None:
+    """Set (or with ``None`` clear) what ``get_worker_info()`` answers in this thread."""
+    _thread_info.info = info
 
 
 def _to_ids(item: Any) -> _I64:
@@ -151,6 +199,19 @@ class ReadSamples(BaseNode[Any]):
         chunk_seconds: A worker's time per job to aim for when batches are quick; 0 sends
             one batch per job.
         max_chunk: The most batches in one job.
+        batch_seeds: ``k -> seed`` of the ``k``-th batch taken from ``source`` since the last
+            reset: each batch is then read and collated under its seed (worker processes
+            seed the global generators of ``random``, numpy and torch; reading inline seeds
+            them and puts the caller's states back; worker threads, which share them, leave
+            them alone), and ``batch_rng()`` gives the batch's own generators in every mode.
+        base_seed: Seed of the workers (``base_seed + worker_id``) as torch's
+            ``get_worker_info()`` reports it in worker threads and processes; without it
+            (and without ``worker_init_fn``) workers are not told who they are.
+        worker_init_fn: Called with the worker's id once in each worker thread, and in each
+            worker process whenever it takes a copy of the dataset, before it reads.
+        process_pool: Worker processes that outlive this stage (a loader's, shared by its
+            epochs): used instead of starting new ones for ``method="process"``, and on
+            close or reset only released, not stopped (a failure of the pool stops it).
     """
 
     SOURCE_KEY = "source"
@@ -169,6 +230,10 @@ class ReadSamples(BaseNode[Any]):
         reader: Any = None,
         chunk_seconds: float = _CHUNK_SECONDS,
         max_chunk: int = 64,
+        batch_seeds: Callable[[int], int] | None = None,
+        base_seed: int | None = None,
+        worker_init_fn: Callable[[int], Any] | None = None,
+        process_pool: _ProcessPool | None = None,
     ) -> None:
         super().__init__()
         self.source = source
@@ -205,6 +270,13 @@ class ReadSamples(BaseNode[Any]):
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self.max_chunk = max_chunk
+        if worker_init_fn is not None and not callable(worker_init_fn):
+            raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
+        self.batch_seeds = batch_seeds
+        self.base_seed = base_seed
+        self.worker_init_fn = worker_init_fn
+        self._process_pool = process_pool
+        self._taken = 0  # batches taken from the source since reset (see batch_seeds)
         self._reader = reader
         self._owns_reader = False
         self._task: _ReadTask | None = None
@@ -234,7 +306,13 @@ class ReadSamples(BaseNode[Any]):
         if self._reader is None:
             self._reader, self._owns_reader = open_reader(self.dataset)
         if self._task is None:
-            self._task = _ReadTask(batch_read_fn(self._reader), self.collate_fn)
+            reader = self._reader
+            self._task = _ReadTask(
+                batch_read_fn(reader),
+                self.collate_fn,
+                read_is_ours=callable(getattr(reader, "read_batch", None)),
+                seeding="restore" if self.num_workers == 0 else "local",
+            )
 
     def close(self) -> None:
         """Stop the workers and close the reader this stage opened (it can be reset again).
@@ -266,6 +344,7 @@ class ReadSamples(BaseNode[Any]):
             self.source.reset()
         self._read_ahead = False
         self._delivered = 0
+        self._taken = 0
         if self.num_workers == 0 or self.method == "thread":
             self.open()
         if self.num_workers == 0:
@@ -280,13 +359,57 @@ class ReadSamples(BaseNode[Any]):
         self._probing = self.method == "thread" and self.chunk_seconds > 0
         if self.method == "thread":
             assert self._task is not None
+            tell = self.base_seed is not None or self.worker_init_fn is not None
             self._pool = _ThreadPool(
-                self._task.run, self.num_workers, caller_runs=self.timeout is None
+                self._task.run,
+                self.num_workers,
+                caller_runs=self.timeout is None,
+                init=self._init_thread if tell else None,
             )
+        elif self._process_pool is not None:
+            if self._process_pool.closed:
+                raise RuntimeError(
+                    "the worker processes given to this ReadSamples were stopped: a failed "
+                    "pool is not reused (the loader starts new ones at its next iter())"
+                )
+            self._pool = self._process_pool
+            try:
+                self._process_pool.begin(self.dataset, self.collate_fn)
+            except BaseException:
+                self._pool = None
+                self._process_pool.close()
+                raise
         else:
             assert self._mp is not None
-            self._pool = _ProcessPool(self.dataset, self.collate_fn, self.num_workers, self._mp)
+            self._pool = _ProcessPool(
+                self.dataset,
+                self.collate_fn,
+                self.num_workers,
+                self._mp,
+                base_seed=self._worker_base_seed(),
+                worker_init_fn=self.worker_init_fn,
+            )
         self._fill()
+
+    def _worker_base_seed(self) -> int | None:
+        if self.base_seed is not None:
+            return self.base_seed
+        return 0 if self.worker_init_fn is not None else None
+
+    def _init_thread(self, index: int) -> None:
+        """Tell worker thread ``index`` who it is (torch's ``get_worker_info()``), then run
+        ``worker_init_fn``."""
+        seed = (self._worker_base_seed() or 0) + index
+        fields: dict[str, Any] = {"worker_method": "thread"}
+        if "worker_method" not in getattr(_torch_worker.WorkerInfo, "__dataclass_fields__", {}):
+            fields = {}
+        thread_worker_info(
+            _torch_worker.WorkerInfo(
+                id=index, num_workers=self.num_workers, seed=seed, dataset=self.dataset, **fields
+            )
+        )
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(index)
 
     def _reset_source_as_delivered(self) -> None:
         """``source.reset()`` as if the source had given only the batches delivered.
@@ -308,7 +431,12 @@ class ReadSamples(BaseNode[Any]):
         if self.num_workers == 0:
             task = self._task
             assert task is not None
-            return task(_to_ids(next(self.source)))
+            ids = _to_ids(next(self.source))
+            seeds = self.batch_seeds
+            if seeds is None:
+                return task(ids)
+            self._taken += 1
+            return task(ids, seeds(self._taken - 1))
         self._fill()
         if not self._pending:
             if self._source_error is not None:
@@ -329,6 +457,8 @@ class ReadSamples(BaseNode[Any]):
                 outcomes, elapsed, cpu_share = pool.result(job, self.timeout)
             except BaseException as failure:
                 together = 1 + sum(entry[0] is job for entry in self._pending)
+                if pool is self._process_pool:
+                    pool.close()  # (a timeout, a dead worker: not one to reuse)
                 if self._pool is pool:  # (else closed meanwhile, by another thread)
                     self._drop_job(job, last)
                 if isinstance(failure, DataLoaderTimeoutError):
@@ -468,6 +598,8 @@ class ReadSamples(BaseNode[Any]):
                 return
             batches: list[_I64] = []
             snapshots: list[Any] = []
+            seeds: list[int] = []
+            batch_seeds = self.batch_seeds
             while len(batches) < size:
                 try:
                     ids = _to_ids(next(source))
@@ -482,9 +614,12 @@ class ReadSamples(BaseNode[Any]):
                     break
                 batches.append(ids)
                 snapshots.append(source.state_dict())
+                if batch_seeds is not None:
+                    seeds.append(batch_seeds(self._taken))
+                    self._taken += 1
             if not batches:
                 return
-            job = pool.submit(batches)
+            job = pool.submit((batches, seeds) if batch_seeds is not None else batches)
             last = len(batches) - 1
             for index, snapshot in enumerate(snapshots):
                 pending.append((job, index, index == last, snapshot))
@@ -496,5 +631,13 @@ class ReadSamples(BaseNode[Any]):
         self._jobs = 0
         self._probing = False
         self._job, self._outcomes = None, []
-        if pool is not None:
+        if pool is None:
+            return
+        if pool is not self._process_pool:
             pool.close()
+            return
+        try:
+            pool.release()
+        except BaseException:
+            pool.close()
+            raise
