@@ -22,6 +22,8 @@ from guideloom_pipes.storage.commit import WRITER_MODES, remove_shards_from
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.names import _NAME, RECORD, shard_name
 from guideloom_pipes.storage.records import ShardRecord, format_name
+from guideloom_pipes.storage.remote import RemotePath
+from guideloom_pipes.storage.upload import RemoteUpload
 
 __all__ = ["WriteParallelError", "WriteReport", "item_fingerprint", "write_parallel"]
 
@@ -137,25 +139,44 @@ def _write_shard(
     return records, sum(f.size for f in committed.files.values())
 
 
+def _remote(storage: StorageBase) -> RemoteUpload | None:
+    """What reads and removes the shards of a storage at a URL; None for a local one."""
+    if not isinstance(storage.dir, RemotePath):
+        return None
+    return RemoteUpload(storage.read_interface, str(storage.dir), "update", storage.kind)
+
+
 def _unchanged(storage: StorageBase, shard: int, fp: str) -> bool:
     """Whether shard ``shard`` is committed from the item of fingerprint ``fp`` with its
     files at their recorded sizes."""
-    directory = os.fspath(storage.dir)
-    stem = os.path.join(directory, shard_name(shard))
-    try:
-        with open(stem + RECORD, "rb") as file:
-            record = ShardRecord.from_json(file.read(), stem + RECORD)
-    except (OSError, StorageError):
-        return False
+    remote = _remote(storage)
+    if remote is not None:
+        record, sizes = remote.committed(shard)
+        if record is None:
+            return False
+
+        def size_of(name: str) -> int | None:
+            return sizes.get(name)
+    else:
+        directory = os.fspath(storage.dir)
+        stem = os.path.join(directory, shard_name(shard))
+        try:
+            with open(stem + RECORD, "rb") as file:
+                record = ShardRecord.from_json(file.read(), stem + RECORD)
+        except (OSError, StorageError):
+            return False
+
+        def size_of(name: str) -> int | None:
+            try:
+                return os.stat(os.path.join(directory, name)).st_size
+            except OSError:
+                return None
+
     if record.state != "committed" or record.fingerprint != fp or record.kind != storage.kind:
         return False
     for suffix in storage.suffixes:
         expected = record.files.get(suffix.lstrip("."))
-        try:
-            size = os.stat(os.path.join(directory, record.file_name(suffix))).st_size
-        except OSError:
-            return False
-        if expected is None or expected.size != size:
+        if expected is None or expected.size != size_of(record.file_name(suffix)):
             return False
     return True
 
@@ -172,7 +193,11 @@ def _check_picklable(convert: Any) -> bytes:
         ) from error
 
 
-def _shards_present(directory: str) -> set[int]:
+def _shards_present(storage: StorageBase) -> set[int]:
+    remote = _remote(storage)
+    if remote is not None:
+        return remote.shards_present()
+    directory = os.fspath(storage.dir)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -268,7 +293,7 @@ def write_parallel(
     directory = os.fspath(storage.dir)
     work = list(items)
     started = time.perf_counter()
-    if mode == "create" and _shards_present(directory):
+    if mode == "create" and _shards_present(storage):
         raise FileExistsError(
             f"{directory} already holds shards and write_parallel was called with "
             f"mode='create'; write into a new directory, or use mode='overwrite'"
@@ -333,8 +358,11 @@ def write_parallel(
     if failures:
         failures.sort(key=lambda failure: failure[0])
         raise WriteParallelError(failures, report)
-    above = sorted(s for s in _shards_present(directory) if s >= len(work))
-    if above and mode == "overwrite":
+    above = sorted(s for s in _shards_present(storage) if s >= len(work))
+    remote = _remote(storage)
+    if above and mode == "overwrite" and remote is not None:
+        report.removed = remote.remove_from(len(work))
+    elif above and mode == "overwrite":
         report.removed = remove_shards_from(directory, len(work))
     elif above:
         warnings.warn(

@@ -895,3 +895,32 @@ def test_writing_to_an_http_url_is_refused_naming_the_fix(http: HttpServer) -> N
     storage = StreamStorage(f"{http.url}/readonly", TOKENS)
     with pytest.raises(ValueError, match="HTTP server is read-only"):
         storage.sync_writer()
+
+
+def _count_to(item: int) -> Iterator[dict[str, np.ndarray]]:
+    """write_parallel's convert: item k becomes k + 1 records of k + 1 tokens."""
+    for _ in range(item + 1):
+        yield {"tokens": np.full(item + 1, item, dtype="<i4")}
+
+
+def test_write_parallel_to_s3_writes_resumes_and_overwrites(s3: S3Server, tmp_path: Path) -> None:
+    from guideloom_pipes import write_parallel
+
+    url = f"s3://{BUCKET}/parallel"
+    storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+    report = write_parallel(storage, [0, 1, 2, 3], _count_to, max_workers=2, progress=False)
+    assert report.written == [0, 1, 2, 3] and not report.skipped
+    local = StreamStorage(tmp_path / "local", TOKENS)
+    write_parallel(local, [0, 1, 2, 3], _count_to, max_workers=2, progress=False)
+    fs = s3.filesystem()
+    for path in sorted((tmp_path / "local").iterdir()):  # the same files as a local run
+        assert fs.cat_file(f"{BUCKET}/parallel/{path.name}") == path.read_bytes(), path.name
+    # a rerun skips what did not change; fewer items remove the shards above them
+    again = write_parallel(storage, [0, 1, 2, 3], _count_to, max_workers=2, progress=False)
+    assert again.skipped == [0, 1, 2, 3] and not again.written
+    fewer = write_parallel(storage, [0, 5], _count_to, max_workers=2, progress=False)
+    assert fewer.skipped == [0] and fewer.written == [1] and fewer.removed == [2, 3]
+    with StreamDataset(storage, 1).sync_reader() as reader:
+        assert [int(reader[i]["tokens"][0]) for i in range(len(reader))] == [0] + [5] * 36
+    with pytest.raises(FileExistsError, match="mode='create'"):
+        write_parallel(storage, [0], _count_to, mode="create", progress=False)

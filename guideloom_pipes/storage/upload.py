@@ -104,6 +104,28 @@ class RemoteUpload:
         self.present = {int(_NAME.match(n).group("shard")) for n in found}  # type: ignore[union-attr]
         self._opened = True
 
+    def shards_present(self) -> set[int]:
+        """Ids of the shards with a file at its canonical name at the URL."""
+        found = set()
+        for name in self._shard_files():
+            match = _NAME.match(name)
+            if match and not match.group("temporary") and match.group("generation") is None:
+                found.add(int(match.group("shard")))
+        return found
+
+    def committed(self, shard: int) -> tuple[ShardRecord | None, dict[str, int]]:
+        """Shard ``shard``'s record at the URL (None if it has none, or an unreadable one)
+        and the size of each object of the dataset, by name."""
+        return self._remote_record(shard), self._shard_files()
+
+    def remove_from(self, first: int) -> list[int]:
+        """Remove every shard whose id is ``first`` or more, as an ``"overwrite"`` writer
+        removes the shards it did not write; the ids removed."""
+        doomed = sorted((s for s in self.shards_present() if s >= first), reverse=True)
+        self._mark_deleted(doomed)
+        self._remove(doomed)
+        return sorted(doomed)
+
     def _remote_record(self, shard: int) -> ShardRecord | None:
         url = self._url(shard_name(shard) + RECORD)
         try:
