@@ -417,7 +417,21 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         iterator = self._iterator() if self._iterator is not None else None
         return iterator if iterator is not None and iterator._active else None
 
+    def _close_failed_iterator(self) -> None:
+        """Close the active iterator if its last ``next()`` raised a batch's own error.
+
+        Such an iterator could go on, but a loop that got the error has usually left it, and
+        it lives on until that exception is collected (tracebacks hold it, often in a
+        reference cycle): ``iter()``, ``steps()``, ``load_state_dict()`` and
+        ``sampler.set_epoch()`` close it rather than refuse (the loader then stands after
+        the failed batch), as torch's ``iter()`` leaves an old iterator behind.
+        """
+        iterator = self._active_iterator()
+        if iterator is not None and iterator._failed:
+            iterator.close()
+
     def __iter__(self) -> Iterator[BatchT]:
+        self._close_failed_iterator()
         if self._active_iterator() is not None:
             raise RuntimeError(
                 "an iterator of this loader is still active: drain it or call its close() "
@@ -458,6 +472,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
     def _set_epoch(self, epoch: int) -> None:
         """``sampler.set_epoch``: move to the start of ``epoch`` unless it is the current one."""
         epoch = _int_arg("epoch", epoch, 0)
+        self._close_failed_iterator()
         if epoch == self._current_epoch():
             return  # (a resumed position in it is kept)
         if self._active_iterator() is not None:
@@ -559,6 +574,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             RuntimeError: An iterator of this loader is still active.
         """
         count = _int_arg("n", n, 1)
+        self._close_failed_iterator()
         if self._active_iterator() is not None:
             raise RuntimeError(
                 "steps() while an iterator of this loader is active: drain it or call its "
@@ -637,6 +653,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         Args:
             state_dict: A dict from :meth:`state_dict` (or GuideLoom's).
         """
+        self._close_failed_iterator()
         if self._active_iterator() is not None:
             raise RuntimeError(
                 "load_state_dict() while an iterator of this loader is active: drain it or "

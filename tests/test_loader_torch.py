@@ -138,6 +138,45 @@ def test_a_loop_that_ended_with_a_batch_error_goes_on_after_that_batch():
     assert seen + list(loader) == expected[:bad] + expected[bad + 1 :]
 
 
+def test_a_new_iterator_after_a_batch_error_closes_the_one_that_raised():
+    loader = _loader(FailsAt(22, 9), local_batch_size=2, num_workers=2, prefetch=1)
+    expected = _batches(22)
+    bad = next(i for i, batch in enumerate(expected) if 9 in batch)
+    seen = []
+    with pytest.raises(ReadError) as info:
+        for batch in loader:
+            seen.append(batch)
+    # The exception (alive here) holds the iterator that raised: iter() closes it.
+    assert info.value is not None
+    assert seen + list(loader) == expected[:bad] + expected[bad + 1 :]
+    assert loader.state_dict()["epoch"] == 1
+
+
+def test_load_state_dict_and_steps_after_a_batch_error_close_the_one_that_raised():
+    loader = _loader(FailsAt(22, 3), local_batch_size=2)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ReadError):
+        next(it)
+    loader.load_state_dict({**loader.state_dict(), "observation_offset": 0})
+    with pytest.raises(StopIteration):
+        next(it)  # closed by load_state_dict
+    it = iter(loader)
+    next(it)
+    with pytest.raises(ReadError):
+        next(it)
+    assert list(loader.steps(2)) == [[4, 5], [6, 7]]  # steps() closed it
+    with pytest.raises(StopIteration):
+        next(it)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(RuntimeError, match="still active"):
+        iter(loader)  # an iterator that did not fail stays the only one
+    with pytest.raises(RuntimeError, match="while an iterator"):
+        loader.load_state_dict(loader.state_dict())
+    it.close()
+
+
 def test_the_last_batch_of_an_epoch_failing_ends_the_epoch():
     loader = _loader(FailsAt(22, 21), local_batch_size=2, drop_last=False)
     batches, errors = _skipping_errors(iter(loader), loader)
