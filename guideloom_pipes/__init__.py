@@ -25,11 +25,13 @@ GUIDELOOM_VERSION = "1.1.0"
 if TYPE_CHECKING:
     from guideloom_pipes import pipes
     from guideloom_pipes.loader import StatefulDataLoader
+    from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
     from guideloom_pipes.pipes.collate import pad_collate
     from guideloom_pipes.pipes.packed import collate_packed
 
 _LAZY = {
     "StatefulDataLoader": ("guideloom_pipes.loader", "StatefulDataLoader"),
+    "DataLoaderTimeoutError": ("guideloom_pipes.pipes", "DataLoaderTimeoutError"),
     "pipes": ("guideloom_pipes.pipes", None),
     "collate_packed": ("guideloom_pipes.pipes.packed", "collate_packed"),
     "pad_collate": ("guideloom_pipes.pipes.collate", "pad_collate"),
@@ -53,6 +55,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DataLoaderTimeoutError",
     "DocumentDataset",
     "DocumentPickleFormat",
     "DocumentStorage",

@@ -13,12 +13,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sized
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.loader_args import (
     _UNSET,
+    DROP_LAST_DEFAULT,
     _default_device,
     _int_arg,
     dataset_for_storage,
@@ -35,8 +37,10 @@ from guideloom_pipes.pipes import (
     close_pipeline,
     collate_packed,
     default_collate,
+    num_steps,
     pad_collate,
 )
+from guideloom_pipes.pipes._errors import is_batch_failure
 from guideloom_pipes.pipes._pool import (
     DataLoaderTimeoutError,
     _ProcessPool,
@@ -47,7 +51,7 @@ from guideloom_pipes.pipes._worker import batch_seed
 from guideloom_pipes.pipes.read import _CHUNK_SECONDS, _mp_context, _together
 from guideloom_pipes.types import SyncContextManager
 
-__all__ = ["DataLoaderTimeoutError", "StatefulDataLoader"]
+__all__ = ["DataLoaderTimeoutError", "EpochBatchSampler", "EpochSampler", "StatefulDataLoader"]
 
 _STATE_KEYS = ("epoch", "observation_offset", "shuffle", "shuffle_seed", "drop_last")
 #: Extra key of ours in ``state_dict()``: the dataset size, to warn when it changed.
@@ -60,6 +64,17 @@ _BASE_SEED_KEY = "base_seed"
 #: Collates of ours: they draw no random numbers, so batches read by our datasets' readers
 #: and collated by them need no seed.
 _OUR_COLLATES: tuple[Callable[..., Any], ...] = (default_collate, pad_collate, collate_packed)
+#: Attributes that torch's ``DataLoader`` refuses to set once built (its wording too): a
+#: change would silently alter later epochs and the meaning of saved states.
+_FROZEN = (
+    "batch_size",
+    "local_batch_size",
+    "batch_sampler",
+    "sampler",
+    "drop_last",
+    "dataset",
+    "persistent_workers",
+)
 if TYPE_CHECKING:
     # Defaults (PEP 696) for type checkers only: a loader built without a typed collate_fn is
     # a StatefulDataLoader[Any, Any] instead of an error asking the user for an annotation.
@@ -107,7 +122,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         pin_memory: Pin batches before moving them to a CUDA device (ignored, with a
             warning, for a CPU device).
         drop_last: Drop the incomplete final global batch (True) or pad it (False: final
-            batches may be short, or ``[]`` on some ranks).
+            batches may be short, or ``[]`` on some ranks). Left out with torch's
+            ``batch_size=``, a loader that drops samples warns once (torch pads).
         prefetch: How many finished batches wait ahead of the training loop (0: none; with
             workers, reads still overlap training).
         batch_size: torch's name for ``local_batch_size``.
@@ -123,8 +139,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         generator: A ``torch.Generator`` to draw the base seed from (else torch's global
             generator): the shuffle seed when ``shuffle_seed`` is ``None``, the workers'
             seeds (``base_seed + worker_id``) and each batch's seed; see ``base_seed``.
-        sampler: Not supported (pass ``shuffle``/``rank``/``world_size``).
-        batch_sampler: Not supported (pass ``batch_size``/``drop_last``).
+        sampler: Not supported (pass ``shuffle``/``rank``/``world_size``); the attribute
+            ``sampler`` is an :class:`EpochSampler` describing this rank's order.
+        batch_sampler: Not supported (pass ``batch_size``/``drop_last``); the attribute is
+            an :class:`EpochBatchSampler`.
         worker_init_fn: Called with the worker id in each worker, after torch's
             ``get_worker_info()`` is set there: once per worker thread (threads start with
             each iterator), and in a worker process each time it takes a copy of the
@@ -135,6 +153,15 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             loader either way and stop at :meth:`close`.
         pin_memory_device: Only ``""`` (pass ``device``).
         in_order: Only ``True``.
+        snapshot_every_n_steps: torchdata's keyword, accepted and ignored (with a note, once):
+            ``state_dict()`` is exact after every batch.
+
+    Attributes that torch code reads are there (``sampler``, ``batch_sampler``,
+    ``generator``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``,
+    ``in_order``, ``pin_memory_device``; ``collate_fn`` is the function batches go
+    through); setting ``batch_size``, ``local_batch_size``, ``drop_last``, ``dataset``,
+    ``sampler``, ``batch_sampler`` or ``persistent_workers`` after construction raises
+    ``ValueError``, as in torch.
     """
 
     def __init__(
@@ -151,7 +178,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         shuffle: bool | None = False,
         shuffle_seed: int | None = None,
         pin_memory: bool = False,
-        drop_last: bool = True,
+        drop_last: bool = DROP_LAST_DEFAULT,
         prefetch: int = 0,
         batch_size: int | None = _UNSET,
         prefetch_factor: int | None = None,
@@ -164,6 +191,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        snapshot_every_n_steps: int | None = None,
     ) -> None:
         settings = resolve_arguments(
             dataset,
@@ -190,9 +218,13 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             persistent_workers=persistent_workers,
             pin_memory_device=pin_memory_device,
             in_order=in_order,
+            snapshot_every_n_steps=snapshot_every_n_steps,
         )
         self.dataset = dataset
-        self.collate_fn = collate_fn
+        #: The function batches go through (torch reports its ``default_collate`` too).
+        self.collate_fn: Callable[[list[Any]], Any] = (
+            collate_fn if collate_fn is not None else default_collate
+        )
         self.local_batch_size = settings.local_batch_size
         self.world_size = settings.world_size
         self.rank = settings.rank
@@ -214,6 +246,14 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         # The worker processes, one pool per loader (started at the first iter()).
         self._process_pool: _ProcessPool | None = None
         self._pool_finalizer: weakref.finalize[Any, Any] | None = None
+        # torch's attributes, as torch code reads them
+        self.generator = generator
+        self.prefetch_factor = prefetch_factor
+        self.in_order = in_order
+        self.pin_memory_device = pin_memory_device
+        self.sampler = EpochSampler(self)
+        self.batch_sampler = EpochBatchSampler(self)
+        self._warn_dropped_tail = settings.warn_dropped_tail
 
         self._epoch = 0
         self._offset = 0
@@ -225,6 +265,14 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._closed_early: tuple[int, int] | None = None
         # The global batch size of the run that reached _offset (see _GLOBAL_BATCH_KEY).
         self._offset_batch = self.global_batch_size
+        self._initialized = True  # last: from now on the attributes of _FROZEN are fixed
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FROZEN and self.__dict__.get("_initialized", False):
+            raise ValueError(
+                f"{name} attribute should not be set after {type(self).__name__} is initialized"
+            )
+        super().__setattr__(name, value)
 
     @classmethod
     def from_storage(
@@ -242,7 +290,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         shuffle: bool = False,
         shuffle_seed: int | None = None,
         pin_memory: bool = False,
-        drop_last: bool = True,
+        drop_last: bool = DROP_LAST_DEFAULT,
         prefetch: int = 0,
         **kwargs: Any,
     ) -> StatefulDataLoader[Any, BatchT]:
@@ -440,18 +488,88 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         iterator = self._iterator() if self._iterator is not None else None
         return iterator if iterator is not None and iterator._active else None
 
+    def _close_failed_iterator(self) -> None:
+        """Close the active iterator if its last ``next()`` raised a batch's own error.
+
+        Such an iterator could go on, but a loop that got the error has usually left it, and
+        it lives on until that exception is collected (tracebacks hold it, often in a
+        reference cycle): ``iter()``, ``steps()``, ``load_state_dict()`` and
+        ``sampler.set_epoch()`` close it rather than refuse (the loader then stands after
+        the failed batch), as torch's ``iter()`` leaves an old iterator behind.
+        """
+        iterator = self._active_iterator()
+        if iterator is not None and iterator._failed:
+            iterator.close()
+
     def __iter__(self) -> Iterator[BatchT]:
+        self._close_failed_iterator()
         if self._active_iterator() is not None:
             raise RuntimeError(
                 "an iterator of this loader is still active: drain it or call its close() "
                 "before calling iter() again (take state_dict() first to resume mid-epoch)"
             )
         self.open()
+        if self._warn_dropped_tail:
+            self._warn_dropped_tail = False
+            self._warn_if_tail_dropped()
         self._closed_early = None
         root = self._build_pipeline(self._epoch, self._offset)
         iterator = _LoaderIterator(self, root, self._epoch, self._offset)
         self._iterator = weakref.ref(iterator)
         return iterator
+
+    def _warn_if_tail_dropped(self) -> None:
+        """Warn (once per loader) that ``drop_last`` defaulting to True drops samples: torch
+        code passing ``batch_size=`` expects torch's ``drop_last=False``."""
+        n, g = self._num_samples(), self.global_batch_size
+        if n % g == 0:
+            return
+        ranks = f" * world_size {self.world_size}" if self.world_size > 1 else ""
+        warnings.warn(
+            f"drop_last defaults to True here (GuideLoom's default; torch's is False): the "
+            f"dataset's {n} samples at batch_size={self.local_batch_size}{ranks} make "
+            f"{n // g} batches per epoch, and the last {n % g} samples of each epoch are "
+            f"dropped (torch would deliver {-(-n // g)} batches, the last one short). Pass "
+            "drop_last=False for torch's behaviour, or drop_last=True to keep this one",
+            UserWarning,
+            stacklevel=3,
+        )
+
+    def _current_epoch(self) -> int:
+        """The epoch being read, or the one the next ``iter()`` reads."""
+        iterator = self._active_iterator()
+        return iterator._epoch if iterator is not None else self._epoch
+
+    def _set_epoch(self, epoch: int) -> None:
+        """``sampler.set_epoch``: move to the start of ``epoch`` unless it is the current one."""
+        epoch = _int_arg("epoch", epoch, 0)
+        self._close_failed_iterator()
+        if epoch == self._current_epoch():
+            return  # (a resumed position in it is kept)
+        if self._active_iterator() is not None:
+            raise RuntimeError(
+                f"sampler.set_epoch({epoch}) while an iterator of this loader is reading epoch "
+                f"{self._current_epoch()}: drain it or call its close() first"
+            )
+        self._epoch, self._offset = epoch, 0
+        self._offset_batch = self.global_batch_size
+        self._closed_early = None
+
+    def _epoch_batches(self, epoch: int) -> Iterator[list[int]]:
+        """The sample ids of each batch this rank reads in ``epoch``, from its start."""
+        node: BaseNode[Any] = RankPositions(
+            self._num_samples(),
+            self.local_batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            epoch=epoch,
+        )
+        if self.shuffle:
+            node = Shuffle(node, self.shuffle_seed)
+        for item in node:
+            ids = item if isinstance(item, np.ndarray) else item.positions
+            yield [int(i) for i in ids]
 
     def _build_pipeline(self, epoch: int, offset: int) -> BaseNode[Any]:
         node: BaseNode[Any] = RankPositions(
@@ -465,7 +583,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         )
         if self.shuffle:
             node = Shuffle(node, self.shuffle_seed)
-        collate = self.collate_fn if self.collate_fn is not None else default_collate
+        collate = self.collate_fn
         inline = self.num_workers == 0 and self.prefetch == 0
         seeds = self._batch_seeds(epoch, offset)
         if inline and not self.timeout:
@@ -541,6 +659,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             RuntimeError: An iterator of this loader is still active.
         """
         count = _int_arg("n", n, 1)
+        self._close_failed_iterator()
         if self._active_iterator() is not None:
             raise RuntimeError(
                 "steps() while an iterator of this loader is active: drain it or call its "
@@ -557,17 +676,14 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                         if left == 0:
                             # hand the last batch over with no iterator left active; an epoch
                             # that has no batch left moves to the next one
-                            epoch, offset = iterator._epoch, iterator._position()
-                            remaining = self._num_samples() - offset
-                            if remaining <= 0 or (self.drop_last and remaining < iterator._global):
-                                epoch, offset = epoch + 1, 0
-                            iterator._finish(epoch, offset)
+                            iterator._finish(*iterator._resume_point())
                             yield batch
                             return
                         yield batch
                 finally:
-                    if iterator._active:  # closed early: keep what was delivered
-                        iterator._finish(iterator._epoch, iterator._position())
+                    if iterator._active:  # closed early (or a batch raised): keep what was
+                        # delivered; an epoch with no batch left moves to the next one
+                        iterator._finish(*iterator._resume_point())
 
         return run()
 
@@ -626,6 +742,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         Args:
             state_dict: A dict from :meth:`state_dict` (or GuideLoom's).
         """
+        self._close_failed_iterator()
         if self._active_iterator() is not None:
             raise RuntimeError(
                 "load_state_dict() while an iterator of this loader is active: drain it or "
@@ -714,6 +831,76 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             self._stop_process_pool()
 
 
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """``loader.sampler``: the sample ids this rank reads in the loader's current epoch.
+
+    The loader orders samples itself (GuideLoom's rank sharding and shuffle); this object
+    describes that order for code written against torch's samplers. ``len()`` is the number
+    of samples this rank reads in a whole epoch (as for a ``DistributedSampler``: padding
+    left out, and with ``drop_last`` the dropped tail too), and iterating gives their ids
+    in reading order, from the start of the epoch the loader is in (or will read next).
+    ``set_epoch(e)`` moves the loader to the start of epoch ``e``, unless ``e`` is its
+    current epoch (a resumed position in it is kept): the usual ``sampler.set_epoch(epoch)``
+    before each epoch's loop agrees with the loader's own count.
+    """
+
+    def __init__(self, loader: StatefulDataLoader[Any, Any]) -> None:
+        self._loader = weakref.proxy(loader)
+
+    def __len__(self) -> int:
+        loader = self._loader
+        n, world = loader._num_samples(), loader.world_size
+        limit = min(n, len(loader) * loader.global_batch_size)  # positions read, all ranks
+        return max(0, -(-(limit - loader.rank) // world))
+
+    def __iter__(self) -> Iterator[int]:
+        for ids in self._loader._epoch_batches(self._loader._current_epoch()):
+            yield from ids
+
+    @property
+    def epoch(self) -> int:
+        """The loader's current epoch (the one being read, or read next)."""
+        return self._loader._current_epoch()
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move the loader to the start of ``epoch`` (nothing if it is in that epoch)."""
+        self._loader._set_epoch(epoch)
+
+
+class EpochBatchSampler(torch.utils.data.Sampler[list[int]]):
+    """``loader.batch_sampler``: the sample ids of each batch this rank reads in the
+    loader's current epoch (see :class:`EpochSampler`); ``len()`` is ``len(loader)``.
+    Batches are short or ``[]`` where padding (``drop_last=False``) leaves them so."""
+
+    def __init__(self, loader: StatefulDataLoader[Any, Any]) -> None:
+        self._loader = weakref.proxy(loader)
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self._loader._epoch_batches(self._loader._current_epoch())
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return self._loader.local_batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether the incomplete final global batch is dropped."""
+        return self._loader.drop_last
+
+    @property
+    def sampler(self) -> EpochSampler:
+        """The loader's :class:`EpochSampler`."""
+        return self._loader.sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        """As :meth:`EpochSampler.set_epoch`."""
+        self._loader._set_epoch(epoch)
+
+
 class _LoaderIterator(Iterator[Any]):
     """One epoch (or the rest of one) of a :class:`StatefulDataLoader`.
 
@@ -729,6 +916,7 @@ class _LoaderIterator(Iterator[Any]):
         self._offset0 = offset
         self._global = loader.global_batch_size
         self._delivered = 0
+        self._failed = False  # the last next() raised a batch's own error
         try:
             root.reset()
         except BaseException:
@@ -746,6 +934,12 @@ class _LoaderIterator(Iterator[Any]):
     def __iter__(self) -> _LoaderIterator:
         return self
 
+    def __len__(self) -> int:
+        """Batches this iterator delivers from where it started: ``len(loader)`` for a
+        whole epoch, fewer for the rest of a resumed one."""
+        loader = self._loader
+        return num_steps(loader._num_samples(), self._offset0, self._global, loader.drop_last)
+
     def __next__(self) -> Any:
         if not self._active:
             raise StopIteration
@@ -755,6 +949,12 @@ class _LoaderIterator(Iterator[Any]):
             self._finish(self._epoch + 1, 0)
             raise
         except BaseException as error:
+            if is_batch_failure(error):
+                # A read or collate_fn failed this batch alone: it counts as delivered, and
+                # the next next() delivers the batch after it (as in torch).
+                self._delivered += 1
+                self._failed = True
+                raise
             # Nothing more was delivered: a resume (or the next iter()) retries this batch.
             self._finish(self._epoch, self._position())
             if isinstance(error, DataLoaderTimeoutError):
@@ -763,6 +963,7 @@ class _LoaderIterator(Iterator[Any]):
                 raise timed_out from None
             raise
         self._delivered += 1
+        self._failed = False
         return batch
 
     def _timeout_message(self, together: int) -> str:
@@ -783,9 +984,23 @@ class _LoaderIterator(Iterator[Any]):
             "next iterator (or a resume) retries it"
         )
 
+    def _resume_point(self) -> tuple[int, int]:
+        """Where the loader goes on after what was delivered: ``(epoch, position)``, or the
+        next epoch's start when this one has no batch left."""
+        loader, offset = self._loader, self._position()
+        remaining = loader._num_samples() - offset
+        if remaining <= 0 or (loader.drop_last and remaining < self._global):
+            return self._epoch + 1, 0
+        return self._epoch, offset
+
     def close(self) -> None:
-        """Stop early: workers stop and the loader's offset returns to 0 (same epoch)."""
+        """Stop early: workers stop and the loader's offset returns to 0 (same epoch),
+        except right after a batch raised: the loader then goes on after that batch (a loop
+        that ended with a read or ``collate_fn`` error resumes past it, as its state says)."""
         if self._active:
+            if self._failed:
+                self._finish(*self._resume_point())
+                return
             position = self._position()
             self._finish(self._epoch, 0)
             if position:  # a state taken now would not resume there: state_dict() warns

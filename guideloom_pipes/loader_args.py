@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import multiprocessing.context
 import operator
+import os
 import pickle
 import warnings
 from collections.abc import Callable
@@ -29,6 +30,24 @@ class _Unset:
 
 
 _UNSET: Any = _Unset()
+
+
+class _DefaultTrue(int):
+    """``True`` as a keyword's default, told apart from a ``True`` the caller passed.
+
+    It equals ``True`` and shows as ``True`` in the signature; the loader replaces it with a
+    real ``True`` and knows the caller left the keyword out (see ``drop_last``).
+    """
+
+    def __repr__(self) -> str:
+        return "True"
+
+
+#: ``drop_last``'s default: GuideLoom's ``True``, unless the caller passes it.
+DROP_LAST_DEFAULT: Any = _DefaultTrue(1)
+
+#: Whether the note on ``snapshot_every_n_steps`` was given (once per process).
+_snapshot_note_given = False
 
 
 def _default_device() -> torch.device:
@@ -97,6 +116,55 @@ def _reject_torch_keywords(
         )
 
 
+def _cpu_count() -> int | None:
+    """CPUs this process may run on (its affinity where the platform has one), as torch
+    counts them for its excessive-worker warning."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count()
+
+
+def _excessive_workers_message(num_workers: int) -> str | None:
+    """torch's warning text for more worker processes than CPUs (None: not too many)."""
+    suggest = _cpu_count()
+    if suggest is not None and num_workers <= suggest:
+        return None
+    if suggest is None:
+        suggested = (
+            "DataLoader is not able to compute a suggested max number of worker in current system."
+        )
+    else:
+        cpuset = "" if hasattr(os, "sched_getaffinity") else " (`cpuset` is not taken into account)"
+        suggested = (
+            f"Our suggested max number of worker in current system is {suggest}{cpuset}, "
+            "which is smaller than what this DataLoader is going to create."
+        )
+    return (
+        f"This DataLoader will create {num_workers} worker processes in total. {suggested} "
+        "Please be aware that excessive worker creation might get DataLoader running slow or "
+        "even freeze, lower the worker number to avoid potential slowness/freeze if necessary."
+    )
+
+
+def _note_snapshot_every_n_steps(value: Any, stacklevel: int) -> None:
+    """Accept torchdata's ``snapshot_every_n_steps`` and say once why it does nothing here."""
+    global _snapshot_note_given
+    if value is None:
+        return
+    steps = _int_arg("snapshot_every_n_steps", value, 1)
+    if _snapshot_note_given:
+        return
+    _snapshot_note_given = True
+    warnings.warn(
+        f"snapshot_every_n_steps={steps} is ignored: torchdata's StatefulDataLoader snapshots "
+        "its workers' state every n steps, while this loader's state_dict() is exact after "
+        "every batch (it is computed from the position, no snapshot is taken); remove the "
+        "keyword. This note is shown once",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
+
+
 @dataclass(frozen=True)
 class LoaderSettings:
     """What a loader runs on, after :func:`resolve_arguments` checked and translated it."""
@@ -122,6 +190,8 @@ class LoaderSettings:
     prefetch: int
     pin_memory: bool
     device: torch.device
+    #: torch's ``batch_size=`` was used and ``drop_last`` left out: warn if a tail is dropped.
+    warn_dropped_tail: bool = False
 
 
 def resolve_arguments(
@@ -150,6 +220,7 @@ def resolve_arguments(
     persistent_workers: bool,
     pin_memory_device: str,
     in_order: bool,
+    snapshot_every_n_steps: int | None = None,
     stacklevel: int = 2,
 ) -> LoaderSettings:
     """Check the constructor's arguments and translate torch's keywords into GuideLoom's.
@@ -181,7 +252,10 @@ def resolve_arguments(
             f"dataset must be map-style (support len() and [i]), got {type(dataset).__name__}"
         )
 
-    # torch's batch_size / prefetch_factor / shuffle=None / timeout
+    # torch's batch_size / prefetch_factor / shuffle=None / timeout; drop_last left out
+    drop_last_given = drop_last is not DROP_LAST_DEFAULT
+    if not drop_last_given:
+        drop_last = True
     if batch_size is not _UNSET:
         if batch_size is None:
             raise ValueError(
@@ -283,6 +357,10 @@ def resolve_arguments(
         _check_picklable("dataset", dataset)
         if worker_init_fn is not None:
             _check_picklable("worker_init_fn", worker_init_fn)
+        too_many = _excessive_workers_message(num_workers)
+        if too_many is not None:
+            warnings.warn(too_many, UserWarning, stacklevel=stacklevel)
+    _note_snapshot_every_n_steps(snapshot_every_n_steps, stacklevel + 1)
 
     return LoaderSettings(
         local_batch_size=local_batch_size,
@@ -302,6 +380,7 @@ def resolve_arguments(
         prefetch=prefetch,
         pin_memory=pin_memory,
         device=device,
+        warn_dropped_tail=batch_size is not _UNSET and not drop_last_given,
     )
 
 

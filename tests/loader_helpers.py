@@ -65,6 +65,20 @@ class FailsAt(Ids):
         return super().__getitem__(index)
 
 
+class CollateFailsAt:
+    """A ``collate_fn`` (picklable, for worker processes) that raises :class:`ReadError` for
+    the batch holding sample ``bad`` and returns the others' ids."""
+
+    def __init__(self, bad: int) -> None:
+        self.bad = bad
+
+    def __call__(self, samples: list[Any]) -> list[int]:
+        ids = [int(sample) for sample in samples]
+        if self.bad in ids:
+            raise ReadError(f"cannot collate sample {self.bad}")
+        return ids
+
+
 class KillsItsWorker(Ids):
     """SIGKILLs the worker process that reads sample ``bad`` (never the parent)."""
 

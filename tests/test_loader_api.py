@@ -63,3 +63,14 @@ def test_from_storage_spells_out_guideloom_keywords_and_defaults() -> None:
     for name, default in GUIDELOOM_KEYWORDS.items():
         assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
         assert parameters[name].default == default, name
+
+
+def test_the_timeout_error_is_exported_from_the_package() -> None:
+    import guideloom_pipes
+    from guideloom_pipes import DataLoaderTimeoutError
+    from guideloom_pipes.pipes import DataLoaderTimeoutError as from_pipes
+
+    assert DataLoaderTimeoutError is from_pipes
+    assert "DataLoaderTimeoutError" in guideloom_pipes.__all__
+    assert issubclass(DataLoaderTimeoutError, RuntimeError)
+    assert issubclass(DataLoaderTimeoutError, TimeoutError)

@@ -130,15 +130,20 @@ def test_rank_positions_state_counts_global_batches_including_padding():
     assert offsets == [12, 24]
 
 
-def test_rank_positions_exhausted_epoch_moves_state_to_next_epoch_and_stays_stopped():
+def test_rank_positions_exhausted_epoch_keeps_its_end_state_and_a_reset_starts_the_next():
     node = RankPositions(10, 2)
     assert len(list(node)) == 5
-    assert node.state_dict() == {"epoch": 1, "observation_offset": 0, "num_samples": 10}
+    end = node.state_dict()
+    assert end == {"epoch": 0, "observation_offset": 10, "num_samples": 10}  # "exhausted"
     with pytest.raises(StopIteration):
         next(node)  # does not run into the next epoch without a reset
     node.reset()
     first = next(node)
     assert first.epoch == 1 and first.positions.tolist() == [0, 1]
+    node.reset(end)
+    assert list(node) == []  # a state saved at the end yields nothing more
+    node.reset()
+    assert next(node).epoch == 1
 
 
 def test_rank_positions_reset_without_state_restarts_a_partly_consumed_epoch():
@@ -160,6 +165,8 @@ def test_rank_positions_offset_past_the_end_gives_an_empty_epoch():
     node = RankPositions(22, 4, drop_last=False)
     node.reset({"epoch": 0, "observation_offset": 24})
     assert list(node) == []
+    assert node.state_dict()["epoch"] == 0
+    node.reset()
     assert node.state_dict()["epoch"] == 1
 
 
@@ -747,6 +754,31 @@ def test_prefetcher_reraises_source_exceptions_with_their_type():
     with pytest.raises(ReadError) as info:
         next(node)
     assert "__getitem__" in "".join(traceback.format_tb(info.value.__traceback__))
+    assert next(node) == [4, 5]  # a read error fails its batch alone
+    assert node.state_dict()["source"]["source"]["observation_offset"] == 6
+    node.close()
+    assert threads_end() == []
+
+
+def test_prefetcher_stops_after_an_error_that_is_not_one_batch_failing():
+    class Broken(tn.BaseNode):
+        def reset(self, initial_state=None):
+            super().reset(initial_state)
+            self.calls = 0
+
+        def next(self):
+            self.calls += 1
+            if self.calls == 2:
+                raise OSError("the source broke")
+            return self.calls
+
+        def get_state(self):
+            return {}
+
+    node = Prefetcher(Broken(), 2)
+    assert next(node) == 1
+    with pytest.raises(OSError, match="the source broke"):
+        next(node)
     with pytest.raises(StopIteration):
         next(node)
     assert threads_end() == []

@@ -623,7 +623,7 @@ def test_a_remote_loader_with_thread_workers_reads_what_a_local_one_does(
     ):
         loader = StatefulDataLoader.from_storage(
             storage, sequence_length=64, batch_size=8, shuffle=True, shuffle_seed=3,
-            num_workers=8, device="cpu",
+            num_workers=8, device="cpu", drop_last=True,
         )  # fmt: skip
         with loader:
             batches.append([batch["tokens"].tolist() for batch in loader])

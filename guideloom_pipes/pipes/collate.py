@@ -13,6 +13,8 @@ from torch.utils.data._utils.collate import collate_tensor_fn as _torch_collate_
 from torch.utils.data._utils.collate import default_collate_fn_map
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.pipes._errors import mark_batch_failure
+
 __all__ = ["Collate", "default_collate", "pad_collate"]
 
 
@@ -180,7 +182,8 @@ class Collate(BaseNode[Any]):
 
     ``collate_fn`` receives every batch, an empty one (``[]``) included: GuideLoom hands a
     rank's empty final batch to the collator too. To collate inside read workers instead,
-    pass ``collate_fn`` to :class:`~guideloom_pipes.pipes.ReadSamples`.
+    pass ``collate_fn`` to :class:`~guideloom_pipes.pipes.ReadSamples`. An exception of
+    ``collate_fn`` fails its batch alone: the next ``next()`` collates the next batch.
 
     Args:
         source: Emits lists of samples (e.g. :class:`~guideloom_pipes.pipes.ReadSamples`).
@@ -204,7 +207,12 @@ class Collate(BaseNode[Any]):
             self.source.reset()
 
     def next(self) -> Any:
-        return self.collate_fn(next(self.source))
+        samples = next(self.source)
+        try:
+            return self.collate_fn(samples)
+        except Exception as error:
+            mark_batch_failure(error)  # this batch alone: the next one follows
+            raise
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict()}

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.pipes._errors import is_batch_failure
 from guideloom_pipes.pipes._pool import WAKE_SECONDS
 
 __all__ = ["PinMemory", "Prefetcher", "ToDevice", "apply_to_tensors"]
@@ -124,7 +125,7 @@ class ToDevice(BaseNode[Any]):
         return {self.SOURCE_KEY: self.source.state_dict()}
 
 
-_ITEM, _END, _ERROR = 0, 1, 2
+_ITEM, _END, _ERROR, _FAILED = 0, 1, 2, 3
 
 
 class _Puller:
@@ -155,6 +156,12 @@ class _Puller:
                 except StopIteration:
                     out.put((_END, None, source.state_dict()))
                     return
+                except Exception as error:
+                    if not is_batch_failure(error):
+                        raise
+                    # One batch failed: hand its error over in its place and go on.
+                    out.put((_FAILED, error, source.state_dict()))
+                    continue
                 finally:
                     with lock:
                         self.busy = False
@@ -179,7 +186,9 @@ class Prefetcher(BaseNode[Any]):
     :meth:`close` stops it at once, without waiting for a batch being pulled; the next
     ``reset()`` stops and joins it before resetting the source. The state is that
     of ``source`` as of the last batch delivered, so prefetched batches never count.
-    Exceptions from ``source`` are re-raised in the caller with their type and traceback.
+    Exceptions from ``source`` are re-raised in the caller with their type and traceback;
+    after one that failed a batch alone (a read or ``collate_fn`` error) the next batch
+    follows, after any other the stage is done.
 
     Args:
         source: The stage to read ahead of.
@@ -221,9 +230,11 @@ class Prefetcher(BaseNode[Any]):
                 break
             except queue.Empty:
                 continue
-        if kind == _ITEM:
+        if kind in (_ITEM, _FAILED):
             puller.slots.release()
             self._snapshot = snapshot
+            if kind == _FAILED:
+                raise value
             return value
         self._done = True
         self._halt(wait=True)  # it has ended

@@ -68,9 +68,13 @@ class RankPositions(BaseNode[Positions]):
 
     The stage owns the epoch and the offset; its state is ``{"epoch", "observation_offset",
     "num_samples"}``, the offset counting every global batch emitted (padding included).
-    When the epoch runs out the state moves to ``(epoch + 1, 0)``. ``reset()`` without a state
-    after a partly consumed epoch restarts that epoch at offset 0 (GuideLoom's rule for an
-    iterator closed early); a fresh node starts at the epoch and offset it was built with.
+    As with torchdata's nodes, a state saved after the epoch ran out means "exhausted": the
+    offset is the epoch's end, and a node reset to it yields nothing more (a
+    ``torchdata.nodes.Loader`` then starts the next epoch, with its default
+    ``restart_on_stop_iteration=True``). ``reset()`` without a state moves to the start of
+    the next epoch once the current one ran out (``next()`` raised ``StopIteration``);
+    after a partly consumed epoch it restarts that epoch at offset 0 (GuideLoom's rule for
+    an iterator closed early); otherwise it starts where the node was built or last reset to.
 
     Args:
         num_samples: The dataset size ``n``.
@@ -122,7 +126,7 @@ class RankPositions(BaseNode[Positions]):
         self._start = offset
         self._step = 0
         self._steps = num_steps(self.num_samples, offset, self.global_batch_size, self.drop_last)
-        self._exhausted = False
+        self._exhausted = False  # next() found the epoch's end
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -139,6 +143,8 @@ class RankPositions(BaseNode[Positions]):
                     stacklevel=2,
                 )
             self._begin(epoch, offset)
+        elif self._exhausted:
+            self._begin(self._epoch + 1, 0)
         elif self._started:
             self._begin(self._epoch, 0)
         else:
@@ -147,12 +153,10 @@ class RankPositions(BaseNode[Positions]):
 
     def next(self) -> Positions:
         step = self._step
-        if step >= self._steps or self._exhausted:
-            if not self._exhausted:
-                # The epoch is over: the state moves on to the start of the next one.
-                self._begin(self._epoch + 1, 0)
-                self._exhausted = True
-                self._started = False
+        if step >= self._steps:
+            # The epoch is over; the state stays at its end ("exhausted"), and a reset()
+            # without a state starts the next one.
+            self._exhausted = True
             raise StopIteration()
         self._step = step + 1
         self._started = True

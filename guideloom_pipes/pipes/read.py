@@ -17,6 +17,7 @@ import torch.utils.data._utils.worker as _torch_worker
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.datasets import batch_read_fn, open_reader
+from guideloom_pipes.pipes._errors import mark_batch_failure
 from guideloom_pipes.pipes._pool import (
     DataLoaderTimeoutError,
     _ProcessPool,
@@ -150,7 +151,9 @@ class ReadSamples(BaseNode[Any]):
     ``reset()`` and stop on :meth:`close` or the next ``reset()``. An exception raised by a
     read or ``collate_fn`` reaches the caller with its type, when the batch that raised it
     is due (and, for threads, its traceback; processes attach the remote traceback as the
-    cause); a worker process that dies raises ``BrokenProcessPool``.
+    cause); a worker process that dies raises ``BrokenProcessPool``. Such an error fails its
+    batch alone: the batch counts as delivered, and the next ``next()`` delivers the batch
+    after it (as torch's ``DataLoader`` does).
 
     A job is a *chunk* of consecutive batches, sized to about ``chunk_seconds`` of a
     worker's time (measured as it goes): slow batches (storage latency, heavy decoding) go
@@ -416,12 +419,17 @@ class ReadSamples(BaseNode[Any]):
 
         The workers read ahead, and what a source does on a reset without a state can
         depend on how far it was read (``RankPositions`` restarts an epoch it was partly
-        read through, and moves on from one it finished). So first put it where the last
+        read through, and moves on from one it ran out of). So first put it where the last
         delivered batch left it, by the state from before that batch and one ``next()``.
         """
         source = self.source
-        if self._drained or self._previous is None:
-            source.reset(self._snapshot)  # nothing delivered, or the end delivered
+        if self._drained:
+            # The end was delivered: the source itself ran out (a node following torchdata's
+            # contract then starts its next epoch), nothing was read past what was delivered.
+            source.reset()
+            return
+        if self._previous is None:
+            source.reset(self._snapshot)  # nothing delivered
         else:
             source.reset(self._previous)
             next(source)
@@ -432,11 +440,15 @@ class ReadSamples(BaseNode[Any]):
             task = self._task
             assert task is not None
             ids = _to_ids(next(self.source))
-            seeds = self.batch_seeds
-            if seeds is None:
-                return task(ids)
-            self._taken += 1
-            return task(ids, seeds(self._taken - 1))
+            try:
+                seeds = self.batch_seeds
+                if seeds is None:
+                    return task(ids)
+                self._taken += 1
+                return task(ids, seeds(self._taken - 1))
+            except Exception as failed:
+                mark_batch_failure(failed)  # the source has moved past it: the next batch follows
+                raise
         self._fill()
         if not self._pending:
             if self._source_error is not None:
@@ -475,13 +487,15 @@ class ReadSamples(BaseNode[Any]):
         if last:
             self._jobs -= 1
             self._job, self._outcomes = None, []
+        # A failed batch counts as delivered too: the next call delivers the batch after it.
+        self._previous, self._snapshot = self._snapshot, snapshot
+        self._delivered += 1
         if type(result) is _Failed:
             error = result.error
             if result.remote is not None:
                 error.__cause__ = _RemoteTraceback(result.remote)
+            mark_batch_failure(error)
             raise error
-        self._previous, self._snapshot = self._snapshot, snapshot
-        self._delivered += 1
         return result
 
     def _timeout_message(self, together: int) -> str:
