@@ -63,6 +63,13 @@ def batch_read_fn(reader: Any) -> Callable[[np.ndarray], list[Any]]:
     return lambda ids: [getitem(i) for i in ids.tolist()]
 
 
+def reader_fingerprint(reader: Any) -> dict[str, Any] | None:
+    """``reader.fingerprint()`` of an open reader that has one (ours), else ``None``: what a
+    loader's checkpoint records so that it is not resumed on another version of the data."""
+    fingerprint = getattr(reader, "fingerprint", None)
+    return fingerprint() if callable(fingerprint) else None
+
+
 def _check_sequence_length(sequence_length: Any) -> int:
     if isinstance(sequence_length, bool) or not isinstance(sequence_length, (int, np.integer)):
         raise TypeError(
@@ -123,6 +130,12 @@ class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
     def storage_reader(self) -> Any:
         """The underlying storage reader."""
         return self._storage_reader
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        """What identifies the version of the data this reader reads (see
+        ``ReaderBase.fingerprint``), or ``None`` if its source cannot tell."""
+        self._check_open()
+        return reader_fingerprint(self._storage_reader)
 
     def _resolve(self, index: int | slice) -> int | np.ndarray:
         """Sample ``index`` checked (an ``int``), or a slice's sample ids (an int64 array)."""

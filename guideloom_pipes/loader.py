@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.datasets import open_reader
+from guideloom_pipes.datasets import open_reader, reader_fingerprint
 from guideloom_pipes.loader_args import (
     _UNSET,
     DROP_LAST_DEFAULT,
@@ -59,6 +59,9 @@ _NUM_SAMPLES_KEY = "num_samples"
 #: Extra key of ours: the global batch size of the run that reached the offset. Padding
 #: takes an offset past the dataset's end by less than that, so it bounds a valid offset.
 _GLOBAL_BATCH_KEY = "global_batch_size"
+#: Extra key of ours: what identifies the dataset's version (shards, sizes, record
+#: checksums; see ``ReaderBase.fingerprint``), so a state is not resumed on another one.
+_FINGERPRINT_KEY = "dataset_fingerprint"
 #: Extra key of ours: the base seed (workers' and batches' seeds; the unseeded shuffle's).
 _BASE_SEED_KEY = "base_seed"
 #: Collates of ours: they draw no random numbers, so batches read by our datasets' readers
@@ -257,6 +260,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
 
         self._epoch = 0
         self._offset = 0
+        #: the dataset's fingerprint when the loader last opened it (None: not yet, or the
+        #: dataset cannot tell)
+        self._fingerprint: dict[str, Any] | None = None
         self._reader: Any = None
         self._owns_reader = False
         self._is_open = False
@@ -377,6 +383,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             raise ValueError(message)
         self._reader, self._owns_reader = reader, owns_reader
         self._is_open = True
+        self._fingerprint = reader_fingerprint(reader)
 
     def _too_few_samples(self, reader: Any, n: int) -> str:
         """Why a dataset of ``n`` samples cannot fill a global batch, and the fix."""
@@ -719,7 +726,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                     UserWarning,
                     stacklevel=2,
                 )
-        return {
+        state: dict[str, Any] = {
             "epoch": epoch,
             "observation_offset": offset,
             "shuffle": self.shuffle,
@@ -729,6 +736,23 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             _GLOBAL_BATCH_KEY: offset_batch,
             _BASE_SEED_KEY: self.base_seed,
         }
+        fingerprint = self._dataset_fingerprint()
+        if fingerprint is not None:
+            state[_FINGERPRINT_KEY] = fingerprint
+        return state
+
+    def _dataset_fingerprint(self) -> dict[str, Any] | None:
+        """The dataset's fingerprint: from the open reader, or the last one this loader
+        opened; before the first open, from a reader opened for the purpose."""
+        if self._is_open or self._fingerprint is not None:
+            return self._fingerprint
+        reader, owns = open_reader(self.dataset)
+        try:
+            self._fingerprint = reader_fingerprint(reader)
+        finally:
+            if owns:
+                reader.close()
+        return self._fingerprint
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from ``state_dict`` (ours or GuideLoom's) at the next ``iter()``.
@@ -799,6 +823,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         saved_batch = state_dict.get(_GLOBAL_BATCH_KEY)
         if saved_batch is not None:
             saved_batch = _int_arg(f"state_dict[{_GLOBAL_BATCH_KEY!r}]", saved_batch, 1)
+        saved_fingerprint = state_dict.get(_FINGERPRINT_KEY)
+        if saved_fingerprint is not None:
+            self._check_fingerprint(saved_fingerprint)
         saved_n = state_dict.get(_NUM_SAMPLES_KEY)
         n = self._num_samples()
         if saved_n is not None and saved_n != n:
@@ -829,6 +856,51 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             # seed start again, so get_worker_info().seed agrees).
             self.base_seed = saved_base_seed
             self._stop_process_pool()
+
+
+    def _check_fingerprint(self, saved: Any) -> None:
+        """Refuse a state taken on another version of the dataset, naming what changed."""
+        now = self._dataset_fingerprint()
+        if now is None or saved == now:
+            return
+        if not isinstance(saved, Mapping):
+            raise TypeError(
+                f"state_dict[{_FINGERPRINT_KEY!r}] must be a dict (from state_dict()), got "
+                f"{saved!r}"
+            )
+        changed = _fingerprint_changes(saved, now)
+        raise ValueError(
+            f"this state was taken on another version of the dataset: {changed}. Its "
+            f"offset and order would refer to other samples. Resume on the dataset the state "
+            f"was taken on; to continue on this one anyway, drop the key first "
+            f"(state.pop({_FINGERPRINT_KEY!r}))"
+        )
+
+
+def _fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
+    """What differs between two dataset fingerprints, in words."""
+    if "components" in saved or "components" in now:
+        before, after = saved.get("components") or {}, now.get("components") or {}
+        parts = []
+        for name in sorted(set(before) | set(after)):
+            if name not in before:
+                parts.append(f"component {name!r} is new")
+            elif name not in after:
+                parts.append(f"component {name!r} is gone")
+            elif before[name] != after[name]:
+                change = _fingerprint_changes(before[name], after[name])
+                parts.append(f"component {name!r}: {change}")
+        return "; ".join(parts) or "its components differ"
+    if saved.get("shards") != now.get("shards"):
+        return f"it had {saved.get('shards')} shard(s), it has {now.get('shards')} now"
+    if saved.get("sizes") != now.get("sizes"):
+        return "it has as many shards, but shard files changed size"
+    if saved.get("checksums") != now.get("checksums"):
+        return (
+            "it has the same shards and sizes, but their contents changed (the commit "
+            "records' checksums differ)"
+        )
+    return f"fingerprint {dict(saved)} is now {dict(now)}"
 
 
 class EpochSampler(torch.utils.data.Sampler[int]):

@@ -44,6 +44,7 @@ from guideloom_pipes.datasets import (
     _DatasetReaderBase,
     batch_read_fn,
     open_reader,
+    reader_fingerprint,
 )
 from guideloom_pipes.shuffle import FeistelPermutation
 
@@ -648,6 +649,14 @@ class MixtureReader(_DatasetReaderBase):
         self._readers = opened
         self._reads = [batch_read_fn(reader) for reader, _ in opened]
         self._length = dataset.num_samples
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        """Each component's fingerprint by name (``None`` if one cannot tell)."""
+        self._check_open()
+        parts = [reader_fingerprint(reader) for reader, _ in self._readers]
+        if any(part is None for part in parts):
+            return None
+        return {"components": dict(zip(self.dataset.names, parts))}
 
     def close(self) -> None:
         """Close the component readers this reader opened."""

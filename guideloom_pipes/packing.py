@@ -44,6 +44,7 @@ from guideloom_pipes.datasets import (
     _DatasetReaderBase,
     batch_read_fn,
     open_reader,
+    reader_fingerprint,
 )
 from guideloom_pipes.shuffle import FeistelPermutation
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
@@ -423,6 +424,11 @@ class PackedReader(_DatasetReaderBase):
         self._sums: _I64 | None = None  # prefix sums in the packing order (documents)
         self._permutation: FeistelPermutation | None = None
         self._lock = threading.Lock()
+
+    def fingerprint(self) -> dict[str, Any] | None:
+        """The source's fingerprint (``None`` if it cannot tell)."""
+        self._check_open()
+        return reader_fingerprint(self._source)
 
     def open(self) -> None:
         """Open the source; for documents, load (or build) the prefix sums."""

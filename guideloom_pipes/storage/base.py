@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 from pathlib import PurePath
 from typing import Any
@@ -178,6 +179,7 @@ class ReaderBase:
         self._open = False
         self.listing: ShardListing | None = None
         self._files: dict[str, ShardFiles] = {}
+        self._sizes: list[dict[str, int]] = []
 
     @property
     def is_open(self) -> bool:
@@ -209,7 +211,34 @@ class ReaderBase:
             for suffix in storage.suffixes
         }
         self._setup(listing, sizes)
+        self._sizes = sizes
         self._open = True
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies this version of the dataset, compactly: the number of shards, a
+        digest of every shard file's size, and a digest of the commit records' checksums
+        (``None`` for a dataset without records). Two opens of an unchanged dataset give
+        the same; appending, removing or rewriting a shard changes it. A loader's
+        checkpoint carries it, so that a state is not resumed on another dataset."""
+        self._check_open()
+        assert self.listing is not None
+        sizes = hashlib.blake2b(digest_size=8)
+        for shard_sizes in self._sizes:
+            sizes.update(repr(sorted(shard_sizes.items())).encode())
+        records = self.listing.records
+        checksums: str | None = None
+        if records:
+            digest = hashlib.blake2b(digest_size=8)
+            for shard in range(self.listing.num_shards):
+                record = records.get(shard)
+                files = {} if record is None else record.files
+                digest.update(repr(sorted((k, f.crc32) for k, f in files.items())).encode())
+            checksums = digest.hexdigest()
+        return {
+            "shards": self.listing.num_shards,
+            "sizes": sizes.hexdigest(),
+            "checksums": checksums,
+        }
 
     def _record_dtype(self) -> np.dtype[Any] | None:
         return None
