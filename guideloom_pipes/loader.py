@@ -857,7 +857,6 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             self.base_seed = saved_base_seed
             self._stop_process_pool()
 
-
     def _check_fingerprint(self, saved: Any) -> None:
         """Refuse a state taken on another version of the dataset, naming what changed."""
         now = self._dataset_fingerprint()

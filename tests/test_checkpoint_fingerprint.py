@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from guideloom_pipes import (  # noqa: E402
+from guideloom_pipes import (
     MixtureDataset,
     StatefulDataLoader,
     StreamDataset,
@@ -153,5 +153,5 @@ def test_a_mixture_names_the_component_that_changed(tmp_path: Path) -> None:
     assert set(state["dataset_fingerprint"]["components"]) == {"web", "code"}
     with code.sync_writer() as writer:
         writer.append(0, {"tokens": np.arange(900, 940, dtype="<i4")})
-    with pytest.raises(ValueError, match="component 'code': .*contents changed"):
+    with pytest.raises(ValueError, match=r"component 'code': .*contents changed"):
         StatefulDataLoader(mixture(), batch_size=2, device="cpu").load_state_dict(state)
