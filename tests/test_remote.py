@@ -623,7 +623,7 @@ def test_a_remote_loader_with_thread_workers_reads_what_a_local_one_does(
     ):
         loader = StatefulDataLoader.from_storage(
             storage, sequence_length=64, batch_size=8, shuffle=True, shuffle_seed=3,
-            num_workers=8, device="cpu", drop_last=True,
+            num_workers=8, prefetch=1, device="cpu", drop_last=True,
         )  # fmt: skip
         with loader:
             batches.append([batch["tokens"].tolist() for batch in loader])
@@ -637,8 +637,8 @@ def test_a_remote_storage_reads_in_process_workers(http: HttpServer) -> None:
     tokens = _write_tokens(http.root / "processes", shards=2, per_shard=640)
     storage = StreamStorage(f"{http.url}/processes", TOKENS, retry=FAST)
     loader = StatefulDataLoader.from_storage(
-        storage, sequence_length=64, batch_size=4, num_workers=2, parallel_method="process",
-        device="cpu",
+        storage, sequence_length=64, batch_size=4, num_workers=2, prefetch=1,
+        parallel_method="process", device="cpu",
     )  # fmt: skip
     with loader:
         got = np.concatenate([batch["tokens"].numpy().ravel() for batch in loader])
