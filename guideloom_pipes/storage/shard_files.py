@@ -121,7 +121,13 @@ class ShardFiles:
         if self._listing is not None:
             identity = self._listing.identities.get((shard, self.suffix))
         if identity is None:
-            reader = self.backend.reader(self.path(shard))
+            # a backend that pins what the open found (FsspecIO: the ETag, the record's
+            # checksum for its cache) is given it
+            pinned = getattr(self.backend.backend, "shard_reader", None)
+            if callable(pinned) and self._listing is not None:
+                reader = pinned(self.path(shard), self._listing.expected(shard, self.suffix))
+            else:
+                reader = self.backend.reader(self.path(shard))
             reader.open()
             return reader
         assert self._listing is not None
