@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -162,6 +163,25 @@ def _read_in_process(url: str, cache_dir: str, barrier: Any, results: Any) -> No
     with StreamDataset(storage, WINDOW).sync_reader() as reader:  # the open: before the wait
         barrier.wait(60)  # every process asks for the same shards now
         results.put(np.concatenate([reader[i]["tokens"] for i in range(len(reader))]).tolist())
+
+
+def test_downloads_of_different_shards_run_in_parallel(http: HttpServer, tmp_path: Path) -> None:
+    tokens = _write_tokens(http.root / "parallel", shards=2)
+    names = ("/0000000.in_band.bin ", "/0000001.in_band.bin ")
+
+    def download(line: str) -> bool:
+        return line.startswith("GET") and any(name in line for name in names)
+
+    with fault_proxy(http.port, lambda n: "pass", together=download, parties=2) as proxy:
+        storage = StreamStorage(f"{proxy.url}/parallel", TOKENS, cache_dir=tmp_path / "cache")
+        with (
+            StreamDataset(storage, WINDOW).sync_reader() as reader,
+            ThreadPoolExecutor(2) as pool,
+        ):
+            got = list(pool.map(lambda i: reader[i]["tokens"].tolist(), [0, 10]))
+    assert got == [tokens[:100].tolist(), tokens[1000:1100].tolist()]
+    # one download waiting for the other would meet nobody at the proxy's barrier: "alone"
+    assert proxy.count("together") == 2 and proxy.count("alone") == 0
 
 
 def test_the_cache_keeps_its_bound_evicting_the_least_recently_used(
