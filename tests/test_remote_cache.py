@@ -30,7 +30,15 @@ from remote_servers import (
     nginx_server,
 )
 
-from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
+from guideloom_pipes import (
+    DocumentDataset,
+    DocumentPickleFormat,
+    DocumentStorage,
+    StreamDataset,
+    StreamNumpyFormat,
+    StreamStorage,
+    open_storage,
+)
 from guideloom_pipes.storage import CorruptShardError, DatasetChangedError
 from guideloom_pipes.storage.cache import ShardCache
 from guideloom_pipes.storage.remote import RemoteReadError, RetryPolicy
@@ -265,7 +273,15 @@ def test_a_download_killed_midway_is_never_read_and_is_cleaned_up(
     with fault_proxy(http.port, schedule) as proxy:
         code = f"""
 import numpy as np, sys
-from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
+from guideloom_pipes import (
+    DocumentDataset,
+    DocumentPickleFormat,
+    DocumentStorage,
+    StreamDataset,
+    StreamNumpyFormat,
+    StreamStorage,
+    open_storage,
+)
 fmt = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 storage = StreamStorage({proxy.url + "/killed"!r}, fmt, cache_dir={str(cache_dir)!r})
 with StreamDataset(storage, 100).sync_reader() as reader:
@@ -394,6 +410,70 @@ def test_a_shard_replaced_before_its_download_is_refused_and_not_cached(
         with pytest.raises(DatasetChangedError, match=r"0000001\.in_band\.bin"):
             reader[10]
     assert _entries(tmp_path / "cache") == []
+
+
+# --- open_storage with a URL ----------------------------------------------------------------
+
+
+def test_open_storage_opens_an_http_dataset_from_its_records(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "opened", shards=3)
+    storage = open_storage(f"{http.url}/opened", retry=FAST, cache_dir=tmp_path / "cache")
+    assert type(storage) is StreamStorage and storage.format.stream_dtype == TOKENS.stream_dtype
+    assert storage.backend.retry == FAST
+    assert _read_all(storage) == tokens.tolist()
+    assert len(_entries(tmp_path / "cache")) == 3
+
+
+def test_open_storage_opens_an_s3_dataset_with_its_options(s3: S3Server, tmp_path: Path) -> None:
+    with DocumentStorage(tmp_path / "docs", DocumentPickleFormat()).sync_writer() as writer:
+        for shard in range(2):
+            for i in range(5):
+                writer.append(shard, {"id": shard * 5 + i})
+    s3.filesystem().put(f"{tmp_path / 'docs'}/", f"{BUCKET}/docs/", recursive=True)
+    storage = open_storage(f"s3://{BUCKET}/docs", storage_options=s3.options())
+    assert type(storage) is DocumentStorage and isinstance(storage.format, DocumentPickleFormat)
+    with DocumentDataset(storage).sync_reader() as reader:
+        assert [reader[i]["id"] for i in range(len(reader))] == list(range(10))
+
+
+def test_open_storage_of_a_url_with_no_dataset_is_not_found(http: HttpServer, s3: S3Server) -> None:
+    with pytest.raises(FileNotFoundError, match="is not a dataset"):
+        open_storage(f"{http.url}/nothing-here", retry=FAST)
+    with pytest.raises(FileNotFoundError, match="is not a dataset"):
+        open_storage(f"s3://{BUCKET}/nothing-here", storage_options=s3.options())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    return subprocess.run(
+        [sys.executable, "-m", "guideloom_pipes", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_cli_verifies_and_shows_a_dataset_at_a_url(http: HttpServer) -> None:
+    tokens = _write_tokens(http.root / "cli", shards=3)
+    url = f"{http.url}/cli"
+    head = _cli("head", url, "-n", "2")
+    assert head.returncode == 0, head.stderr
+    assert head.stdout.splitlines()[1].split("\t")[1] == "tokens=" + str(
+        tokens[16:32].tolist()
+    ).replace(" ", "")
+    assert _cli("verify", url).returncode == 0
+    data = http.root / "cli" / "0000002.in_band.bin"
+    damaged = bytearray(data.read_bytes())
+    damaged[8] ^= 1
+    _replace(data, bytes(damaged))
+    verify = _cli("verify", url)
+    assert verify.returncode == 1 and "0000002.in_band.bin fails its checksum" in verify.stdout
+    info = _cli("info", url)
+    assert info.returncode == 2 and "run verify or head on it" in info.stderr
 
 
 # --- arguments ------------------------------------------------------------------------------
