@@ -143,6 +143,6 @@ def _by_scenario(rows: list[Row], extra: dict[str, Any]) -> dict[str, Any]:
         if row.baseline:
             entry["baseline"] = row.contender
         entry["rows"].append(asdict(row))
-    for name, figures in extra.items():
-        out[name] = figures
+    for name, figures in extra.items():  # beside the scenario's rows, where it has some
+        out.setdefault(name, {}).update(figures)
     return out
