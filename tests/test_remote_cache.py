@@ -44,7 +44,9 @@ from guideloom_pipes.storage.cache import ShardCache
 from guideloom_pipes.storage.remote import RemoteReadError, RetryPolicy
 
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
-FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01)
+#: retries fast enough for tests; a request that hangs is abandoned after 10 s and tried
+#: again (here a request on a kept-alive connection to nginx has, rarely, never been answered)
+FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
 BUCKET = "cached"
 WINDOW = 100
 
@@ -110,7 +112,9 @@ def test_a_cached_shard_is_downloaded_once_and_read_again_without_data_requests(
 ) -> None:
     tokens = _write_tokens(http.root / "once", shards=3)
     with fault_proxy(http.port, lambda n: "pass") as proxy:
-        storage = StreamStorage(f"{proxy.url}/once", TOKENS, cache_dir=tmp_path / "cache")
+        storage = StreamStorage(
+            f"{proxy.url}/once", TOKENS, cache_dir=tmp_path / "cache", retry=FAST
+        )
         assert _read_all(storage) == tokens.tolist()
         first = len(_data_gets(proxy, 3))
         assert _read_all(storage) == tokens.tolist()  # a new reader: the open only
@@ -125,14 +129,14 @@ def test_range_mode_makes_a_request_per_window_where_the_cache_makes_one_per_sha
 ) -> None:
     tokens = _write_tokens(http.root / "ranged", shards=2)
     with fault_proxy(http.port, lambda n: "pass") as proxy:
-        storage = StreamStorage(f"{proxy.url}/ranged", TOKENS)
+        storage = StreamStorage(f"{proxy.url}/ranged", TOKENS, retry=FAST)
         assert _read_all(storage) == tokens.tolist()
     assert len(_data_gets(proxy, 2)) == 2000 // WINDOW
 
 
 def test_a_cached_copy_is_read_memory_mapped(http: HttpServer, tmp_path: Path) -> None:
     tokens = _write_tokens(http.root / "mapped", shards=1)
-    storage = StreamStorage(f"{http.url}/mapped", TOKENS, cache_dir=tmp_path / "cache")
+    storage = StreamStorage(f"{http.url}/mapped", TOKENS, cache_dir=tmp_path / "cache", retry=FAST)
     with storage.sync_reader() as reader:
         reader.read(0, 10)
         array = reader._files[".in_band.bin"].array(0, np.dtype("<i4"))
@@ -181,7 +185,9 @@ def test_downloads_of_different_shards_run_in_parallel(http: HttpServer, tmp_pat
         return line.startswith("GET") and any(name in line for name in names)
 
     with fault_proxy(http.port, lambda n: "pass", together=download, parties=2) as proxy:
-        storage = StreamStorage(f"{proxy.url}/parallel", TOKENS, cache_dir=tmp_path / "cache")
+        storage = StreamStorage(
+            f"{proxy.url}/parallel", TOKENS, cache_dir=tmp_path / "cache", retry=FAST
+        )
         with (
             StreamDataset(storage, WINDOW).sync_reader() as reader,
             ThreadPoolExecutor(2) as pool,
@@ -199,7 +205,11 @@ def test_the_cache_keeps_its_bound_evicting_the_least_recently_used(
     file_size = 4000
     cache_dir = tmp_path / "cache"
     storage = StreamStorage(
-        f"{http.url}/bounded", TOKENS, cache_dir=cache_dir, cache_limit_bytes=2 * file_size + 100
+        f"{http.url}/bounded",
+        TOKENS,
+        cache_dir=cache_dir,
+        cache_limit_bytes=2 * file_size + 100,
+        retry=FAST,
     )
     cache = ShardCache(cache_dir, 2 * file_size + 100)
     with StreamDataset(storage, WINDOW).sync_reader() as reader:
@@ -223,7 +233,7 @@ def test_a_download_whose_checksum_differs_from_the_record_is_refused_and_not_ca
     damaged = bytearray(data.read_bytes())
     damaged[100] ^= 0xFF  # same size: the open's checks pass, the checksum does not
     _replace(data, bytes(damaged))
-    storage = StreamStorage(f"{http.url}/corrupt", TOKENS, cache_dir=tmp_path / "cache")
+    storage = StreamStorage(f"{http.url}/corrupt", TOKENS, cache_dir=tmp_path / "cache", retry=FAST)
     with StreamDataset(storage, WINDOW).sync_reader() as reader:
         reader[0]
         with pytest.raises(CorruptShardError, match=r"0000001\.in_band\.bin.*crc32"):
@@ -311,7 +321,7 @@ with StreamDataset(storage, 100).sync_reader() as reader:
             child.kill()
             child.wait(60)
     assert _entries(cache_dir) == []  # the partial download has no entry's name
-    storage = StreamStorage(f"{http.url}/killed", TOKENS, cache_dir=cache_dir)
+    storage = StreamStorage(f"{http.url}/killed", TOKENS, cache_dir=cache_dir, retry=FAST)
     assert _read_all(storage) == tokens.tolist()
     assert os.listdir(cache_dir / "partial") == []  # what the killed one left is gone
 
@@ -320,7 +330,9 @@ def test_a_replaced_shard_gets_a_new_cache_entry_never_the_stale_one(
     http: HttpServer, tmp_path: Path
 ) -> None:
     _write_tokens(http.root / "replaced", shards=2)
-    storage = StreamStorage(f"{http.url}/replaced", TOKENS, cache_dir=tmp_path / "cache")
+    storage = StreamStorage(
+        f"{http.url}/replaced", TOKENS, cache_dir=tmp_path / "cache", retry=FAST
+    )
     _read_all(storage)
     newer = tmp_path / "newer"
     tokens = _write_tokens(newer, shards=2, start=50_000)
@@ -343,6 +355,7 @@ def test_an_s3_shard_is_cached_once(s3: S3Server, tmp_path: Path) -> None:
             TOKENS,
             storage_options=s3.options(proxy.url),
             cache_dir=tmp_path / "cache",
+            retry=FAST,
         )
         assert _read_all(storage) == tokens.tolist()
         assert _read_all(storage) == tokens.tolist()
