@@ -198,6 +198,30 @@ def test_downloads_of_different_shards_run_in_parallel(http: HttpServer, tmp_pat
     assert proxy.count("together") == 2 and proxy.count("alone") == 0
 
 
+def test_a_loader_with_process_workers_shares_the_cache_and_reads_what_a_local_one_does(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    from guideloom_pipes import StatefulDataLoader
+
+    _write_tokens(http.root / "loader", shards=4, per_shard=2500)
+    batches = []
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        for storage in (
+            StreamStorage(http.root / "loader", TOKENS),
+            StreamStorage(f"{proxy.url}/loader", TOKENS, cache_dir=tmp_path / "c", retry=FAST),
+        ):
+            loader = StatefulDataLoader.from_storage(
+                storage, sequence_length=64, batch_size=8, shuffle=True, shuffle_seed=3,
+                num_workers=2, parallel_method="process", prefetch=2, device="cpu",
+            )  # fmt: skip
+            with loader:
+                for _ in range(2):  # two epochs
+                    batches.append([batch["tokens"].tolist() for batch in loader])
+    assert batches[2:] == batches[:2] and len(batches[0]) == 10_000 // 64 // 8
+    assert len(_data_gets(proxy, 4)) == 4  # each shard once, for both workers and epochs
+
+
 def test_the_cache_keeps_its_bound_evicting_the_least_recently_used(
     http: HttpServer, tmp_path: Path
 ) -> None:
