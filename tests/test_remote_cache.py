@@ -434,6 +434,22 @@ def test_an_s3_object_replaced_under_an_open_reader_is_refused(
         assert reader[1]["tokens"].tolist() == list(range(100, 200))  # shard 0 unchanged
 
 
+def test_a_weak_etag_is_checked_when_a_reader_opens_not_sent_as_if_match(http: HttpServer) -> None:
+    from guideloom_pipes.storage.records import ExpectedFile
+
+    tokens = _write_tokens(http.root / "weak", shards=1)
+    storage = StreamStorage(f"{http.url}/weak", TOKENS, retry=FAST)
+    url = storage.dir / "0000000.in_band.bin"
+    strong = storage.backend.sync_reader(url)
+    strong.open()
+    weak = f"W/{strong.etag}"  # as a server that compresses on the fly would tag it
+    with pytest.raises(DatasetChangedError, match="changed after this reader opened"):
+        storage.backend.shard_reader(url, ExpectedFile(4000, None, weak)).open()
+    same = storage.backend.shard_reader(url, ExpectedFile(4000, None, strong.etag))
+    same.open()
+    assert np.frombuffer(same.read(40, 8), "<i4").tolist() == tokens[10:12].tolist()
+
+
 def test_a_shard_replaced_before_its_download_is_refused_and_not_cached(
     http: HttpServer, tmp_path: Path
 ) -> None:

@@ -482,6 +482,12 @@ def _protocols(fs: Any) -> tuple[str, ...]:
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
 
+def _strong(etag: str | None) -> bool:
+    """Whether ``etag`` is a strong ETag: ``If-Match`` compares strongly, so a weak one
+    (``W/"..."``, a server that compresses on the fly) would never match."""
+    return etag is not None and not etag.startswith("W/")
+
+
 async def _s3_get(fs: Any, url: str, start: int, end: int, etag: str) -> bytes:
     """Bytes ``start..end`` of an S3 object, only if its ETag is still ``etag``."""
     bucket, key, version = fs.split_path(url)
@@ -519,24 +525,24 @@ class _RemoteReader(IOSyncReaderAbstract):
         expected = self.expected
         if expected is not None and expected.size is not None and expected.etag is not None:
             self._size, self.etag = expected.size, expected.etag  # found by the open
-            self._pin = expected.etag
-            if not self._checks_each_read():
-                self._check_unchanged()
+            if _strong(expected.etag) and self._checks_each_read():
+                self._pin = expected.etag  # every read is conditional
+                return
+            # no conditional reads (a weak ETag, another protocol): checked once, now
+            now = self._info()[1]
+            if now != expected.etag:
+                raise _changed(self.url, expected.etag, now)
             return
         self._size, self.etag = self._info()
         if expected is not None and expected.etag is not None and self.etag != expected.etag:
             raise _changed(self.url, expected.etag, self.etag)
-        if expected is not None:
+        if expected is not None and _strong(self.etag) and self._checks_each_read():
             self._pin = self.etag
 
     def _checks_each_read(self) -> bool:
+        """Whether this protocol's reads can be made conditional on an ETag (If-Match)."""
         fs = self.backend.fs
         return hasattr(fs, "_call_s3") or any(p in ("http", "https") for p in _protocols(fs))
-
-    def _check_unchanged(self) -> None:
-        _, now = self._info()
-        if self._pin is not None and now != self._pin:
-            raise _changed(self.url, self._pin, now)
 
     def _info(self) -> tuple[int, str | None]:
         info = dict(self.backend.request("finding the size of", self.url, "info", self.url))
