@@ -259,8 +259,11 @@ def open_storage(
         fmt: the storage format; given, it is used as is (the reader still checks its
             dtype against the records when it opens).
         read_interface: the read backend (default memory-mapped); not with a remote URL.
-        storage_options, retry, cache_dir, cache_limit_bytes: for a URL, as the storages
-            take them (fsspec's options, the :class:`RetryPolicy`, the shard cache).
+        storage_options: for a URL, the fsspec file system's options (as the storages
+            take them).
+        retry: for a URL, the :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
+        cache_dir: for a URL, the shard cache's local directory (None: range reads).
+        cache_limit_bytes: most bytes the shard cache keeps (None: no bound).
 
     Raises:
         FileNotFoundError: no such directory, or no shard files in it.
