@@ -7,6 +7,10 @@ storage is given a URL. A storage built from ``"s3://bucket/prefix"`` keeps its 
 a :class:`RemotePath` (a ``PurePosixPath`` whose ``str`` is the URL again), so the rest of
 the storage layer joins names to it as to any directory; listing, commit records and size
 checks run as for a local dataset (see ``listing.py`` and ``verify.py``).
+
+A storage reader's shard files are pinned at the ETag its open listed (conditional reads,
+``If-Match``), and with a ``cache_dir`` they are read through the node-local shard cache
+(``cache.py``): downloaded whole once, then memory-mapped.
 """
 
 from __future__ import annotations
