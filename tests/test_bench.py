@@ -83,8 +83,19 @@ def test_json_holds_every_scenario(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario", THROUGHPUT)
+def _remote_cache_ran(report: dict[str, Any]) -> bool:
+    """Whether the remote-cache scenario ran (it needs nginx and the [remote] extra; where
+    servers are required, as in CI, it must have)."""
+    skipped = report["scenarios"]["remote-cache"].get("skipped")
+    if skipped and os.environ.get("GUIDELOOM_PIPES_REQUIRE_SERVERS") == "1":
+        pytest.fail(f"the remote-cache scenario did not run: {skipped}")
+    return not skipped
+
+
+@pytest.mark.parametrize("scenario", [*THROUGHPUT, "remote-cache"])
 def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> None:
+    if scenario == "remote-cache" and not _remote_cache_ran(report):
+        pytest.skip(report["scenarios"]["remote-cache"]["skipped"])
     entry = report["scenarios"][scenario]
     rows = entry["rows"]
     assert rows[0]["baseline"] and entry["baseline"] == rows[0]["contender"]
@@ -137,6 +148,7 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "packed: packed windows / plain windows, workers=0",
         "packed: packed windows / plain windows, workers=2",
         "parallel-write: process pool, 2 workers / 1",
+        *(["remote-cache: shard cache second epoch"] if _remote_cache_ran(report) else []),
     ):
         assert any(name.startswith(prefix) for name in names), prefix
     for target in report["targets"]:

@@ -73,6 +73,7 @@ SCENARIOS = (
     "mixture",
     "packed",
     "parallel-write",
+    "remote-cache",
 )
 #: The end-of-document token of the packed scenario's stream.
 PACKED_EOS = 0
@@ -378,6 +379,13 @@ class Bench:
         from guideloom_pipes.bench.writing import parallel_write_rows
 
         self.rows += parallel_write_rows(self.root / "parallel-write", self.sizes, self.log)
+
+    def remote_cache_scenario(self) -> None:
+        """The token stream through the shard cache over HTTP (nginx), second epoch,
+        against its local directory (see ``bench/remote.py``)."""
+        from guideloom_pipes.bench.remote import remote_cache_rows
+
+        self.rows += remote_cache_rows(self.tokens(), self.root, self.sizes, self.log, self.extra)
 
     def scale_scenario(self) -> None:
         started = time.perf_counter()
