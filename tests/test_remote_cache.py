@@ -213,7 +213,7 @@ def test_a_loader_with_process_workers_shares_the_cache_and_reads_what_a_local_o
         ):
             loader = StatefulDataLoader.from_storage(
                 storage, sequence_length=64, batch_size=8, shuffle=True, shuffle_seed=3,
-                num_workers=2, parallel_method="process", prefetch=2, device="cpu",
+                num_workers=2, parallel_method="process", prefetch=2, device="cpu", drop_last=True,
             )  # fmt: skip
             with loader:
                 for _ in range(2):  # two epochs
