@@ -103,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("packed", bench.packed_scenario),
             ("parallel-write", bench.parallel_write_scenario),
             ("remote-cache", bench.remote_cache_scenario),
+            ("remote-range", bench.remote_range_scenario),
+            ("remote-s3", bench.remote_s3_scenario),
         ]
         for name, step in steps:
             if name in only or (name == "scale" and "resume" in only):
