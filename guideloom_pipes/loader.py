@@ -712,8 +712,12 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         node = BatchSamples(node, self.local_batch_size, delivered=step, steps=plan.steps)
         seeds = self._batch_seeds(epoch, offset)
         if seeds is None:
-            return Collate(node, self.collate_fn)
-        return _SeededCollate(node, self.collate_fn, seeds)
+            node = Collate(node, self.collate_fn)
+        else:
+            node = _SeededCollate(node, self.collate_fn, seeds)
+        if self.prefetch and not self.pin_memory:  # (pinning prefetches after itself)
+            node = Prefetcher(node, self.prefetch)  # collated batches wait ahead
+        return node
 
     def _build_pipeline(self, epoch: int, offset: int) -> BaseNode[Any]:
         if self.order == "shards":
@@ -929,6 +933,13 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             )
         epoch = _int_arg("state_dict['epoch']", state_dict["epoch"], 0)
         offset = _int_arg("state_dict['observation_offset']", state_dict["observation_offset"], 0)
+        saved_order = state_dict.get(_ORDER_KEY, "global")
+        if saved_order != self.order:
+            raise ValueError(
+                f"this state was taken with order={saved_order!r} and this loader reads in "
+                f"order={self.order!r}: the position means other samples in the other order. "
+                f"Build the loader with order={saved_order!r} to resume it"
+            )
         saved_shuffle = state_dict["shuffle"]
         saved_seed = state_dict["shuffle_seed"]
         saved_drop_last = state_dict["drop_last"]
@@ -1013,15 +1024,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             self._stop_process_pool()
 
     def _check_order(self, state_dict: Mapping[str, Any], epoch: int, offset: int) -> bool:
-        """Refuse a state of the other order, or of the shard order on another world size,
-        batch size or buffer; True when the state is the shard order's (checked here)."""
-        saved_order = state_dict.get(_ORDER_KEY, "global")
-        if saved_order != self.order:
-            raise ValueError(
-                f"this state was taken with order={saved_order!r} and this loader reads in "
-                f"order={self.order!r}: the position means other samples in the other order. "
-                f"Build the loader with order={saved_order!r} to resume it"
-            )
+        """Refuse a state of the shard order on another world size, batch size or buffer,
+        or past the epoch's steps; True when the state is the shard order's (checked here)."""
         if self.order != "shards":
             return False
         for key, now in (
