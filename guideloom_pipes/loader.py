@@ -281,7 +281,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self.shuffle_buffer: int | None = None
         # (the shard order) the dataset's shards of the open reader, and the last plan
         self._spans: list[Any] | None = None
-        self._plan_cache: tuple[int, ShardPlan] | None = None
+        self._plan_cache: tuple[tuple[int, int], ShardPlan] | None = None
 
         self._epoch = 0
         self._offset = 0
@@ -664,8 +664,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
 
     def _shard_plan(self, epoch: int) -> ShardPlan:
         """This rank's plan of ``epoch`` in the shard order (from the shard listing)."""
+        seed = self.shuffle_seed or 0
         cached = self._plan_cache
-        if cached is not None and cached[0] == epoch:
+        if cached is not None and cached[0] == (epoch, seed):  # (a loaded state may set seed)
             return cached[1]
         if self._spans is None:
             self.open()
@@ -676,12 +677,12 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             rank=self.rank,
             world_size=self.world_size,
             drop_last=self.drop_last,
-            seed=self.shuffle_seed or 0,
+            seed=seed,
             epoch=epoch,
             shuffle=self.shuffle,
             buffer_size=self.shuffle_buffer or 1,
         )
-        self._plan_cache = (epoch, plan)
+        self._plan_cache = ((epoch, seed), plan)
         return plan
 
     def _steps_left(self, epoch: int, offset: int) -> int:

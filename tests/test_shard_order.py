@@ -145,6 +145,7 @@ def test_a_run_stopped_at_any_step_resumes_exactly(
             batches = [_ids(batch) for batch in itertools.islice(loader.steps(k or 1), k)]
             state = loader.state_dict()
             resumed = make(rank, shuffle_seed=None)  # adopts the state's seed
+            len(resumed)  # (its own seed's plan, before the state's replaces it)
             resumed.load_state_dict(state)
             rest = [_ids(batch) for batch in resumed.steps(len(uninterrupted) - k)]
             assert batches + rest == uninterrupted, (rank, k)
