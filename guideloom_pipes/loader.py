@@ -47,7 +47,7 @@ from guideloom_pipes.pipes._pool import (
     after_orphaned_jobs,
     seconds_text,
 )
-from guideloom_pipes.pipes._worker import batch_seed, seeded
+from guideloom_pipes.pipes._worker import Seeding, batch_seed, seeded
 from guideloom_pipes.pipes.read import _CHUNK_SECONDS, _mp_context, _together
 from guideloom_pipes.pipes.shards import (
     BatchSamples,
@@ -709,13 +709,16 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             position=position,
         )
         node = ReadShards(node, self._reader, num_workers=self.num_workers)
-        node = ShuffleBuffer(node, skip=skip)
+        node = ShuffleBuffer(node, skip=skip, size=self.local_batch_size)
         node = BatchSamples(node, self.local_batch_size, delivered=step, steps=plan.steps)
         seeds = self._batch_seeds(epoch, offset)
         if seeds is None:
             node = Collate(node, self.collate_fn)
         else:
-            node = _SeededCollate(node, self.collate_fn, seeds)
+            # a prefetch thread collates: the global generators are the training loop's
+            # then, so only batch_rng() is seeded (as the global order's threads do)
+            seeding: Seeding = "local" if self.prefetch else "restore"
+            node = _SeededCollate(node, self.collate_fn, seeds, seeding)
         if self.prefetch and not self.pin_memory:  # (pinning prefetches after itself)
             node = Prefetcher(node, self.prefetch)  # collated batches wait ahead
         return node
@@ -1181,11 +1184,13 @@ class _SeededCollate(BaseNode[Any]):
         source: BaseNode[Any],
         collate_fn: Callable[[list[Any]], Any],
         seeds: Callable[[int], int],
+        seeding: Seeding,
     ) -> None:
         super().__init__()
         self.source = source
         self.collate_fn = collate_fn
         self.seeds = seeds
+        self.seeding = seeding
         self._count = 0
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -1198,7 +1203,7 @@ class _SeededCollate(BaseNode[Any]):
         seed = self.seeds(self._count)
         self._count += 1
         try:
-            with seeded(seed, "restore"):  # the training thread's own draws go on unchanged
+            with seeded(seed, self.seeding):
                 return self.collate_fn(samples)
         except Exception as error:
             mark_batch_failure(error)  # this batch alone: the next one follows

@@ -50,6 +50,7 @@ THROUGHPUT = (
     "shuffle",
     "mixture",
     "packed",
+    "shard-order",
 )
 
 

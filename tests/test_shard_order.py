@@ -332,7 +332,7 @@ def test_the_global_order_is_unchanged_by_the_option(storage: StreamStorage) -> 
     )
 
 
-def _stages(reader: Any, world_size: int, rank: int) -> Any:
+def _stages(reader: Any, world_size: int, rank: int, size: int = 1) -> Any:
     from guideloom_pipes.pipes import BatchSamples, RankShards, ReadShards, ShuffleBuffer
 
     node: Any = RankShards(
@@ -344,23 +344,25 @@ def _stages(reader: Any, world_size: int, rank: int) -> Any:
         seed=4,
         buffer_size=15,
     )
-    return BatchSamples(ShuffleBuffer(ReadShards(node, reader, num_workers=2)), 3)
+    return BatchSamples(ShuffleBuffer(ReadShards(node, reader, num_workers=2), size=size), 3)
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_the_stages_checkpoint_through_torchdata_loader(storage: StreamStorage, rank: int) -> None:
+@pytest.mark.parametrize(("rank", "size"), [(0, 1), (1, 1), (1, 3)])
+def test_the_stages_checkpoint_through_torchdata_loader(
+    storage: StreamStorage, rank: int, size: int
+) -> None:
     from torchdata.nodes import Loader
 
     def ids(batch: list[Any]) -> list[int]:
         return [int(sample["tokens"][0]) // L for sample in batch]
 
     with StreamDataset(storage, L).sync_reader() as reader:
-        loader = Loader(_stages(reader, 2, rank))
+        loader = Loader(_stages(reader, 2, rank, size))
         uninterrupted = [ids(b) for b in loader] + [ids(b) for b in loader]  # two epochs
         close_pipeline(loader.root)
         assert uninterrupted[: len(uninterrupted) // 2] != uninterrupted[len(uninterrupted) // 2 :]
         for k in range(1, len(uninterrupted)):
-            loader = Loader(_stages(reader, 2, rank))
+            loader = Loader(_stages(reader, 2, rank, size))
             run = iter(loader)
             got = []
             while len(got) < k:
@@ -369,7 +371,7 @@ def test_the_stages_checkpoint_through_torchdata_loader(storage: StreamStorage, 
                 except StopIteration:
                     run = iter(loader)
             state = loader.state_dict()
-            resumed = Loader(_stages(reader, 2, rank))
+            resumed = Loader(_stages(reader, 2, rank, size))
             resumed.load_state_dict(state)
             run = iter(resumed)
             while len(got) < len(uninterrupted):
@@ -393,3 +395,28 @@ def test_reading_threads_stop_with_the_iterator(storage: StreamStorage) -> None:
     assert threads_end() == []
     assert len(_epoch(loader)) == len(loader)
     assert threads_end() == []
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_collate_that_draws_draws_the_same_after_a_resume(
+    storage: StreamStorage, prefetch: int
+) -> None:
+    from guideloom_pipes.pipes import batch_rng
+
+    def drawing(samples: list[Any]) -> tuple[list[int], int]:
+        rng = batch_rng()
+        assert rng is not None  # the batch's generators are set while it is collated
+        return [int(s["tokens"][0]) // L for s in samples], int(rng.numpy.integers(1 << 30))
+
+    def make(**kw: Any) -> StatefulDataLoader:
+        return _loader(storage, collate_fn=drawing, prefetch=prefetch, **kw)
+
+    whole = make()
+    uninterrupted = list(whole)
+    assert len({draw for _, draw in uninterrupted}) > 1
+    loader = make()
+    loader.load_state_dict(whole.state_dict() | {"epoch": 0, "observation_offset": 0})
+    first = list(itertools.islice(loader.steps(5), 5))
+    resumed = make(shuffle_seed=None)
+    resumed.load_state_dict(loader.state_dict())
+    assert first + list(resumed) == uninterrupted

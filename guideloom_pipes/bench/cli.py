@@ -102,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("mixture", bench.mixture_scenario),
             ("packed", bench.packed_scenario),
             ("parallel-write", bench.parallel_write_scenario),
+            ("shard-order", bench.shard_order_scenario),
         ]
         for name, step in steps:
             if name in only or (name == "scale" and "resume" in only):

@@ -7,7 +7,7 @@ one sequential read, and mixes their samples in a seeded buffer::
     ListShards(reader)                         # (shard, first sample, sample count), fingerprinted
       -> RankShards(local_batch_size, rank=, world_size=, seed=)   # this rank's shards of the epoch
       -> ReadShards(reader, num_workers=)      # whole shards, read ahead on threads, in order
-      -> ShuffleBuffer(seed)                   # a seeded permutation of each buffer of shards
+      -> ShuffleBuffer(size=local_batch_size)  # a seeded permutation of each buffer of shards
       -> BatchSamples(local_batch_size)        # lists of samples, the same steps on every rank
 
 Everything about the order is a pure function of the listing, the seed and the epoch
@@ -452,34 +452,39 @@ class ReadShards(BaseNode[ShardSamples]):
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-class BufferedSample(NamedTuple):
-    """A sample leaving the buffer, with the plan of its epoch."""
+class BufferedSamples(NamedTuple):
+    """Samples leaving the buffer, in order, with the plan of their epoch."""
 
     plan: ShardPlan
-    sample: Any
+    samples: list[Any]
 
 
-class ShuffleBuffer(BaseNode[BufferedSample]):
+class ShuffleBuffer(BaseNode[BufferedSamples]):
     """Gathers whole shards into buffers and emits each buffer's samples in a seeded order.
 
     A buffer is the plan's run of consecutive shards holding at least ``buffer_size``
     samples; its order is :meth:`ShardPlan.permutation` (seeded by seed, epoch, rank and
-    buffer). The epoch ends after the plan's ``quota`` samples. The state is the source's
-    state at the buffer's first shard and the samples of the buffer delivered, never the
-    buffer's contents: a resume reads that buffer's shards again and skips what was
-    delivered.
+    buffer). Each item is the next ``size`` samples of that order (fewer only at the epoch's
+    end), across buffers; the epoch ends after the plan's ``quota`` samples. The state is
+    the source's state at the buffer's first shard and the samples of the buffer delivered,
+    never the buffer's contents: a resume reads that buffer's shards again and skips what
+    was delivered (a state taken at a buffer's end points at the next one).
 
     Args:
         source: Emits :class:`ShardSamples`.
         skip: Samples of the first buffer to skip (a resume point's).
+        size: Samples per item (the local batch size saves a stage hop per sample).
     """
 
     SOURCE_KEY = "source"
     SKIP_KEY = "delivered_in_buffer"
 
-    def __init__(self, source: BaseNode[ShardSamples], skip: int = 0) -> None:
+    def __init__(self, source: BaseNode[ShardSamples], skip: int = 0, size: int = 1) -> None:
         super().__init__()
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"size must be an int >= 1, got {size!r}")
         self.source = source
+        self.size = size
         self._skip = skip
         self._clear()
 
@@ -521,20 +526,34 @@ class ShuffleBuffer(BaseNode[BufferedSample]):
         self._delivered += self._skip
         self._skip = 0
 
-    def next(self) -> BufferedSample:
-        while self._plan is None or self._next >= len(self._samples):
-            if self._plan is not None and self._delivered >= self._plan.quota:
-                raise StopIteration()  # (the shards left are the dropped tail: not read)
-            self._refill()
-        plan = self._plan
-        if self._delivered >= plan.quota:
+    def next(self) -> BufferedSamples:
+        out: list[Any] = []
+        while len(out) < self.size:
+            plan = self._plan
+            if plan is not None and self._delivered >= plan.quota:
+                break  # (the shards left are the dropped tail: not read)
+            if plan is None or self._next >= len(self._samples):
+                try:
+                    self._refill()
+                except StopIteration:
+                    break
+                continue
+            take = min(
+                self.size - len(out), len(self._samples) - self._next, plan.quota - self._delivered
+            )
+            samples = self._samples
+            out.extend([samples[i] for i in self._order[self._next : self._next + take].tolist()])
+            self._next += take
+            self._delivered += take
+        if not out:
             raise StopIteration()
-        sample = self._samples[int(self._order[self._next])]
-        self._next += 1
-        self._delivered += 1
-        return BufferedSample(plan, sample)
+        assert self._plan is not None
+        return BufferedSamples(self._plan, out)
 
     def get_state(self) -> dict[str, Any]:
+        if self._samples and self._next >= len(self._samples):
+            # the buffer is delivered: a resume starts at the next one, reading nothing again
+            return {self.SOURCE_KEY: self.source.state_dict(), self.SKIP_KEY: 0}
         return {self.SOURCE_KEY: self._buffer_state, self.SKIP_KEY: self._next}
 
 
@@ -545,7 +564,7 @@ class BatchSamples(BaseNode[list[Any]]):
     last batch, then empty ones. The state is ``{"source", "steps", "delivered"}``.
 
     Args:
-        source: Emits :class:`BufferedSample`.
+        source: Emits :class:`BufferedSamples`.
         local_batch_size: Samples per batch.
         delivered: Batches of the epoch already delivered (a resume point's).
         steps: The epoch's steps, if known (a resume point where this rank has no sample
@@ -558,7 +577,7 @@ class BatchSamples(BaseNode[list[Any]]):
 
     def __init__(
         self,
-        source: BaseNode[BufferedSample],
+        source: BaseNode[BufferedSamples],
         local_batch_size: int,
         delivered: int = 0,
         steps: int | None = None,
@@ -593,7 +612,13 @@ class BatchSamples(BaseNode[list[Any]]):
                 self._source_done = True
                 break
             self._steps = item.plan.steps
-            batch.append(item.sample)
+            batch.extend(item.samples)
+            if len(batch) > self.local_batch_size:
+                raise ValueError(
+                    f"the source emitted {len(item.samples)} samples at once, past a batch of "
+                    f"{self.local_batch_size}: give ShuffleBuffer a size that divides "
+                    "local_batch_size"
+                )
         steps = self._steps
         if batch and (steps is None or self._delivered < steps):
             self._delivered += 1
