@@ -1121,6 +1121,8 @@ class EpochSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         loader = self._loader
+        if loader.order == "shards":  # this rank's samples of the epoch
+            return loader._shard_plan(loader._current_epoch()).quota
         n, world = loader._num_samples(), loader.world_size
         limit = min(n, len(loader) * loader.global_batch_size)  # positions read, all ranks
         return max(0, -(-(limit - loader.rank) // world))

@@ -420,3 +420,11 @@ def test_a_collate_that_draws_draws_the_same_after_a_resume(
     resumed = make(shuffle_seed=None)
     resumed.load_state_dict(loader.state_dict())
     assert first + list(resumed) == uninterrupted
+
+
+def test_the_sampler_describes_the_rank_epoch(storage: StreamStorage) -> None:
+    loader = _loader(storage, world_size=2, rank=1, drop_last=False)
+    ids = list(loader.sampler)
+    assert len(loader.sampler) == len(ids)
+    assert ids == [i for batch in _epoch(loader) for i in batch]
+    assert len(loader.batch_sampler) == len(loader)
