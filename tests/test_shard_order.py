@@ -299,6 +299,8 @@ def test_bad_arguments_name_the_value_and_the_fix(storage: StreamStorage) -> Non
         _loader(storage, shuffle_buffer=0)
     with pytest.raises(ValueError, match=r"parallel_method='thread'"):
         _loader(storage, num_workers=2, parallel_method="process")
+    with pytest.raises(ValueError, match=r"timeout=5 is not supported with order='shards'"):
+        _loader(storage, timeout=5)
     with pytest.raises(ValueError, match=r"8 non-empty shards for world_size=9"):
         len(_loader(storage, world_size=9, batch_size=1))
     with pytest.raises(TypeError, match=r"needs a StreamDataset or DocumentDataset"):
