@@ -637,29 +637,6 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._offset_batch = self.global_batch_size
         self._closed_early = None
 
-    def _epoch_batches(self, epoch: int) -> Iterator[list[int]]:
-        """The sample ids of each batch this rank reads in ``epoch``, from its start."""
-        if self.order == "shards":
-            plan = self._shard_plan(epoch)
-            ids = plan.sample_ids().tolist()
-            size = self.local_batch_size
-            for step in range(plan.steps):
-                yield ids[step * size : (step + 1) * size]
-            return
-        node: BaseNode[Any] = RankPositions(
-            self._num_samples(),
-            self.local_batch_size,
-            rank=self.rank,
-            world_size=self.world_size,
-            drop_last=self.drop_last,
-            epoch=epoch,
-        )
-        if self.shuffle:
-            node = Shuffle(node, self.shuffle_seed)
-        for item in node:
-            ids = item if isinstance(item, np.ndarray) else item.positions
-            yield [int(i) for i in ids]
-
     # -- the shard order ---------------------------------------------------------------------
 
     def _shard_plan(self, epoch: int) -> ShardPlan:
@@ -723,9 +700,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             node = Prefetcher(node, self.prefetch)  # collated batches wait ahead
         return node
 
-    def _build_pipeline(self, epoch: int, offset: int) -> BaseNode[Any]:
-        if self.order == "shards":
-            return self._finish_pipeline(self._build_shard_pipeline(epoch, offset))
+    def _sample_ids(self, epoch: int, offset: int = 0) -> BaseNode[Any]:
+        """The first stages of the pipeline: this rank's positions of ``epoch`` from the
+        global ``offset``, shuffled into sample ids when the loader shuffles."""
         node: BaseNode[Any] = RankPositions(
             self._num_samples(),
             self.local_batch_size,
@@ -737,6 +714,25 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         )
         if self.shuffle:
             node = Shuffle(node, self.shuffle_seed)
+        return node
+
+    def _epoch_batches(self, epoch: int) -> Iterator[list[int]]:
+        """The sample ids of each batch this rank reads in ``epoch``, from its start."""
+        if self.order == "shards":
+            plan = self._shard_plan(epoch)
+            ids = plan.sample_ids().tolist()
+            size = self.local_batch_size
+            for step in range(plan.steps):
+                yield ids[step * size : (step + 1) * size]
+            return
+        for item in self._sample_ids(epoch):
+            ids = item if isinstance(item, np.ndarray) else item.positions
+            yield [int(i) for i in ids]
+
+    def _build_pipeline(self, epoch: int, offset: int) -> BaseNode[Any]:
+        if self.order == "shards":
+            return self._finish_pipeline(self._build_shard_pipeline(epoch, offset))
+        node = self._sample_ids(epoch, offset)
         collate = self.collate_fn
         inline = self.num_workers == 0 and self.prefetch == 0
         seeds = self._batch_seeds(epoch, offset)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -15,8 +15,11 @@ import numpy as np
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.storage.errors import StorageError
+from guideloom_pipes.storage.io import resolve_backend
+from guideloom_pipes.storage.listing import _backend_size, _read_whole
 from guideloom_pipes.storage.names import _NAME, IN_BAND, INDEX, OUT_OF_BAND, RECORD, shard_name
 from guideloom_pipes.storage.records import ShardRecord, format_name
+from guideloom_pipes.storage.remote import RetryPolicy, file_url_path, is_url, resolve_location
 
 __all__ = ["Detected", "detect", "open_storage", "STORAGE_CLASSES"]
 
@@ -40,7 +43,8 @@ _DOCUMENT_PICKLE = format_name(DocumentPickleFormat())
 class Detected:
     """What a dataset directory holds, from its file names and one commit record."""
 
-    directory: Path
+    #: the directory (a ``RemotePath`` for a URL)
+    directory: PurePath
     #: ``"stream"``, ``"stream_meta"`` or ``"document"`` (from the records, else the files)
     kind: str
     #: whether any shard has a commit record (False: written by GuideLoom)
@@ -64,20 +68,36 @@ def local_path(path_or_url: Any) -> Path:
         return Path(unquote(parsed.path))
     if parsed.scheme and len(parsed.scheme) > 1 and "://" in path_or_url:
         raise ValueError(
-            f"{path_or_url}: open_storage opens local paths and file:// URLs only; for another "
-            f"store, build the storage with its format (StreamStorage(location, fmt), or with "
-            f"read_interface= a backend that reads it)"
+            f"{path_or_url}: this needs a local directory (a path or a file:// URL), and a "
+            f"URL of another store is read through fsspec only; copy the dataset to a local "
+            f"directory first"
         )
     return Path(path_or_url)
 
 
-def detect(path_or_url: Any) -> Detected:
+def _remote(path_or_url: Any) -> bool:
+    """Whether ``path_or_url`` is a URL read through fsspec (not ``file://``)."""
+    return is_url(path_or_url) and file_url_path(path_or_url) is None
+
+
+def detect(
+    path_or_url: Any,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> Detected:
     """What the dataset directory ``path_or_url`` holds: its kind (from the commit records,
     else from the file suffixes), and the dtype and format class the records name.
+
+    A URL (``s3://``, ``http(s)://``, any fsspec protocol) is listed through fsspec with
+    ``storage_options`` and ``retry`` (over HTTP, which cannot list, shard 0's files are
+    probed).
 
     Raises ``FileNotFoundError`` (no such directory, or no shard files in it),
     ``NotADirectoryError``, and ``ValueError`` for files of no single kind.
     """
+    if _remote(path_or_url):
+        return _detect_remote(path_or_url, storage_options, retry)
     directory = local_path(path_or_url)
     try:
         names = os.listdir(directory)
@@ -116,6 +136,61 @@ def detect(path_or_url: Any) -> Detected:
     return Detected(directory, kind, bool(records), None, None, suffixes)
 
 
+def _detect_remote(
+    url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy | None
+) -> Detected:
+    """:func:`detect` of a URL: its names listed (object stores) or shard 0's probed (HTTP),
+    its first committed record read."""
+    directory, backend = resolve_location(url, None, storage_options, retry)
+    io = resolve_backend(backend)
+    if io.list_dir is not None:
+        try:
+            names = list(io.list_dir(directory))
+        except FileNotFoundError:
+            names = []
+    else:  # HTTP: shard 0's files, if any
+        first = shard_name(0)
+        names = [
+            first + suffix
+            for suffix in (RECORD, IN_BAND, INDEX, OUT_OF_BAND)
+            if _backend_size(io, directory / (first + suffix)) is not None
+        ]
+    suffixes: set[str] = set()
+    records: list[int] = []
+    for name in names:
+        match = _NAME.match(name)
+        if match is None or match.group("temporary") or match.group("generation"):
+            continue
+        if match.group("suffix") == RECORD:
+            records.append(int(match.group("shard")))
+        else:
+            suffixes.add(match.group("suffix"))
+    if not suffixes and not records:
+        raise FileNotFoundError(
+            f"{url} is not a dataset: nothing there has a shard file's name "
+            f"(0000000.in_band.bin, 0000000.shard.json, ...); check the URL"
+        )
+    record = None
+    for shard in sorted(records)[:8]:
+        path = directory / (shard_name(shard) + RECORD)
+        try:
+            candidate = ShardRecord.from_json(_read_whole(io, path), url)
+        except (OSError, StorageError):
+            continue
+        if candidate.state == "committed":
+            record = candidate
+            break
+    if record is not None and record.kind in KIND_SUFFIXES:
+        return Detected(directory, record.kind, True, record.dtype, record.format, suffixes)
+    kind = _kind_of(suffixes)
+    if kind is None:
+        raise ValueError(
+            f"{url} holds {' and '.join(sorted(suffixes)) or 'no data'} files, which no one "
+            f"kind of dataset has together; build the storage class of its kind yourself"
+        )
+    return Detected(directory, kind, bool(records), None, None, suffixes)
+
+
 def _first_record(directory: Path, shards: list[int]) -> ShardRecord | None:
     """The first committed record among ``shards`` (a few tried; unreadable ones skipped)."""
     for shard in shards[:8]:
@@ -137,8 +212,11 @@ def _kind_of(suffixes: set[str]) -> str | None:
     return None
 
 
-def _is_pickled(directory: Path) -> bool:
-    """Whether the first document of the first non-empty shard starts as a pickle does."""
+def _is_pickled(directory: PurePath) -> bool:
+    """Whether the first document of the first non-empty shard starts as a pickle does
+    (a local directory; for a URL, False: pass ``fmt=``)."""
+    if not isinstance(directory, Path):
+        return False
     for shard in range(8):
         stem = directory / shard_name(shard)
         try:
@@ -154,7 +232,16 @@ def _is_pickled(directory: Path) -> bool:
     return False
 
 
-def open_storage(path_or_url: Any, *, fmt: Any = None, read_interface: Any = None) -> Any:
+def open_storage(
+    path_or_url: Any,
+    *,
+    fmt: Any = None,
+    read_interface: Any = None,
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+    cache_dir: Any = None,
+    cache_limit_bytes: int | None = None,
+) -> Any:
     """The storage of the dataset at ``path_or_url``, its format rebuilt from its records.
 
     A dataset written by this package records its kind, stream dtype and format class in
@@ -167,20 +254,38 @@ def open_storage(path_or_url: Any, *, fmt: Any = None, read_interface: Any = Non
     so no dtype) need ``fmt=``; the error says so and names the format to pass.
 
     Args:
-        path_or_url: the dataset directory (a path, a string, or a ``file://`` URL).
+        path_or_url: the dataset directory (a path, a string, or a ``file://`` URL), or
+            its URL (``s3://``, ``http(s)://``, any fsspec protocol; ``docs/remote.md``).
         fmt: the storage format; given, it is used as is (the reader still checks its
             dtype against the records when it opens).
-        read_interface: the read backend (default memory-mapped).
+        read_interface: the read backend (default memory-mapped); not with a remote URL.
+        storage_options: for a URL, the fsspec file system's options (as the storages
+            take them).
+        retry: for a URL, the :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
+        cache_dir: for a URL, the shard cache's local directory (None: range reads).
+        cache_limit_bytes: most bytes the shard cache keeps (None: no bound).
 
     Raises:
         FileNotFoundError: no such directory, or no shard files in it.
         ValueError: the format cannot be rebuilt from the records: pass ``fmt=``.
     """
-    found = detect(path_or_url)
+    remote = _remote(path_or_url)
+    if remote and read_interface is not None:
+        resolve_location(path_or_url, read_interface, storage_options, retry)  # raises
+    found = detect(path_or_url, storage_options=storage_options, retry=retry)
     storage_class = STORAGE_CLASSES[found.kind]
-    if fmt is not None:
+    if fmt is None:
+        fmt = rebuilt_format(found)
+    if not remote:
         return storage_class(found.directory, fmt, read_interface)
-    return storage_class(found.directory, rebuilt_format(found), read_interface)
+    return storage_class(
+        str(found.directory),
+        fmt,
+        storage_options=storage_options,
+        retry=retry,
+        cache_dir=cache_dir,
+        cache_limit_bytes=cache_limit_bytes,
+    )
 
 
 def rebuilt_format(found: Detected) -> Any:

@@ -134,6 +134,7 @@ SESSIONS = st.lists(
 )
 
 
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 @settings(deadline=None, max_examples=40)
 @given(kind=st.sampled_from(KINDS), sessions=SESSIONS)
 def test_readers_see_the_last_committed_content_of_every_shard(

@@ -39,6 +39,8 @@ TINY = [
     "6",
     "--resume-rounds",
     "1",
+    "--remote-bytes",
+    "2000000",
 ]
 
 THROUGHPUT = (
@@ -84,12 +86,27 @@ def test_json_holds_every_scenario(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("scenario", THROUGHPUT)
+def _remote_ran(report: dict[str, Any], scenario: str = "remote-cache") -> bool:
+    """Whether a remote scenario ran (it needs nginx and the [remote] extra, the S3 rows
+    moto too; where servers are required, as in CI, it must have)."""
+    entry = report["scenarios"][scenario]
+    skipped = entry.get("skipped")
+    if skipped and os.environ.get("GUIDELOOM_PIPES_REQUIRE_SERVERS") == "1":
+        pytest.fail(f"the {scenario} scenario did not run: {skipped}")
+    return not skipped
+
+
+REMOTE = ("remote-cache", "remote-range", "remote-s3")
+
+
+@pytest.mark.parametrize("scenario", [*THROUGHPUT, *REMOTE])
 def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> None:
+    if scenario in REMOTE and not _remote_ran(report, scenario):
+        pytest.skip(report["scenarios"][scenario]["skipped"])
     entry = report["scenarios"][scenario]
     rows = entry["rows"]
     assert rows[0]["baseline"] and entry["baseline"] == rows[0]["contender"]
-    assert len(rows) >= 3
+    assert len(rows) >= (2 if scenario in ("remote-range", "remote-s3") else 3)
     for row in rows:
         assert _positive(row["samples_per_s"]), row
         assert _positive(row["cpu_s_per_1m_samples"]), row
@@ -138,6 +155,12 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "packed: packed windows / plain windows, workers=0",
         "packed: packed windows / plain windows, workers=2",
         "parallel-write: process pool, 2 workers / 1",
+        *(["remote-cache: shard cache second epoch"] if _remote_ran(report) else []),
+        *(
+            ["remote-range: 32 thread workers / 1", "remote-range: cold first batch"]
+            if _remote_ran(report, "remote-range")
+            else []
+        ),
     ):
         assert any(name.startswith(prefix) for name in names), prefix
     for target in report["targets"]:

@@ -154,6 +154,7 @@ def test_a_shard_without_a_record_among_committed_shards_is_uncommitted(
     assert "0000001.shard.json" in str(error.value)
 
 
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 def test_a_guideloom_shard_added_to_a_committed_dataset_is_uncommitted(tmp_path: Path) -> None:
     path = guideloom_copy(tmp_path, "stream")
     (path / "0000002.in_band.bin").rename(path / "0000003.in_band.bin")

@@ -155,6 +155,7 @@ def test_a_descriptor_reopened_by_the_lru_after_a_rewrite_is_refused(
             read_shard(kind, reader, 0)  # closed by the LRU, reopened: another file now
 
 
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 def test_a_reader_of_a_shard_being_rolled_forward_follows_its_file_to_the_canonical_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -177,6 +178,7 @@ def test_a_reader_of_a_shard_being_rolled_forward_follows_its_file_to_the_canoni
         assert read_shard("stream", reader, 1) == OLD[1]
 
 
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 def test_a_loader_running_while_the_dataset_is_rewritten_delivers_only_old_samples(
     tmp_path: Path,
 ) -> None:

@@ -11,9 +11,10 @@ otherwise; several directives may share one comment, separated by ``;``:
     the block runs after the one before it, in the same working directory (its files are
     there) but in a new process: what a restarted program sees (the tutorial's resume).
 ``<!-- needs: cuda -->``, ``<!-- needs: s3 -->``, ``<!-- needs: dask -->``
-    the block needs what this machine may not have (a GPU, an S3 server, the ``[dask]``
-    extra); without it the block is skipped, and the skip, with its reason, is listed in the
-    test report (``-rs``).
+    the block needs what this machine may not have (a GPU, the ``[dask]`` extra); without it
+    the block is skipped, and the skip, with its reason, is listed in the test report
+    (``-rs``). An ``s3`` block runs against moto's S3 server started here (``docs_s3``),
+    its credentials and endpoint in the environment (``AWS_ENDPOINT_URL``, ...).
 ``<!-- run: torchrun -->``
     the block is a training script: it runs as ``torchrun --standalone --nproc-per-node=2``
     (on CPU).
@@ -35,6 +36,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,13 +191,39 @@ def _skip_reason(chain: list[Block]) -> str | None:
             return "needs CUDA: no CUDA device here (runs in the device check when one is lent)"
     if "dask" in needs and importlib.util.find_spec("distributed") is None:
         return "needs Dask: pip install -e '.[dask]'"
-    if "s3" in needs:
-        return "needs S3: no S3 server fixture in this suite"
     return None
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
+@pytest.fixture(scope="session")
+def docs_s3() -> Iterator[dict[str, str]]:
+    """For ``needs: s3`` blocks: moto's S3 server on loopback holding the bucket the pages
+    name, ``my-bucket``, with a token dataset at ``corpora/tokens`` (written through our own
+    URL writer); the environment variables that point s3fs at it."""
+    import numpy as np
+    from remote_servers import moto_server
+
+    from guideloom_pipes import StreamNumpyFormat, StreamStorage
+
+    with moto_server() as server:
+        server.filesystem().mkdir("my-bucket")
+        storage = StreamStorage(
+            "s3://my-bucket/corpora/tokens",
+            StreamNumpyFormat(np.dtype([("tokens", "<i4")])),
+            storage_options=server.options(),
+        )
+        with storage.sync_writer() as writer:
+            for shard in range(2):
+                writer.append(shard, {"tokens": np.arange(shard << 16, (shard + 1) << 16)})
+        yield {
+            "AWS_ENDPOINT_URL": server.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "eu-west-1",
+        }
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, **(extra or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.pop("GUIDELOOM_PIPES_TORCH_FREE", None)
     return env
@@ -238,10 +266,15 @@ def test_an_unknown_directive_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("chain", _CHAINS, ids=[_chain_id(chain) for chain in _CHAINS])
-def test_python_block_runs(chain: list[Block], tmp_path: Path) -> None:
+def test_python_block_runs(
+    chain: list[Block], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     reason = _skip_reason(chain)
     if reason:
         pytest.skip(f"{_chain_id(chain)}: {reason}")
+    extra_env = None
+    if any("s3" in block.needs for block in chain):
+        extra_env = request.getfixturevalue("docs_s3")
     for number, blocks in enumerate(_processes(chain)):
         page = blocks[0].page
         if blocks[0].file:
@@ -263,7 +296,7 @@ def test_python_block_runs(chain: list[Block], tmp_path: Path) -> None:
         done = subprocess.run(
             args,
             cwd=tmp_path,
-            env=_env(),
+            env=_env(extra_env),
             capture_output=True,
             text=True,
             timeout=_TIMEOUT_S,

@@ -147,6 +147,7 @@ def test_writer_length_counts_documents_appended_in_this_session(tmp_path: Path)
             writer.length(2)
 
 
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 def test_a_writer_replaces_a_shard_instead_of_appending_to_it(written: Path) -> None:
     with pickled(written).sync_writer() as writer:
         writer.append(1, "replacement")

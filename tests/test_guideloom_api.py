@@ -1078,6 +1078,8 @@ def test_storages_take_guideloom_parameter_names(storage_class: type) -> None:
     assert {name: p.kind for name, p in list(parameters.items())[3:]} == {
         "storage_options": inspect.Parameter.KEYWORD_ONLY,
         "retry": inspect.Parameter.KEYWORD_ONLY,
+        "cache_dir": inspect.Parameter.KEYWORD_ONLY,
+        "cache_limit_bytes": inspect.Parameter.KEYWORD_ONLY,
     }
 
 

@@ -56,7 +56,8 @@ EXPECTED: dict[str, Any] = json.loads((FIXTURES / "expected.json").read_text())
 STREAM_DTYPE = np.dtype([tuple(field) for field in EXPECTED["stream"]["dtype"]])
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 #: retries fast enough for tests (the default waits 0.2 s, 0.4 s, ...)
-FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01)
+# (a 10 s request deadline: a rare request to nginx that is never answered costs a retry)
+FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
 BUCKET = "guideloom"
 
 
@@ -548,7 +549,7 @@ def test_the_retry_policys_timeout_abandons_a_stalled_request_and_retries_it(
     # no client timeout of the user's: the policy's deadline alone ends the stalled read
     tokens = _write_tokens(http.root / "stalled-policy", shards=1)
     stalls = {3}  # the first ranged read of data, after the probes and the record
-    policy = RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.01, timeout=0.5)
+    policy = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=2)
     with fault_proxy(http.port, lambda n: "stall" if n in stalls else "pass") as proxy:
         storage = StreamStorage(f"{proxy.url}/stalled-policy", TOKENS, retry=policy)
         with StreamDataset(storage, 100).sync_reader() as reader:
@@ -623,7 +624,7 @@ def test_a_remote_loader_with_thread_workers_reads_what_a_local_one_does(
     ):
         loader = StatefulDataLoader.from_storage(
             storage, sequence_length=64, batch_size=8, shuffle=True, shuffle_seed=3,
-            num_workers=8, device="cpu", drop_last=True,
+            num_workers=8, prefetch=1, device="cpu", drop_last=True,
         )  # fmt: skip
         with loader:
             batches.append([batch["tokens"].tolist() for batch in loader])
@@ -637,8 +638,8 @@ def test_a_remote_storage_reads_in_process_workers(http: HttpServer) -> None:
     tokens = _write_tokens(http.root / "processes", shards=2, per_shard=640)
     storage = StreamStorage(f"{http.url}/processes", TOKENS, retry=FAST)
     loader = StatefulDataLoader.from_storage(
-        storage, sequence_length=64, batch_size=4, num_workers=2, parallel_method="process",
-        device="cpu",
+        storage, sequence_length=64, batch_size=4, num_workers=2, prefetch=1,
+        parallel_method="process", device="cpu",
     )  # fmt: skip
     with loader:
         got = np.concatenate([batch["tokens"].numpy().ravel() for batch in loader])
@@ -757,7 +758,7 @@ def test_a_failed_upload_leaves_the_remote_dataset_as_it_was(s3: S3Server) -> No
             f"s3://{BUCKET}/failed",
             TOKENS,
             storage_options=s3.options(proxy.url, config_kwargs={"retries": {"max_attempts": 1}}),
-            retry=RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.01),
+            retry=RetryPolicy(attempts=2, base_delay=0.001, max_delay=0.01, timeout=10),
         )
         writer = broken.sync_writer()
         writer.append(0, {"tokens": np.full(10, 7, dtype="<i4")})
@@ -798,7 +799,7 @@ def test_an_upload_failing_at_any_request_leaves_the_old_shard_or_the_new_one(
         with fault_proxy(port, schedule) as proxy:
             options = s3.options(proxy.url, config_kwargs={"retries": {"max_attempts": 1}})
             writer = StreamStorage(
-                url, TOKENS, storage_options=options, retry=RetryPolicy(attempts=1)
+                url, TOKENS, storage_options=options, retry=RetryPolicy(attempts=1, timeout=10)
             ).sync_writer()
             writer.append(0, {"tokens": np.full(10, 7, dtype="<i4")})
             writer.append(1, {"tokens": np.full(5, 8, dtype="<i4")})

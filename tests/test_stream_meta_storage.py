@@ -222,6 +222,7 @@ def test_writer_length_counts_elements_appended_in_this_session(tmp_path: Path) 
             writer.length(0)
 
 
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 def test_a_writer_replaces_a_shard_instead_of_appending_to_it(
     written: tuple[Path, Reference],
 ) -> None:

@@ -127,6 +127,7 @@ def test_shard_files_use_guideloom_names_and_raw_bytes(tmp_path: Path) -> None:
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 def test_a_writer_replaces_a_shard_instead_of_appending_to_it(tmp_path: Path) -> None:
     storage = tokens_storage(tmp_path)
     with storage.sync_writer() as writer:

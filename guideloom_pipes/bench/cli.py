@@ -102,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("mixture", bench.mixture_scenario),
             ("packed", bench.packed_scenario),
             ("parallel-write", bench.parallel_write_scenario),
+            ("remote-cache", bench.remote_cache_scenario),
+            ("remote-range", bench.remote_range_scenario),
+            ("remote-s3", bench.remote_s3_scenario),
             ("shard-order", bench.shard_order_scenario),
         ]
         for name, step in steps:
@@ -143,6 +146,6 @@ def _by_scenario(rows: list[Row], extra: dict[str, Any]) -> dict[str, Any]:
         if row.baseline:
             entry["baseline"] = row.contender
         entry["rows"].append(asdict(row))
-    for name, figures in extra.items():
-        out[name] = figures
+    for name, figures in extra.items():  # beside the scenario's rows, where it has some
+        out.setdefault(name, {}).update(figures)
     return out

@@ -37,6 +37,8 @@ class Sizes:
     warmup_seconds: float = 0.5
     train_steps: int = 300
     resume_rounds: int = 5
+    #: the remote-range scenario's dataset (its cold first batch): 1 GiB
+    remote_bytes: int = 2**30
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -45,6 +47,7 @@ class Sizes:
             meta_tokens=300_000,
             documents=1500,
             slow_tokens=1_000_000,
+            remote_bytes=2**26,
             rounds=2,
             round_seconds=0.2,
             warmup_seconds=0.1,

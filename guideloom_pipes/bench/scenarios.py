@@ -73,6 +73,9 @@ SCENARIOS = (
     "mixture",
     "packed",
     "parallel-write",
+    "remote-cache",
+    "remote-range",
+    "remote-s3",
     "shard-order",
 )
 #: The end-of-document token of the packed scenario's stream.
@@ -422,6 +425,31 @@ class Bench:
         from guideloom_pipes.bench.writing import parallel_write_rows
 
         self.rows += parallel_write_rows(self.root / "parallel-write", self.sizes, self.log)
+
+    def remote_cache_scenario(self) -> None:
+        """The token stream through the shard cache over HTTP (nginx), second epoch,
+        against its local directory (see ``bench/remote.py``)."""
+        from guideloom_pipes.bench.remote import remote_cache_rows
+
+        self.rows += remote_cache_rows(self.tokens(), self.root, self.sizes, self.log, self.extra)
+
+    def remote_range_scenario(self) -> None:
+        """Range reads over HTTP with 20 ms added per request, 1 thread worker against 32;
+        a cold first batch. See ``bench/remote.py``."""
+        from guideloom_pipes.bench.remote import remote_range_rows
+
+        self.rows += remote_range_rows(
+            self.root, self.sizes, self.log, self.extra, self.sizes.remote_bytes
+        )
+
+    def remote_s3_scenario(self) -> None:
+        """Range reads from S3 (moto's server), 1 thread worker against 8, with the CPU per
+        request. See ``bench/remote.py``."""
+        from guideloom_pipes.bench.remote import remote_s3_rows
+
+        self.rows += remote_s3_rows(
+            self.root, self.sizes, self.log, self.extra, min(self.sizes.remote_bytes, 2**25)
+        )
 
     def scale_scenario(self) -> None:
         started = time.perf_counter()

@@ -26,6 +26,7 @@ from guideloom_pipes.storage.commit import _is_locked
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.names import _NAME, IN_BAND, INDEX, RECORD, TMP, shard_name
 from guideloom_pipes.storage.records import ShardRecord
+from guideloom_pipes.storage.remote import RemotePath
 from guideloom_pipes.storage.stream_meta import record_dtype
 
 KINDS = tuple(KIND_SUFFIXES)
@@ -162,7 +163,7 @@ def open_dataset(path: str, dtype: str | None, kind: str | None) -> Opened:
             fmt = RawDocumentFormat()
             name = found.format or "raw bytes (not pickled)"
         return Opened(
-            found, found.kind, None, "", STORAGE_CLASSES["document"](found.directory, fmt), name
+            found, found.kind, None, "", STORAGE_CLASSES["document"](_location(found), fmt), name
         )
     known = stream_dtype is not None
     element = stream_dtype if stream_dtype is not None else np.dtype("u1")
@@ -173,11 +174,17 @@ def open_dataset(path: str, dtype: str | None, kind: str | None) -> Opened:
     else:
         fmt = RawStreamFormat(element)
     name = found.format or ("unknown" if not known else type(fmt).__name__)
-    storage = STORAGE_CLASSES[found.kind](found.directory, fmt)
+    storage = STORAGE_CLASSES[found.kind](_location(found), fmt)
     return Opened(found, found.kind, stream_dtype, source, storage, name.rpartition(".")[2])
 
 
 _STREAM_NUMPY_NAME = "guideloom_pipes.formats.StreamNumpyFormat"
+
+
+def _location(found: Detected) -> Any:
+    """Where the storage of ``found`` is: its directory, or its URL (a ``RemotePath``'s
+    ``str``: read through fsspec)."""
+    return str(found.directory) if isinstance(found.directory, RemotePath) else found.directory
 
 
 @dataclass
@@ -206,8 +213,14 @@ class Survey:
 
 
 def survey(opened: Opened) -> Survey:
-    """Each shard's state, counts and sizes from the file names, sizes and records."""
+    """Each shard's state, counts and sizes from the file names, sizes and records (of a
+    local directory: a URL is a :class:`UsageError` naming the commands that read one)."""
     directory = opened.found.directory
+    if isinstance(directory, RemotePath):
+        raise UsageError(
+            f"info surveys the files of a local directory, {directory} is a URL: run "
+            f"verify or head on it (they read a URL), or info on a local copy"
+        )
     suffixes = KIND_SUFFIXES[opened.kind]
     sizes: dict[str, int] = {}
     records: dict[int, ShardRecord | None] = {}

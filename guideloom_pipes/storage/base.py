@@ -39,6 +39,12 @@ class StorageBase(Storage):
         retry: for a URL, how transient failures are retried
             (:class:`~guideloom_pipes.storage.remote.RetryPolicy`; default
             ``RetryPolicy()``); unused for a local location.
+        cache_dir: for a URL, a local directory for the shard cache: each shard file a
+            reader touches is downloaded whole once (checked against its record), then read
+            memory-mapped; shared by every process of the node. None (the default): range
+            mode, nothing written locally. Unused for a local location.
+        cache_limit_bytes: most bytes the shard cache keeps (least recently used files
+            deleted first); None: no bound. Needs ``cache_dir``.
 
     The directory and format are also ``storage.dir`` and ``storage.format``.
     """
@@ -55,10 +61,12 @@ class StorageBase(Storage):
         *,
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
-        if is_url(storage_dir):
+        if is_url(storage_dir) or cache_dir is not None or cache_limit_bytes is not None:
             storage_dir, read_interface = resolve_location(
-                storage_dir, read_interface, storage_options, retry
+                storage_dir, read_interface, storage_options, retry, cache_dir, cache_limit_bytes
             )
         if isinstance(storage_dir, str):
             from pathlib import Path
@@ -74,6 +82,9 @@ class StorageBase(Storage):
         self.read_interface = read_interface
         #: the fsspec options of a URL location (unused for a local one)
         self.storage_options = storage_options
+        #: the shard cache's directory and bound (a URL location only; None: range mode)
+        self.cache_dir = cache_dir
+        self.cache_limit_bytes = cache_limit_bytes
         self._check_format(storage_format)
 
     @property

@@ -682,6 +682,21 @@ def seal_shard(
         _drop_lock(fd, lock_path)
 
 
+def refuse_to_create(location: str, found: Sequence[str]) -> None:
+    """A ``mode="create"`` writer's refusal of a location that holds the shard files
+    ``found`` (nothing if it holds none)."""
+    if not found:
+        return
+    found = sorted(found)
+    shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+    raise FileExistsError(
+        f"{location} already holds shard files ({shown}; {len(found)} in all) and this writer "
+        f"was opened with mode='create'. Write into an empty or new location, or use "
+        f"mode='overwrite' to replace the dataset, or mode='update' to replace only the "
+        f"shards written"
+    )
+
+
 def _too_many_files(error: OSError, shard: int, open_shards: int, per_shard: int) -> OSError:
     import resource
 
@@ -760,15 +775,9 @@ class ShardWriterBase:
             self._upload.open()
         os.makedirs(self.directory, exist_ok=True)
         if self.mode == "create":
-            found = sorted(n for n in os.listdir(self.directory) if _NAME.match(n))
-            if found:
-                shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
-                raise FileExistsError(
-                    f"{self.directory} already holds shard files ({shown}; {len(found)} in "
-                    f"all) and this writer was opened with mode='create'. Write into an empty "
-                    f"or new directory, or use mode='overwrite' to replace the dataset, or "
-                    f"mode='update' to replace only the shards written"
-                )
+            refuse_to_create(
+                self.directory, [n for n in os.listdir(self.directory) if _NAME.match(n)]
+            )
         recover_directory(self.directory)
         self._present = _shards_in(self.directory)
         self._opened = True

@@ -198,6 +198,8 @@ class DocumentStorage(StorageBase, DocumentStorageAbstract[InDataT, OutDataT]):
         read_interface: the read backend (default memory-mapped).
         storage_options: for a URL, the fsspec file system's options.
         retry: for a URL, a :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
+        cache_dir: for a URL, the shard cache's local directory (None: range reads).
+        cache_limit_bytes: most bytes the shard cache keeps (None: no bound).
 
     The format's ``unpack(encoded_data, shard)`` gets a fresh ``bytearray`` from ``read``,
     and a ``memoryview`` of a fresh ``bytearray`` from ``read_many`` (as GuideLoom does);
@@ -215,6 +217,8 @@ class DocumentStorage(StorageBase, DocumentStorageAbstract[InDataT, OutDataT]):
         *,
         storage_options: dict[str, Any] | None = None,
         retry: Any = None,
+        cache_dir: Any = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         super().__init__(
             storage_dir,
@@ -222,6 +226,8 @@ class DocumentStorage(StorageBase, DocumentStorageAbstract[InDataT, OutDataT]):
             read_interface,
             storage_options=storage_options,
             retry=retry,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
 
     def _check_format(self, format: Any) -> None:

@@ -27,7 +27,7 @@ from guideloom_pipes.storage.names import (
     _display,
     shard_name,
 )
-from guideloom_pipes.storage.records import ShardRecord
+from guideloom_pipes.storage.records import ExpectedFile, ShardRecord
 
 #: The storage class whose shards are exactly these files.
 _CLASS_OF_SUFFIXES = {
@@ -59,10 +59,24 @@ class ShardListing:
     #: ``(st_dev, st_ino)`` of each (shard, suffix) file as listed (local backends only):
     #: readers open exactly these files, or fail (see ``ShardFiles``)
     identities: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
+    #: the ETag of each (shard, suffix) object as listed (remote backends that give one):
+    #: readers read exactly that version of the object, or fail (see ``FsspecIO``)
+    tags: dict[tuple[int, str], str] = field(default_factory=dict)
 
     def file_name(self, shard: int, suffix: str) -> str:
         """The name of the file a reader reads for ``shard``'s ``suffix``."""
         return self.names.get((shard, suffix)) or shard_name(shard) + suffix
+
+    def expected(self, shard: int, suffix: str) -> ExpectedFile:
+        """What the open found of ``shard``'s ``suffix`` file: its size, its record's
+        CRC-32 and its ETag (each None where unknown)."""
+        record = self.records.get(shard)
+        committed = record.files.get(suffix.lstrip(".")) if record is not None else None
+        return ExpectedFile(
+            self.sizes.get((shard, suffix)),
+            committed.crc32 if committed is not None else None,
+            self.tags.get((shard, suffix)),
+        )
 
 
 #: an entry of a directory listing: size (-1: unknown), st_dev, st_ino (0: unknown)
@@ -144,13 +158,20 @@ def _read_local(path: str) -> bytes:
 
 
 def _backend_size(backend: ResolvedBackend, path: PurePath) -> int | None:
+    found = _backend_info(backend, path)
+    return None if found is None else found[0]
+
+
+def _backend_info(backend: ResolvedBackend, path: PurePath) -> tuple[int, str | None] | None:
+    """The size of ``path`` and its ETag (where the reader has an ``etag``: remote
+    backends), or None where it does not exist."""
     reader = backend.reader(path)
     try:
         reader.open()
     except (FileNotFoundError, IsADirectoryError):
         return None
     try:
-        return int(reader.filesize())
+        return int(reader.filesize()), getattr(reader, "etag", None)
     finally:
         reader.close()
 
@@ -252,8 +273,14 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
     if backend.list_dir is not None:
         # a backend that lists sizes too (FsspecIO's object stores) spares a request per file
         list_sized = getattr(backend.backend, "list_dir_sizes", None)
+        list_tagged = getattr(backend.backend, "list_dir_details", None)
+        tagged: dict[str, str] = {}
         try:
-            if callable(list_sized):
+            if callable(list_tagged):
+                details = dict(list_tagged(directory))
+                sized = {name: size for name, (size, _) in details.items()}
+                tagged = {name: tag for name, (_, tag) in details.items() if tag}
+            elif callable(list_sized):
                 sized = dict(list_sized(directory))
             else:
                 sized = dict.fromkeys(backend.list_dir(directory), -1)
@@ -269,12 +296,15 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
         entries = {name: (int(size), 0, 0) for name, size in sized.items()}
         record_names = [name for name in entries if _is_record(name)]
         fetched = dict(zip(record_names, _concurrently(backend, read_remote, record_names)))
-        return _finish(
-            backend,
-            *_assemble(
-                directory, entries, ours, lambda name: fetched.get(name) or read_remote(name)
-            ),
+        listing, temporaries = _assemble(
+            directory, entries, ours, lambda name: fetched.get(name) or read_remote(name)
         )
+        for shard in range(listing.num_shards):
+            for suffix in ours:
+                tag = tagged.get(listing.file_name(shard, suffix))
+                if tag:
+                    listing.tags[(shard, suffix)] = tag
+        return _finish(backend, listing, temporaries)
     return _probe(backend, directory, ours)
 
 
@@ -443,15 +473,18 @@ def _probe(backend: ResolvedBackend, directory: PurePath, ours: tuple[str, ...])
             for suffix in record.files:
                 names[(shard, "." + suffix)] = record.file_name("." + suffix)
     sizes: dict[tuple[int, str], int] = {}
+    tags: dict[tuple[int, str], str] = {}
     if getattr(backend.backend, "open_concurrency", 1) > 1:  # else check_listing asks
         files = [(shard, suffix) for shard in range(high) for suffix in ours]
 
-        def size_of(file: tuple[int, str]) -> int | None:
+        def info_of(file: tuple[int, str]) -> tuple[int, str | None] | None:
             shard, suffix = file
             name = names.get(file) or shard_name(shard) + suffix
-            return _backend_size(backend, directory / name)
+            return _backend_info(backend, directory / name)
 
-        for file, size in zip(files, _concurrently(backend, size_of, files)):
-            if size is not None:
-                sizes[file] = size
-    return ShardListing(directory, high, sizes, records, listed=False, names=names)
+        for file, info in zip(files, _concurrently(backend, info_of, files)):
+            if info is not None:
+                sizes[file] = info[0]
+                if info[1]:
+                    tags[file] = info[1]
+    return ShardListing(directory, high, sizes, records, listed=False, names=names, tags=tags)

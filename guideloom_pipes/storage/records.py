@@ -66,6 +66,16 @@ def format_name(format: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+@dataclass(frozen=True)
+class ExpectedFile:
+    """One shard file as its dataset's open found it: size, the CRC-32 its commit record
+    gives and the object's ETag (remote stores), each None where unknown."""
+
+    size: int | None
+    crc32: int | None
+    etag: str | None
+
+
 @dataclass
 class FileRecord:
     """Size and CRC-32 of one committed file."""

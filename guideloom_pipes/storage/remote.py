@@ -7,6 +7,10 @@ storage is given a URL. A storage built from ``"s3://bucket/prefix"`` keeps its 
 a :class:`RemotePath` (a ``PurePosixPath`` whose ``str`` is the URL again), so the rest of
 the storage layer joins names to it as to any directory; listing, commit records and size
 checks run as for a local dataset (see ``listing.py`` and ``verify.py``).
+
+A storage reader's shard files are pinned at the ETag its open listed (conditional reads,
+``If-Match``), and with a ``cache_dir`` they are read through the node-local shard cache
+(``cache.py``): downloaded whole once, then memory-mapped.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
-from guideloom_pipes.storage.errors import StorageError
-from guideloom_pipes.storage.io import BackendBase
+from guideloom_pipes.storage.cache import CachedFile, ShardCache
+from guideloom_pipes.storage.errors import DatasetChangedError, StorageError
+from guideloom_pipes.storage.io import BackendBase, _MmapReader
 from guideloom_pipes.storage.names import _NAME, shard_name
+from guideloom_pipes.storage.records import ExpectedFile
 from guideloom_pipes.types import IOSyncReaderAbstract
 
 T = TypeVar("T")
@@ -238,6 +244,37 @@ def is_transient(error: BaseException) -> bool:
     return False
 
 
+def _precondition_failed(error: BaseException) -> bool:
+    """Whether ``error`` (or one it was raised from) is an HTTP 412: a conditional read
+    (``If-Match``) of an object that changed."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if getattr(current, "status", None) == 412:  # aiohttp
+            return True
+        response = getattr(current, "response", None)  # botocore ClientError
+        if isinstance(response, dict) and (
+            response.get("Error", {}).get("Code") == "PreconditionFailed"
+            or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
+        ):
+            return True
+        todo += [current.__cause__, current.__context__]
+    return False
+
+
+def _changed(url: str, etag: str, now: str | None = None) -> DatasetChangedError:
+    seen = f"the server's is now {now}" if now else "the server refused a read of that version"
+    return DatasetChangedError(
+        f"{url} ({_shard_label(url)}) changed after this reader opened the dataset (its ETag "
+        f"was {etag}; {seen}): the object was replaced under an open reader, which reads only "
+        f"the version it opened. Open the dataset again (a new reader) to read the new version"
+    )
+
+
 def _shard_label(url: str) -> str:
     match = _NAME.match(url.rpartition("/")[2])
     return f"shard {shard_name(int(match.group('shard')))}" if match else "the dataset"
@@ -268,6 +305,13 @@ class FsspecIO(BackendBase):
         storage_options: keyword arguments of the fsspec file system (credentials,
             ``endpoint_url``, ``client_kwargs``, ...), as in ``fsspec.open``.
         retry: the :class:`RetryPolicy` (default ``RetryPolicy()``).
+        cache: a :class:`~guideloom_pipes.storage.cache.ShardCache`: the shard files a
+            reader opens are downloaded whole into it once, then read memory-mapped (None:
+            range mode, every read a request).
+
+    A storage reader pins each object at the version its open listed (its ETag): reads
+    are conditional (``If-Match`` over HTTP and S3), and an object replaced since is a
+    :class:`~guideloom_pipes.storage.DatasetChangedError`, never bytes of two versions.
     """
 
     #: an open reader holds no descriptor: the storages keep every reader open
@@ -280,10 +324,12 @@ class FsspecIO(BackendBase):
         url: str,
         storage_options: dict[str, Any] | None = None,
         retry: RetryPolicy | None = None,
+        cache: ShardCache | None = None,
     ) -> None:
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.retry = RetryPolicy() if retry is None else retry
+        self.cache = cache
         self._fs: Any = None
         self._lock = threading.Lock()
 
@@ -349,8 +395,42 @@ class FsspecIO(BackendBase):
         included."""
         return self.call(what, url, lambda: self.once(method, *args, **kwargs))
 
+    def ranged(self, url: str, start: int, end: int, etag: str | None) -> bytes:
+        """One try of bytes ``start..end`` of ``url``; with an ``etag``, only of that
+        version of the object (``If-Match``: HTTP and S3; a 412 is a
+        :class:`DatasetChangedError`). Other protocols read without the condition (their
+        pin is checked when a reader opens)."""
+        fs = self.fs
+        if etag is None:
+            return bytes(self.once("cat_file", url, start=start, end=end))
+        try:
+            if hasattr(fs, "_call_s3"):  # s3fs: GetObject with IfMatch
+                return bytes(self._run(_s3_get, fs, url, start, end, etag))
+            if any(p in ("http", "https") for p in _protocols(fs)):
+                headers = {**dict(getattr(fs, "kwargs", {}).get("headers") or {}), "If-Match": etag}
+                return bytes(self.once("cat_file", url, start=start, end=end, headers=headers))
+        except Exception as error:
+            if _precondition_failed(error):
+                raise _changed(url, etag) from error
+            raise
+        return bytes(self.once("cat_file", url, start=start, end=end))
+
+    def _run(self, function: Callable[..., Any], *args: Any) -> Any:
+        """One try of the coroutine ``function(*args)`` on the file system's event loop,
+        abandoned after :attr:`RetryPolicy.timeout` seconds."""
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, function, *args, timeout=self.retry.timeout)
+
     def _make(self, path: PurePath) -> _RemoteReader:
         return _RemoteReader(self, str(path))
+
+    def shard_reader(self, path: PurePath, expected: ExpectedFile) -> IOSyncReaderAbstract:
+        """The reader of a shard file that a storage reader's open found as ``expected``:
+        pinned to its ETag, through the shard cache where there is one."""
+        if self.cache is not None:
+            return _CachedReader(self, str(path), expected)
+        return _RemoteReader(self, str(path), expected)
 
     def __getstate__(self) -> dict[str, Any]:
         # the file system (sessions, event loop) is made again in each process
@@ -373,6 +453,11 @@ class ListingFsspecIO(FsspecIO):
 
     def list_dir_sizes(self, path: PurePath) -> dict[str, int]:
         """The name and size of each object directly under ``path``."""
+        return {name: size for name, (size, _) in self.list_dir_details(path).items()}
+
+    def list_dir_details(self, path: PurePath) -> dict[str, tuple[int, str | None]]:
+        """The name, size and ETag (None where the store gives none) of each object
+        directly under ``path``."""
         url = str(path)
 
         self.fs.invalidate_cache(url)  # a listing cached by an earlier open may be stale
@@ -387,7 +472,8 @@ class ListingFsspecIO(FsspecIO):
             if entry.get("type", "file") != "file":
                 continue
             name = str(entry["name"]).rstrip("/").rpartition("/")[2]
-            found[name] = int(entry.get("size") or 0)
+            tag = entry.get("ETag") or entry.get("etag")
+            found[name] = (int(entry.get("size") or 0), str(tag) if tag else None)
         return found
 
     def list_dir(self, path: PurePath) -> Iterable[str]:
@@ -395,17 +481,74 @@ class ListingFsspecIO(FsspecIO):
         return list(self.list_dir_sizes(path))
 
 
-class _RemoteReader(IOSyncReaderAbstract):
-    """Byte ranges of one object: its size on ``open`` (one request), a request per read."""
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = getattr(fs, "protocol", ())
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
 
-    def __init__(self, backend: FsspecIO, url: str) -> None:
+
+def _strong(etag: str | None) -> bool:
+    """Whether ``etag`` is a strong ETag: ``If-Match`` compares strongly, so a weak one
+    (``W/"..."``, a server that compresses on the fly) would never match."""
+    return etag is not None and not etag.startswith("W/")
+
+
+async def _s3_get(fs: Any, url: str, start: int, end: int, etag: str) -> bytes:
+    """Bytes ``start..end`` of an S3 object, only if its ETag is still ``etag``."""
+    bucket, key, version = fs.split_path(url)
+    extra = {"VersionId": version} if version else {}
+    response = await fs._call_s3(
+        "get_object",
+        Bucket=bucket,
+        Key=key,
+        Range=f"bytes={start}-{end - 1}",
+        IfMatch=etag,
+        **extra,
+    )
+    try:
+        return bytes(await response["Body"].read())
+    finally:
+        response["Body"].close()
+
+
+class _RemoteReader(IOSyncReaderAbstract):
+    """Byte ranges of one object: its size on ``open`` (one request, none where the open
+    of its dataset found it), a request per read; pinned to the ETag the open found."""
+
+    def __init__(self, backend: FsspecIO, url: str, expected: ExpectedFile | None = None) -> None:
         self.backend = backend
         self.url = url
+        self.expected = expected
+        #: the object's ETag (None until open, or where the server gives none)
+        self.etag: str | None = None
+        self._pin: str | None = None
         self._size = -1
 
     def open(self) -> None:
         if self._size >= 0:
             return
+        expected = self.expected
+        if expected is not None and expected.size is not None and expected.etag is not None:
+            self._size, self.etag = expected.size, expected.etag  # found by the open
+            if _strong(expected.etag) and self._checks_each_read():
+                self._pin = expected.etag  # every read is conditional
+                return
+            # no conditional reads (a weak ETag, another protocol): checked once, now
+            now = self._info()[1]
+            if now != expected.etag:
+                raise _changed(self.url, expected.etag, now)
+            return
+        self._size, self.etag = self._info()
+        if expected is not None and expected.etag is not None and self.etag != expected.etag:
+            raise _changed(self.url, expected.etag, self.etag)
+        if expected is not None and _strong(self.etag) and self._checks_each_read():
+            self._pin = self.etag
+
+    def _checks_each_read(self) -> bool:
+        """Whether this protocol's reads can be made conditional on an ETag (If-Match)."""
+        fs = self.backend.fs
+        return hasattr(fs, "_call_s3") or any(p in ("http", "https") for p in _protocols(fs))
+
+    def _info(self) -> tuple[int, str | None]:
         info = dict(self.backend.request("finding the size of", self.url, "info", self.url))
         if info.get("type") == "directory":
             raise IsADirectoryError(f"{self.url} is a directory, not a shard file")
@@ -416,7 +559,8 @@ class _RemoteReader(IOSyncReaderAbstract):
                 f"so its shards cannot be checked against their commit records; serve the "
                 f"files with their sizes (a static file server does)"
             )
-        self._size = int(size)
+        tag = info.get("ETag") or info.get("etag")
+        return int(size), str(tag) if tag else None
 
     def close(self) -> None:
         self._size = -1
@@ -434,7 +578,7 @@ class _RemoteReader(IOSyncReaderAbstract):
             return memoryview(b"")
 
         def ranged() -> memoryview:
-            data = self.backend.once("cat_file", self.url, start=offset, end=end)
+            data = self.backend.ranged(self.url, offset, end, self._pin)
             if len(data) != want:
                 raise _ShortRead(
                     f"asked for bytes {offset}..{end} ({want} bytes), got {len(data)} bytes"
@@ -452,8 +596,53 @@ class _RemoteReader(IOSyncReaderAbstract):
         return got
 
 
+class _CachedReader(IOSyncReaderAbstract):
+    """A shard file through the shard cache: downloaded whole on ``open`` where no process
+    of the node has it yet (pinned ranged reads, the size and CRC-32 of its record
+    checked), then reads of the memory-mapped local copy."""
+
+    def __init__(self, backend: FsspecIO, url: str, expected: ExpectedFile) -> None:
+        self.backend = backend
+        self.url = url
+        self.expected = expected
+        self._local: _MmapReader | None = None
+
+    def open(self) -> None:
+        if self._local is not None:
+            return
+        cache = self.backend.cache
+        assert cache is not None
+        remote = _RemoteReader(self.backend, self.url, self.expected)
+        remote.open()
+        file = CachedFile(self.url, remote.filesize(), self.expected.crc32, remote.etag)
+        self._local = cache.open(file, remote.read)
+
+    def _reader(self) -> _MmapReader:
+        if self._local is None:
+            raise RuntimeError(f"reader of {self.url} is not open; call open() first")
+        return self._local
+
+    def close(self) -> None:
+        if self._local is not None:
+            self._local.close()
+        self._local = None
+
+    def filesize(self) -> int:
+        return self._reader().filesize()
+
+    def buffer(self) -> memoryview:
+        """The whole local copy as a read-only memoryview."""
+        return self._reader().buffer()
+
+    def read(self, offset: int, size: int) -> bytearray:
+        return self._reader().read(offset, size)
+
+
 def remote_backend(
-    url: str, storage_options: dict[str, Any] | None, retry: RetryPolicy | None
+    url: str,
+    storage_options: dict[str, Any] | None,
+    retry: RetryPolicy | None,
+    cache: ShardCache | None = None,
 ) -> FsspecIO:
     """The backend for a dataset at ``url`` (not ``file://``): fsspec imported now, so a
     missing fsspec or protocol package is an error at once, naming what to install."""
@@ -468,7 +657,7 @@ def remote_backend(
     except ValueError as error:
         raise ValueError(f"{url}: fsspec knows no protocol {protocol!r} ({error})") from None
     cls = FsspecIO if protocol in _UNLISTABLE else ListingFsspecIO
-    return cls(url.rstrip("/"), storage_options, retry)
+    return cls(url.rstrip("/"), storage_options, retry, cache)
 
 
 def resolve_location(
@@ -476,10 +665,19 @@ def resolve_location(
     read_interface: Any,
     storage_options: dict[str, Any] | None,
     retry: RetryPolicy | None,
+    cache_dir: Any = None,
+    cache_limit_bytes: int | None = None,
 ) -> tuple[PurePath, Any]:
     """A storage's location and backend from what it was given: a URL's
-    :class:`RemotePath` and :class:`FsspecIO` (a ``file://`` URL: its local path and
-    ``read_interface``); anything else as it is."""
+    :class:`RemotePath` and :class:`FsspecIO` (with a
+    :class:`~guideloom_pipes.storage.cache.ShardCache` where ``cache_dir`` is given; a
+    ``file://`` URL: its local path and ``read_interface``); anything else as it is."""
+    if cache_dir is None and cache_limit_bytes is not None:
+        raise ValueError(
+            f"cache_limit_bytes={cache_limit_bytes!r} bounds the shard cache, which is on only "
+            f"with cache_dir=: pass cache_dir='/local/disk/cache' too, or drop cache_limit_bytes"
+        )
+    cache = None if cache_dir is None else ShardCache(cache_dir, cache_limit_bytes)
     if not is_url(location):
         return location, read_interface
     local = file_url_path(location)
@@ -493,7 +691,7 @@ def resolve_location(
         )
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
-    backend = remote_backend(location, storage_options, retry)
+    backend = remote_backend(location, storage_options, retry, cache)
     return RemotePath(backend.url), backend
 
 

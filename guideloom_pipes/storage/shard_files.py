@@ -99,6 +99,9 @@ class ShardFiles:
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
         self._lru: OrderedDict[int, int] = OrderedDict()  # shard -> readers in use
         self._lock = threading.Lock()
+        #: locks of the opens of shards (striped: shard % len), so that a slow open of one
+        #: shard does not hold up the reads of others
+        self._opening = [threading.Lock() for _ in range(max(1, min(num_shards, 64)))]
         self._closed = False
 
     def path(self, shard: int) -> PurePath:
@@ -121,7 +124,13 @@ class ShardFiles:
         if self._listing is not None:
             identity = self._listing.identities.get((shard, self.suffix))
         if identity is None:
-            reader = self.backend.reader(self.path(shard))
+            # a backend that pins what the open found (FsspecIO: the ETag, the record's
+            # checksum for its cache) is given it
+            pinned = getattr(self.backend.backend, "shard_reader", None)
+            if callable(pinned) and self._listing is not None:
+                reader = pinned(self.path(shard), self._listing.expected(shard, self.suffix))
+            else:
+                reader = self.backend.reader(self.path(shard))
             reader.open()
             return reader
         assert self._listing is not None
@@ -207,15 +216,23 @@ class ShardFiles:
             self._release(shard)
 
     def _shared(self, shard: int) -> Any:
-        """The shard's reader, opened on first use, where readers are never evicted."""
+        """The shard's reader, opened on first use, where readers are never evicted.
+
+        Opens of different shards run in parallel (an open may be slow: the shard cache
+        downloads the whole file), two of one shard never."""
         reader = self._readers[shard]
         if reader is None:
-            with self._lock:
+            with self._opening[shard % len(self._opening)]:
                 if self._closed:
                     raise RuntimeError("reader is closed")
                 reader = self._readers[shard]
                 if reader is None:
-                    reader = self._readers[shard] = self._open_within_limit(shard)
+                    reader = self._open_within_limit(shard)
+                    with self._lock:
+                        if self._closed:  # closed while this one opened
+                            reader.close()
+                            raise RuntimeError("reader is closed")
+                        self._readers[shard] = reader
         return reader
 
     def _open_within_limit(self, shard: int) -> Any:

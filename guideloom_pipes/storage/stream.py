@@ -141,6 +141,8 @@ class StreamStorage(
         read_interface: the read backend (default memory-mapped).
         storage_options: for a URL, the fsspec file system's options.
         retry: for a URL, a :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
+        cache_dir: for a URL, the shard cache's local directory (None: range reads).
+        cache_limit_bytes: most bytes the shard cache keeps (None: no bound).
     """
 
     kind = "stream"
@@ -154,6 +156,8 @@ class StreamStorage(
         *,
         storage_options: dict[str, Any] | None = None,
         retry: Any = None,
+        cache_dir: Any = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         super().__init__(
             storage_dir,
@@ -161,6 +165,8 @@ class StreamStorage(
             read_interface,
             storage_options=storage_options,
             retry=retry,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
 
     def _check_format(self, format: Any) -> None:

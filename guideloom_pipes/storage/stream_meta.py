@@ -71,6 +71,8 @@ class StreamWithMetaStorage(
         read_interface: the read backend (default memory-mapped).
         storage_options: for a URL, the fsspec file system's options.
         retry: for a URL, a :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
+        cache_dir: for a URL, the shard cache's local directory (None: range reads).
+        cache_limit_bytes: most bytes the shard cache keeps (None: no bound).
     """
 
     kind = "stream_meta"
@@ -84,6 +86,8 @@ class StreamWithMetaStorage(
         *,
         storage_options: dict[str, Any] | None = None,
         retry: Any = None,
+        cache_dir: Any = None,
+        cache_limit_bytes: int | None = None,
     ) -> None:
         super().__init__(
             storage_dir,
@@ -91,6 +95,8 @@ class StreamWithMetaStorage(
             read_interface,
             storage_options=storage_options,
             retry=retry,
+            cache_dir=cache_dir,
+            cache_limit_bytes=cache_limit_bytes,
         )
 
     def _check_format(self, format: Any) -> None:

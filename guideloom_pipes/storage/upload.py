@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from guideloom_pipes.storage.commit import _read_record
+from guideloom_pipes.storage.commit import _read_record, refuse_to_create
 from guideloom_pipes.storage.errors import CorruptShardError, StorageError
 from guideloom_pipes.storage.names import (
     _NAME,
@@ -93,14 +93,8 @@ class RemoteUpload:
         if self._opened:
             return
         found = sorted(self._shard_files())
-        if self.mode == "create" and found:
-            shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
-            raise FileExistsError(
-                f"{self.url} already holds shard files ({shown}; {len(found)} in all) and "
-                f"this writer was opened with mode='create'. Write to an empty or new "
-                f"prefix, or use mode='overwrite' to replace the dataset, or mode='update' to "
-                f"replace only the shards written"
-            )
+        if self.mode == "create":
+            refuse_to_create(self.url, found)
         self.present = {int(_NAME.match(n).group("shard")) for n in found}  # type: ignore[union-attr]
         self._opened = True
 

@@ -1,0 +1,568 @@
+"""The shard cache of remote datasets and the pinning of the objects a reader opened
+(docs/remote.md), against real servers on loopback: nginx over HTTP and moto's S3 server,
+with the fault proxy of ``remote_servers.py`` counting (and cutting) requests.
+
+The server tests skip when the ``[remote]`` packages or nginx are missing, except under
+``GUIDELOOM_PIPES_REQUIRE_SERVERS=1`` (CI), where a server that does not start fails them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from remote_servers import (
+    HttpServer,
+    S3Server,
+    fault_proxy,
+    moto_server,
+    need_modules,
+    nginx_server,
+)
+
+from guideloom_pipes import (
+    DocumentDataset,
+    DocumentPickleFormat,
+    DocumentStorage,
+    StreamDataset,
+    StreamNumpyFormat,
+    StreamStorage,
+    open_storage,
+)
+from guideloom_pipes.storage import CorruptShardError, DatasetChangedError
+from guideloom_pipes.storage.cache import ShardCache
+from guideloom_pipes.storage.remote import RemoteReadError, RetryPolicy
+
+TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
+#: retries fast enough for tests; a request that hangs is abandoned after 10 s and tried
+#: again (here a request on a kept-alive connection to nginx has, rarely, never been answered)
+FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
+BUCKET = "cached"
+WINDOW = 100
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    need_modules("aiohttp")
+    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with moto_server() as server:
+        server.filesystem().mkdir(BUCKET)
+        yield server
+
+
+def _write_tokens(directory: Path, shards: int = 3, per_shard: int = 1000, start: int = 0) -> Any:
+    with StreamStorage(directory, TOKENS).sync_writer() as writer:
+        for shard in range(shards):
+            first = start + shard * per_shard
+            writer.append(shard, {"tokens": np.arange(first, first + per_shard, dtype="<i4")})
+    return np.arange(start, start + shards * per_shard, dtype="<i4")
+
+
+def _read_all(storage: Any) -> list[int]:
+    """Every token, window by window, with a fresh reader."""
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:
+        return np.concatenate([reader[i]["tokens"] for i in range(len(reader))]).tolist()
+
+
+def _data_gets(proxy: Any, shards: int) -> list[str]:
+    """The GETs of the data files of shards ``0..shards-1`` (an HTTP open's probes of the
+    ids past the last shard are GETs answered 404)."""
+    names = {f"/{shard:07d}.in_band.bin " for shard in range(shards)}
+    return [
+        line
+        for _, line in proxy.log
+        if line.startswith("GET") and any(name in line for name in names)
+    ]
+
+
+def _entries(cache_dir: Path) -> list[str]:
+    return sorted(name.partition("-")[2] for name in os.listdir(cache_dir / "entries"))
+
+
+def _replace(path: Path, data: bytes) -> None:
+    """Overwrite a served file as an upload does (a new file under the name), with another
+    modification time (nginx's ETag is the time in seconds and the size)."""
+    stat = path.stat()
+    temporary = path.with_name(path.name + ".new")
+    temporary.write_bytes(data)
+    os.utime(temporary, (stat.st_atime + 10, stat.st_mtime + 10))
+    os.replace(temporary, path)
+
+
+# --- the cache over HTTP --------------------------------------------------------------------
+
+
+def test_a_cached_shard_is_downloaded_once_and_read_again_without_data_requests(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "once", shards=3)
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        storage = StreamStorage(
+            f"{proxy.url}/once", TOKENS, cache_dir=tmp_path / "cache", retry=FAST
+        )
+        assert _read_all(storage) == tokens.tolist()
+        first = len(_data_gets(proxy, 3))
+        assert _read_all(storage) == tokens.tolist()  # a new reader: the open only
+        second = len(_data_gets(proxy, 3)) - first
+    assert first == 3  # one whole-file download per shard, however many windows
+    assert second == 0
+    assert _entries(tmp_path / "cache") == [f"000000{k}.in_band.bin" for k in range(3)]
+
+
+def test_range_mode_makes_a_request_per_window_where_the_cache_makes_one_per_shard(
+    http: HttpServer,
+) -> None:
+    tokens = _write_tokens(http.root / "ranged", shards=2)
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        storage = StreamStorage(f"{proxy.url}/ranged", TOKENS, retry=FAST)
+        assert _read_all(storage) == tokens.tolist()
+    assert len(_data_gets(proxy, 2)) == 2000 // WINDOW
+
+
+def test_a_cached_copy_is_read_memory_mapped(http: HttpServer, tmp_path: Path) -> None:
+    tokens = _write_tokens(http.root / "mapped", shards=1)
+    storage = StreamStorage(f"{http.url}/mapped", TOKENS, cache_dir=tmp_path / "cache", retry=FAST)
+    with storage.sync_reader() as reader:
+        reader.read(0, 10)
+        array = reader._files[".in_band.bin"].array(0, np.dtype("<i4"))
+    assert array is not None and array.tolist() == tokens.tolist()
+
+
+def test_processes_opening_one_shard_together_download_it_once(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "shared", shards=2, per_shard=50_000)
+    context = multiprocessing.get_context("spawn")
+    parties = 3
+    barrier = context.Barrier(parties)
+    results = context.Queue()
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        url = f"{proxy.url}/shared"
+        workers = [
+            context.Process(
+                target=_read_in_process, args=(url, str(tmp_path / "cache"), barrier, results)
+            )
+            for _ in range(parties)
+        ]
+        for worker in workers:
+            worker.start()
+        got = [results.get(timeout=120) for _ in workers]
+        for worker in workers:
+            worker.join(60)
+        downloads = _data_gets(proxy, 2)
+    assert [worker.exitcode for worker in workers] == [0] * parties
+    assert got == [tokens.tolist()] * parties
+    assert len(downloads) == 2  # each shard file once, for all processes together
+
+
+def _read_in_process(url: str, cache_dir: str, barrier: Any, results: Any) -> None:
+    storage = StreamStorage(url, TOKENS, cache_dir=cache_dir, retry=FAST)
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:  # the open: before the wait
+        barrier.wait(60)  # every process asks for the same shards now
+        results.put(np.concatenate([reader[i]["tokens"] for i in range(len(reader))]).tolist())
+
+
+def test_downloads_of_different_shards_run_in_parallel(http: HttpServer, tmp_path: Path) -> None:
+    tokens = _write_tokens(http.root / "parallel", shards=2)
+    names = ("/0000000.in_band.bin ", "/0000001.in_band.bin ")
+
+    def download(line: str) -> bool:
+        return line.startswith("GET") and any(name in line for name in names)
+
+    with fault_proxy(http.port, lambda n: "pass", together=download, parties=2) as proxy:
+        storage = StreamStorage(
+            f"{proxy.url}/parallel", TOKENS, cache_dir=tmp_path / "cache", retry=FAST
+        )
+        with (
+            StreamDataset(storage, WINDOW).sync_reader() as reader,
+            ThreadPoolExecutor(2) as pool,
+        ):
+            got = list(pool.map(lambda i: reader[i]["tokens"].tolist(), [0, 10]))
+    assert got == [tokens[:100].tolist(), tokens[1000:1100].tolist()]
+    # one download waiting for the other would meet nobody at the proxy's barrier: "alone"
+    assert proxy.count("together") == 2 and proxy.count("alone") == 0
+
+
+def test_a_loader_with_process_workers_shares_the_cache_and_reads_what_a_local_one_does(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    from guideloom_pipes import StatefulDataLoader
+
+    _write_tokens(http.root / "loader", shards=4, per_shard=2500)
+    batches = []
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        for storage in (
+            StreamStorage(http.root / "loader", TOKENS),
+            StreamStorage(f"{proxy.url}/loader", TOKENS, cache_dir=tmp_path / "c", retry=FAST),
+        ):
+            loader = StatefulDataLoader.from_storage(
+                storage, sequence_length=64, batch_size=8, shuffle=True, shuffle_seed=3,
+                num_workers=2, parallel_method="process", prefetch=2, device="cpu", drop_last=True,
+            )  # fmt: skip
+            with loader:
+                for _ in range(2):  # two epochs
+                    batches.append([batch["tokens"].tolist() for batch in loader])
+    assert batches[2:] == batches[:2] and len(batches[0]) == 10_000 // 64 // 8
+    assert len(_data_gets(proxy, 4)) == 4  # each shard once, for both workers and epochs
+
+
+def test_the_cache_keeps_its_bound_evicting_the_least_recently_used(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "bounded", shards=5)
+    file_size = 4000
+    cache_dir = tmp_path / "cache"
+    storage = StreamStorage(
+        f"{http.url}/bounded",
+        TOKENS,
+        cache_dir=cache_dir,
+        cache_limit_bytes=2 * file_size + 100,
+        retry=FAST,
+    )
+    cache = ShardCache(cache_dir, 2 * file_size + 100)
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:
+        got = []
+        for i in range(len(reader)):
+            got += reader[i]["tokens"].tolist()
+            assert cache.size() <= 2 * file_size + 100
+    assert got == tokens.tolist()  # evicted files stay readable while mapped
+    assert _entries(cache_dir) == ["0000003.in_band.bin", "0000004.in_band.bin"]
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:
+        assert reader[30]["tokens"].tolist() == tokens[3000:3100].tolist()  # 3: used now
+        assert reader[0]["tokens"].tolist() == tokens[:100].tolist()  # 0: downloaded
+    assert _entries(cache_dir) == ["0000000.in_band.bin", "0000003.in_band.bin"]
+
+
+def test_a_download_whose_checksum_differs_from_the_record_is_refused_and_not_cached(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    _write_tokens(http.root / "corrupt", shards=2)
+    data = http.root / "corrupt" / "0000001.in_band.bin"
+    damaged = bytearray(data.read_bytes())
+    damaged[100] ^= 0xFF  # same size: the open's checks pass, the checksum does not
+    _replace(data, bytes(damaged))
+    storage = StreamStorage(f"{http.url}/corrupt", TOKENS, cache_dir=tmp_path / "cache", retry=FAST)
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:
+        reader[0]
+        with pytest.raises(CorruptShardError, match=r"0000001\.in_band\.bin.*crc32"):
+            reader[10]
+    assert _entries(tmp_path / "cache") == ["0000000.in_band.bin"]
+    assert os.listdir(tmp_path / "cache" / "partial") == []
+
+
+def test_a_download_cut_midway_leaves_nothing_read_as_data(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "cut", shards=1, per_shard=100_000)
+    cutting = [False]
+
+    def schedule(n: int) -> str:
+        return "truncate" if cutting[0] else "pass"
+
+    once = RetryPolicy(attempts=1)
+    with fault_proxy(http.port, schedule) as proxy:
+        storage = StreamStorage(
+            f"{proxy.url}/cut", TOKENS, cache_dir=tmp_path / "cache", retry=once
+        )
+        reader = StreamDataset(storage, WINDOW).sync_reader()
+        reader.open()
+        cutting[0] = True  # the open went through; the download is cut
+        with pytest.raises(RemoteReadError, match=r"0000000\.in_band\.bin"):
+            reader[0]
+        assert proxy.count("truncate") == 1
+        assert _entries(tmp_path / "cache") == []
+        assert os.listdir(tmp_path / "cache" / "partial") == []
+        cutting[0] = False
+        assert reader[999]["tokens"].tolist() == tokens[99_900:].tolist()
+        reader.close()
+    assert _entries(tmp_path / "cache") == ["0000000.in_band.bin"]
+
+
+def test_a_download_killed_midway_is_never_read_and_is_cleaned_up(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "killed", shards=1, per_shard=100_000)
+    cache_dir = tmp_path / "cache"
+    stalled = []
+
+    def schedule(n: int) -> str:
+        return "stall" if stalled else "pass"
+
+    with fault_proxy(http.port, schedule) as proxy:
+        code = f"""
+import numpy as np, sys
+from guideloom_pipes import (
+    DocumentDataset,
+    DocumentPickleFormat,
+    DocumentStorage,
+    StreamDataset,
+    StreamNumpyFormat,
+    StreamStorage,
+    open_storage,
+)
+fmt = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
+storage = StreamStorage({proxy.url + "/killed"!r}, fmt, cache_dir={str(cache_dir)!r})
+with StreamDataset(storage, 100).sync_reader() as reader:
+    print("open", flush=True)
+    sys.stdin.readline()
+    reader[0]
+"""
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            assert child.stdout is not None and child.stdin is not None
+            assert child.stdout.readline().strip() == "open"
+            stalled.append(True)  # the download's request never gets an answer
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            while proxy.count("stall") == 0:  # the download has started
+                assert child.poll() is None
+                time.sleep(0.05)
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait(60)
+    assert _entries(cache_dir) == []  # the partial download has no entry's name
+    storage = StreamStorage(f"{http.url}/killed", TOKENS, cache_dir=cache_dir, retry=FAST)
+    assert _read_all(storage) == tokens.tolist()
+    assert os.listdir(cache_dir / "partial") == []  # what the killed one left is gone
+
+
+def test_a_replaced_shard_gets_a_new_cache_entry_never_the_stale_one(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    _write_tokens(http.root / "replaced", shards=2)
+    storage = StreamStorage(
+        f"{http.url}/replaced", TOKENS, cache_dir=tmp_path / "cache", retry=FAST
+    )
+    _read_all(storage)
+    newer = tmp_path / "newer"
+    tokens = _write_tokens(newer, shards=2, start=50_000)
+    for path in sorted(newer.iterdir(), key=lambda p: p.suffix == ".json"):  # records last
+        _replace(http.root / "replaced" / path.name, path.read_bytes())
+    assert _read_all(storage) == tokens.tolist()
+    assert len(_entries(tmp_path / "cache")) == 4  # the old copies are kept until evicted
+
+
+# --- the cache over S3 ----------------------------------------------------------------------
+
+
+def test_an_s3_shard_is_cached_once(s3: S3Server, tmp_path: Path) -> None:
+    tokens = _write_tokens(tmp_path / "data", shards=2)
+    s3.filesystem().put(f"{tmp_path / 'data'}/", f"{BUCKET}/once/", recursive=True)
+    port = int(s3.endpoint.rpartition(":")[2])
+    with fault_proxy(port, lambda n: "pass") as proxy:
+        storage = StreamStorage(
+            f"s3://{BUCKET}/once",
+            TOKENS,
+            storage_options=s3.options(proxy.url),
+            cache_dir=tmp_path / "cache",
+            retry=FAST,
+        )
+        assert _read_all(storage) == tokens.tolist()
+        assert _read_all(storage) == tokens.tolist()
+    assert len(_data_gets(proxy, 2)) == 2
+
+
+# --- pinning --------------------------------------------------------------------------------
+
+
+def test_an_http_object_replaced_under_an_open_reader_is_refused(http: HttpServer) -> None:
+    _write_tokens(http.root / "pinned", shards=2)
+    url = f"{http.url}/pinned"
+    storage = StreamStorage(url, TOKENS, retry=FAST)
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:
+        reader[0]  # shard 0 read; shard 1 only listed
+        for shard in (0, 1):
+            path = http.root / "pinned" / f"000000{shard}.in_band.bin"
+            _replace(path, bytes(reversed(path.read_bytes())))
+        with pytest.raises(DatasetChangedError, match="Open the dataset again") as caught:
+            reader[1]
+        assert f"{url}/0000000.in_band.bin" in str(caught.value)
+        with pytest.raises(DatasetChangedError, match=rf"{url}/0000001\.in_band\.bin"):
+            reader[10]
+
+
+def test_a_reader_opened_after_a_replacement_reads_the_new_version(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    _write_tokens(http.root / "renewed", shards=1)
+    storage = StreamStorage(f"{http.url}/renewed", TOKENS, retry=FAST)
+    _read_all(storage)
+    tokens = _write_tokens(tmp_path / "newer", shards=1, start=7)
+    for name in ("0000000.in_band.bin", "0000000.shard.json"):
+        _replace(http.root / "renewed" / name, (tmp_path / "newer" / name).read_bytes())
+    assert _read_all(storage) == tokens.tolist()
+
+
+def test_an_s3_object_replaced_under_an_open_reader_is_refused(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    _write_tokens(tmp_path / "data", shards=2)
+    fs = s3.filesystem()
+    fs.put(f"{tmp_path / 'data'}/", f"{BUCKET}/pinned/", recursive=True)
+    url = f"s3://{BUCKET}/pinned"
+    storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:
+        reader[0]
+        data = (tmp_path / "data" / "0000001.in_band.bin").read_bytes()
+        fs.pipe(f"{BUCKET}/pinned/0000001.in_band.bin", bytes(reversed(data)))
+        with pytest.raises(DatasetChangedError, match=rf"{url}/0000001\.in_band\.bin"):
+            reader[10]
+        assert reader[1]["tokens"].tolist() == list(range(100, 200))  # shard 0 unchanged
+
+
+def test_a_weak_etag_is_checked_when_a_reader_opens_not_sent_as_if_match(http: HttpServer) -> None:
+    from guideloom_pipes.storage.records import ExpectedFile
+
+    tokens = _write_tokens(http.root / "weak", shards=1)
+    storage = StreamStorage(f"{http.url}/weak", TOKENS, retry=FAST)
+    url = storage.dir / "0000000.in_band.bin"
+    strong = storage.backend.sync_reader(url)
+    strong.open()
+    weak = f"W/{strong.etag}"  # as a server that compresses on the fly would tag it
+    with pytest.raises(DatasetChangedError, match="changed after this reader opened"):
+        storage.backend.shard_reader(url, ExpectedFile(4000, None, weak)).open()
+    same = storage.backend.shard_reader(url, ExpectedFile(4000, None, strong.etag))
+    same.open()
+    assert np.frombuffer(same.read(40, 8), "<i4").tolist() == tokens[10:12].tolist()
+
+
+def test_a_shard_replaced_before_its_download_is_refused_and_not_cached(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    _write_tokens(http.root / "pinned-cache", shards=2)
+    storage = StreamStorage(
+        f"{http.url}/pinned-cache", TOKENS, cache_dir=tmp_path / "cache", retry=FAST
+    )
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:
+        path = http.root / "pinned-cache" / "0000001.in_band.bin"
+        _replace(path, bytes(reversed(path.read_bytes())))
+        with pytest.raises(DatasetChangedError, match=r"0000001\.in_band\.bin"):
+            reader[10]
+    assert _entries(tmp_path / "cache") == []
+
+
+# --- open_storage with a URL ----------------------------------------------------------------
+
+
+def test_open_storage_opens_an_http_dataset_from_its_records(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "opened", shards=3)
+    storage = open_storage(f"{http.url}/opened", retry=FAST, cache_dir=tmp_path / "cache")
+    assert type(storage) is StreamStorage and storage.format.stream_dtype == TOKENS.stream_dtype
+    assert storage.backend.retry == FAST
+    assert _read_all(storage) == tokens.tolist()
+    assert len(_entries(tmp_path / "cache")) == 3
+
+
+def test_open_storage_opens_an_s3_dataset_with_its_options(s3: S3Server, tmp_path: Path) -> None:
+    with DocumentStorage(tmp_path / "docs", DocumentPickleFormat()).sync_writer() as writer:
+        for shard in range(2):
+            for i in range(5):
+                writer.append(shard, {"id": shard * 5 + i})
+    s3.filesystem().put(f"{tmp_path / 'docs'}/", f"{BUCKET}/docs/", recursive=True)
+    storage = open_storage(f"s3://{BUCKET}/docs", storage_options=s3.options())
+    assert type(storage) is DocumentStorage and isinstance(storage.format, DocumentPickleFormat)
+    with DocumentDataset(storage).sync_reader() as reader:
+        assert [reader[i]["id"] for i in range(len(reader))] == list(range(10))
+
+
+def test_open_storage_of_a_url_with_no_dataset_is_not_found(http: HttpServer, s3: S3Server) -> None:
+    with pytest.raises(FileNotFoundError, match="is not a dataset"):
+        open_storage(f"{http.url}/nothing-here", retry=FAST)
+    with pytest.raises(FileNotFoundError, match="is not a dataset"):
+        open_storage(f"s3://{BUCKET}/nothing-here", storage_options=s3.options())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    return subprocess.run(
+        [sys.executable, "-m", "guideloom_pipes", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_the_cli_verifies_and_shows_a_dataset_at_a_url(http: HttpServer) -> None:
+    tokens = _write_tokens(http.root / "cli", shards=3)
+    url = f"{http.url}/cli"
+    head = _cli("head", url, "-n", "2")
+    assert head.returncode == 0, head.stderr
+    assert head.stdout.splitlines()[1].split("\t")[1] == "tokens=" + str(
+        tokens[16:32].tolist()
+    ).replace(" ", "")
+    assert _cli("verify", url).returncode == 0
+    data = http.root / "cli" / "0000002.in_band.bin"
+    damaged = bytearray(data.read_bytes())
+    damaged[8] ^= 1
+    _replace(data, bytes(damaged))
+    verify = _cli("verify", url)
+    assert verify.returncode == 1 and "0000002.in_band.bin fails its checksum" in verify.stdout
+    info = _cli("info", url)
+    assert info.returncode == 2 and "run verify or head on it" in info.stderr
+
+
+# --- arguments ------------------------------------------------------------------------------
+
+
+def test_a_cache_limit_without_a_cache_dir_is_refused() -> None:
+    with pytest.raises(ValueError, match="pass cache_dir="):
+        StreamStorage("http://127.0.0.1:1/data", TOKENS, cache_limit_bytes=10**9)
+
+
+@pytest.mark.parametrize("limit", [0, -5, 1.5, True])
+def test_a_cache_limit_that_is_not_positive_bytes_is_refused(limit: Any, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cache_limit_bytes must be a number of bytes > 0"):
+        StreamStorage(
+            "http://127.0.0.1:1/data", TOKENS, cache_dir=tmp_path, cache_limit_bytes=limit
+        )
+
+
+def test_a_cache_dir_that_is_a_url_is_refused() -> None:
+    with pytest.raises(ValueError, match="the shard cache is a local directory"):
+        StreamStorage("http://127.0.0.1:1/data", TOKENS, cache_dir="s3://bucket/cache")
+
+
+def test_a_cached_storage_pickles_with_its_cache(tmp_path: Path) -> None:
+    import pickle
+
+    need_modules("fsspec", "aiohttp")
+    storage = StreamStorage(
+        "http://127.0.0.1:1/data", TOKENS, cache_dir=tmp_path, cache_limit_bytes=1000
+    )
+    copy = pickle.loads(pickle.dumps(storage))
+    assert copy.backend.cache.directory == tmp_path and copy.backend.cache.limit_bytes == 1000
+
+
+def test_a_local_location_ignores_the_cache(tmp_path: Path) -> None:
+    tokens = _write_tokens(tmp_path / "data", shards=1)
+    storage = StreamStorage(tmp_path / "data", TOKENS, cache_dir=tmp_path / "cache")
+    assert _read_all(storage) == tokens.tolist()
+    assert not (tmp_path / "cache").exists()
