@@ -12,16 +12,16 @@ one sequential read, and mixes their samples in a seeded buffer::
 
 Everything about the order is a pure function of the listing, the seed and the epoch
 (:class:`ShardPlan`): each epoch the non-empty shards are shuffled and dealt, one at a time,
-to the rank holding the fewest samples so far, so the ranks' sample counts differ by less than
-one shard. The rank's shards are cut into buffers: consecutive shards until the buffer holds
+to the rank holding the fewest samples so far, so the ranks' sample counts differ by at most
+the largest shard. The rank's shards are cut into buffers: consecutive shards until the buffer holds
 at least ``buffer_size`` samples; each buffer's samples come out in a permutation seeded by
 ``(seed, epoch, rank, buffer)``. A position in the epoch (samples delivered on the rank)
 therefore needs only the shards of the buffer in progress to be read again on resume: at
 most ``buffer_size - 1`` samples plus one shard.
 
 All ranks take ``steps`` steps: with ``drop_last`` the smallest rank's count over the local
-batch size (each rank drops the rest of its shuffled samples, less than one shard plus one
-batch); without, the largest rank's, ranks that run out first getting short or empty final
+batch size (each rank drops the rest of its shuffled samples, at most the largest shard plus
+a batch); without, the largest rank's, ranks that run out first getting short or empty final
 batches (as GuideLoom's padding does in the global order).
 """
 
