@@ -174,6 +174,11 @@ class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
         """The samples at ``ids`` (a numpy array of sample ids), in that order."""
         raise NotImplementedError
 
+    def read_range(self, first: int, count: int) -> list[Any]:
+        """Samples ``first .. first + count - 1``: the shard-streaming path, which reads a
+        whole shard's samples at once (a stream reads the span in one request per shard)."""
+        return self.read_batch(np.arange(first, first + count, dtype=np.int64))
+
 
 class StreamDatasetReader(_DatasetReaderBase):
     """Reader of a :class:`StreamDataset` (windows of ``sequence_length`` elements)."""
@@ -197,8 +202,25 @@ class StreamDatasetReader(_DatasetReaderBase):
         ids = _as_ids(ids, self._length)
         length = self.sequence_length
         starts = ids * length
+        windows = self._storage_reader._windows(starts, length)  # checked: inside the stream
+        return self._decode(windows, starts)
+
+    def read_range(self, first: int, count: int) -> list[Any]:
+        """Windows ``first .. first + count - 1`` read as one span (one read per shard it
+        touches), then decoded as :meth:`read_batch` decodes."""
+        self._check_open()
+        ids = _as_ids(np.arange(first, first + count, dtype=np.int64), self._length)
+        if count == 0:
+            return []
+        length = self.sequence_length
+        span, _, _ = self._storage_reader.read_raw(first * length, count * length)
+        return self._decode(span.reshape(count, length), ids * length)
+
+    def _decode(self, windows: np.ndarray, starts: np.ndarray) -> list[Any]:
+        """Samples from a ``(count, sequence_length)`` array of windows starting at
+        ``starts`` (global element indexes)."""
+        length = self.sequence_length
         reader = self._storage_reader
-        windows = reader._windows(starts, length)  # ids were checked: windows lie inside
         if isinstance(reader, StreamWithMetaReader):
             return reader.decode_windows(windows, starts)
         format = reader.storage.format

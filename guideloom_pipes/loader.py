@@ -40,15 +40,24 @@ from guideloom_pipes.pipes import (
     num_steps,
     pad_collate,
 )
-from guideloom_pipes.pipes._errors import is_batch_failure
+from guideloom_pipes.pipes._errors import is_batch_failure, mark_batch_failure
 from guideloom_pipes.pipes._pool import (
     DataLoaderTimeoutError,
     _ProcessPool,
     after_orphaned_jobs,
     seconds_text,
 )
-from guideloom_pipes.pipes._worker import batch_seed
+from guideloom_pipes.pipes._worker import Seeding, batch_seed, seeded
 from guideloom_pipes.pipes.read import _CHUNK_SECONDS, _mp_context, _together
+from guideloom_pipes.pipes.shards import (
+    BatchSamples,
+    ListShards,
+    RankShards,
+    ReadShards,
+    ShardPlan,
+    ShuffleBuffer,
+    shard_spans,
+)
 from guideloom_pipes.types import SyncContextManager
 
 __all__ = ["DataLoaderTimeoutError", "EpochBatchSampler", "EpochSampler", "StatefulDataLoader"]
@@ -64,6 +73,15 @@ _GLOBAL_BATCH_KEY = "global_batch_size"
 _FINGERPRINT_KEY = "dataset_fingerprint"
 #: Extra key of ours: the base seed (workers' and batches' seeds; the unseeded shuffle's).
 _BASE_SEED_KEY = "base_seed"
+#: Extra keys of a shard-streaming loader (``order="shards"``): the order, the world size
+#: and the buffer size its shards were dealt and mixed with.
+_ORDER_KEY = "order"
+_WORLD_SIZE_KEY = "world_size"
+_BUFFER_KEY = "shuffle_buffer"
+#: The orders ``from_storage`` offers: GuideLoom's global windows, or whole shards per rank.
+_ORDERS = ("global", "shards")
+#: ``shuffle_buffer``'s default, in samples.
+SHUFFLE_BUFFER_DEFAULT = 8192
 #: Collates of ours: they draw no random numbers, so batches read by our datasets' readers
 #: and collated by them need no seed.
 _OUR_COLLATES: tuple[Callable[..., Any], ...] = (default_collate, pad_collate, collate_packed)
@@ -257,6 +275,13 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self.sampler = EpochSampler(self)
         self.batch_sampler = EpochBatchSampler(self)
         self._warn_dropped_tail = settings.warn_dropped_tail
+        #: "global" (GuideLoom's order) or "shards" (see ``from_storage``)
+        self.order = "global"
+        #: samples the shard order's buffer holds at least (``order="shards"`` only)
+        self.shuffle_buffer: int | None = None
+        # (the shard order) the dataset's shards of the open reader, and the last plan
+        self._spans: list[Any] | None = None
+        self._plan_cache: tuple[tuple[int, int], ShardPlan] | None = None
 
         self._epoch = 0
         self._offset = 0
@@ -298,6 +323,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         pin_memory: bool = False,
         drop_last: bool = DROP_LAST_DEFAULT,
         prefetch: int = 0,
+        order: str = "global",
+        shuffle_buffer: int | None = None,
         **kwargs: Any,
     ) -> StatefulDataLoader[Any, BatchT]:
         """A loader over a storage: ``StreamDataset`` or ``DocumentDataset`` picked for you.
@@ -307,6 +334,14 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             collate_fn: As for the constructor.
             sequence_length: Elements per sample; required for stream storages, refused for
                 document storages.
+            order: ``"global"`` (the default): GuideLoom's order, a global shuffle of sample
+                windows (a read per window). ``"shards"``: each rank reads whole shards (one
+                read each), shuffled per epoch, its samples mixed in a seeded buffer (see
+                ``docs/shard-streaming.md``); for object stores where a request per window
+                is too dear. Thread workers or ``num_workers=0`` only.
+            shuffle_buffer: (``order="shards"``) samples a buffer of shards holds at least
+                before its samples are shuffled together; default 8192. A resume reads the
+                shards of one buffer again.
             **kwargs: The constructor's other keywords (torch ``DataLoader`` names).
 
         ``device``, ``local_batch_size``, ``rank``, ``world_size``, ``num_workers``,
@@ -326,8 +361,38 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             drop_last=drop_last,
             prefetch=prefetch,
         )
+        if order not in _ORDERS:
+            raise ValueError(
+                f"order must be one of {_ORDERS}, got {order!r}: 'global' is GuideLoom's "
+                "order, 'shards' streams whole shards per rank"
+            )
+        if order == "global" and shuffle_buffer is not None:
+            raise ValueError(
+                f"shuffle_buffer={shuffle_buffer!r} applies to order='shards' only: pass "
+                "order='shards', or leave shuffle_buffer out"
+            )
+        if order == "shards":
+            shuffle_buffer = _int_arg(
+                "shuffle_buffer",
+                SHUFFLE_BUFFER_DEFAULT if shuffle_buffer is None else shuffle_buffer,
+                1,
+            )
+            if kwargs.get("num_workers", 0) and kwargs.get("parallel_method") == "process":
+                raise ValueError(
+                    "order='shards' reads shards on worker threads: pass "
+                    "parallel_method='thread' (or num_workers=0), or use order='global' for "
+                    "process workers"
+                )
+            if kwargs.get("timeout"):
+                raise ValueError(
+                    f"timeout={kwargs['timeout']!r} is not supported with order='shards' (a "
+                    "whole shard is one read): leave timeout at 0, or use order='global'"
+                )
         dataset = dataset_for_storage(storage, sequence_length)
-        return cls(dataset, collate_fn, **kwargs)
+        loader = cls(dataset, collate_fn, **kwargs)
+        loader.order = order
+        loader.shuffle_buffer = shuffle_buffer
+        return loader
 
     @staticmethod
     def get_default_device() -> torch.device:
@@ -352,7 +417,12 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         return self.local_batch_size * self.world_size
 
     def __len__(self) -> int:
-        """Steps in a full epoch: ``n // G`` with ``drop_last``, else ``ceil(n / G)``."""
+        """Steps in a full epoch: ``n // G`` with ``drop_last``, else ``ceil(n / G)``.
+
+        With ``order="shards"``: the steps of the current epoch (ranks get whole shards,
+        so an epoch's steps depend on how its shuffled shards were dealt)."""
+        if self.order == "shards":
+            return self._shard_plan(self._current_epoch()).steps
         n, g = self._num_samples(), self.global_batch_size
         return n // g if self.drop_last else -(-n // g)
 
@@ -384,6 +454,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._reader, self._owns_reader = reader, owns_reader
         self._is_open = True
         self._fingerprint = reader_fingerprint(reader)
+        self._spans, self._plan_cache = None, None
 
     def _too_few_samples(self, reader: Any, n: int) -> str:
         """Why a dataset of ``n`` samples cannot fill a global batch, and the fix."""
@@ -428,6 +499,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         if self._is_open:
             reader, self._reader = self._reader, None
             self._is_open = False
+            self._spans, self._plan_cache = None, None
             if self._owns_reader:
                 self._owns_reader = False
                 # Once worker threads still finishing a batch of a closed iterator are done.
@@ -527,7 +599,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
 
     def _warn_if_tail_dropped(self) -> None:
         """Warn (once per loader) that ``drop_last`` defaulting to True drops samples: torch
-        code passing ``batch_size=`` expects torch's ``drop_last=False``."""
+        code passing ``batch_size=`` expects torch's ``drop_last=False``. (The shard order
+        drops a tail that depends on each epoch's dealing: its documentation says so.)"""
+        if self.order == "shards":
+            return
         n, g = self._num_samples(), self.global_batch_size
         if n % g == 0:
             return
@@ -562,6 +637,69 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._offset_batch = self.global_batch_size
         self._closed_early = None
 
+    # -- the shard order ---------------------------------------------------------------------
+
+    def _shard_plan(self, epoch: int) -> ShardPlan:
+        """This rank's plan of ``epoch`` in the shard order (from the shard listing)."""
+        seed = self.shuffle_seed or 0
+        cached = self._plan_cache
+        if cached is not None and cached[0] == (epoch, seed):  # (a loaded state may set seed)
+            return cached[1]
+        if self._spans is None:
+            self.open()
+            self._spans = shard_spans(self._reader)
+        plan = ShardPlan(
+            self._spans,
+            self.local_batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            seed=seed,
+            epoch=epoch,
+            shuffle=self.shuffle,
+            buffer_size=self.shuffle_buffer or 1,
+        )
+        self._plan_cache = ((epoch, seed), plan)
+        return plan
+
+    def _steps_left(self, epoch: int, offset: int) -> int:
+        """Steps of ``epoch`` left from global position ``offset``."""
+        if self.order == "shards":
+            return max(self._shard_plan(epoch).steps - offset // self.global_batch_size, 0)
+        return num_steps(self._num_samples(), offset, self.global_batch_size, self.drop_last)
+
+    def _build_shard_pipeline(self, epoch: int, offset: int) -> BaseNode[Any]:
+        """list shards -> this rank's shards -> whole-shard reads -> buffer -> batches."""
+        plan = self._shard_plan(epoch)
+        step = offset // self.global_batch_size
+        position, skip = plan.resume_point(step * self.local_batch_size)
+        node: BaseNode[Any] = RankShards(
+            ListShards(self._reader),
+            self.local_batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+            seed=self.shuffle_seed or 0,
+            shuffle=self.shuffle,
+            buffer_size=self.shuffle_buffer or 1,
+            epoch=epoch,
+            position=position,
+        )
+        node = ReadShards(node, self._reader, num_workers=self.num_workers)
+        node = ShuffleBuffer(node, skip=skip, size=self.local_batch_size)
+        node = BatchSamples(node, self.local_batch_size, delivered=step, steps=plan.steps)
+        seeds = self._batch_seeds(epoch, offset)
+        if seeds is None:
+            node = Collate(node, self.collate_fn)
+        else:
+            # a prefetch thread collates: the global generators are the training loop's
+            # then, so only batch_rng() is seeded (as the global order's threads do)
+            seeding: Seeding = "local" if self.prefetch else "restore"
+            node = _SeededCollate(node, self.collate_fn, seeds, seeding)
+        if self.prefetch and not self.pin_memory:  # (pinning prefetches after itself)
+            node = Prefetcher(node, self.prefetch)  # collated batches wait ahead
+        return node
+
     def _sample_ids(self, epoch: int, offset: int = 0) -> BaseNode[Any]:
         """The first stages of the pipeline: this rank's positions of ``epoch`` from the
         global ``offset``, shuffled into sample ids when the loader shuffles."""
@@ -580,11 +718,20 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
 
     def _epoch_batches(self, epoch: int) -> Iterator[list[int]]:
         """The sample ids of each batch this rank reads in ``epoch``, from its start."""
+        if self.order == "shards":
+            plan = self._shard_plan(epoch)
+            ids = plan.sample_ids().tolist()
+            size = self.local_batch_size
+            for step in range(plan.steps):
+                yield ids[step * size : (step + 1) * size]
+            return
         for item in self._sample_ids(epoch):
             ids = item if isinstance(item, np.ndarray) else item.positions
             yield [int(i) for i in ids]
 
     def _build_pipeline(self, epoch: int, offset: int) -> BaseNode[Any]:
+        if self.order == "shards":
+            return self._finish_pipeline(self._build_shard_pipeline(epoch, offset))
         node = self._sample_ids(epoch, offset)
         collate = self.collate_fn
         inline = self.num_workers == 0 and self.prefetch == 0
@@ -623,6 +770,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 worker_init_fn=self.worker_init_fn if self.num_workers else None,
                 process_pool=self._worker_processes() if process else None,
             )
+        return self._finish_pipeline(node)
+
+    def _finish_pipeline(self, node: BaseNode[Any]) -> BaseNode[Any]:
+        """The stages after the batches: pinning, prefetching, the device."""
         if self.pin_memory:
             node = PinMemory(node)
             if self.prefetch > 0:
@@ -735,6 +886,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         fingerprint = self._dataset_fingerprint()
         if fingerprint is not None:
             state[_FINGERPRINT_KEY] = fingerprint
+        if self.order == "shards":
+            state[_ORDER_KEY] = self.order
+            state[_WORLD_SIZE_KEY] = self.world_size
+            state[_BUFFER_KEY] = self.shuffle_buffer
         return state
 
     def _dataset_fingerprint(self) -> dict[str, Any] | None:
@@ -778,6 +933,13 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             )
         epoch = _int_arg("state_dict['epoch']", state_dict["epoch"], 0)
         offset = _int_arg("state_dict['observation_offset']", state_dict["observation_offset"], 0)
+        saved_order = state_dict.get(_ORDER_KEY, "global")
+        if saved_order != self.order:
+            raise ValueError(
+                f"this state was taken with order={saved_order!r} and this loader reads in "
+                f"order={self.order!r}: the position means other samples in the other order. "
+                f"Build the loader with order={saved_order!r} to resume it"
+            )
         saved_shuffle = state_dict["shuffle"]
         saved_seed = state_dict["shuffle_seed"]
         saved_drop_last = state_dict["drop_last"]
@@ -822,6 +984,14 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         saved_fingerprint = state_dict.get(_FINGERPRINT_KEY)
         if saved_fingerprint is not None:
             self._check_fingerprint(saved_fingerprint)
+        if self._check_order(state_dict, epoch, offset):
+            self._epoch, self._offset = epoch, offset
+            self._offset_batch = self.global_batch_size
+            self._closed_early = None
+            if saved_base_seed is not None and saved_base_seed != self.base_seed:
+                self.base_seed = saved_base_seed
+                self._stop_process_pool()
+            return
         saved_n = state_dict.get(_NUM_SAMPLES_KEY)
         n = self._num_samples()
         if saved_n is not None and saved_n != n:
@@ -852,6 +1022,37 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             # seed start again, so get_worker_info().seed agrees).
             self.base_seed = saved_base_seed
             self._stop_process_pool()
+
+    def _check_order(self, state_dict: Mapping[str, Any], epoch: int, offset: int) -> bool:
+        """Refuse a state of the shard order on another world size, batch size or buffer,
+        or past the epoch's steps; True when the state is the shard order's (checked here)."""
+        if self.order != "shards":
+            return False
+        for key, now in (
+            (_WORLD_SIZE_KEY, self.world_size),
+            (_GLOBAL_BATCH_KEY, self.global_batch_size),
+            (_BUFFER_KEY, self.shuffle_buffer),
+        ):
+            saved = state_dict.get(key)
+            if saved != now:
+                raise ValueError(
+                    f"this order='shards' state was taken with {key}={saved!r}, this loader "
+                    f"has {key}={now!r}: ranks own whole shards, dealt and mixed for that "
+                    f"setting, so the position cannot be carried over exactly. Resume with "
+                    f"{key}={saved!r}, or start the epoch afresh (load the state with "
+                    f"'epoch': {epoch + 1}, 'observation_offset': 0 and this setting)"
+                    if offset
+                    else f"this order='shards' state was taken with {key}={saved!r}, this "
+                    f"loader has {key}={now!r}; pass the state's {key} to resume it"
+                )
+        steps = self._shard_plan(epoch).steps
+        if offset % self.global_batch_size or offset // self.global_batch_size > steps:
+            raise ValueError(
+                f"state_dict['observation_offset'] = {offset} is not a step of epoch {epoch} "
+                f"in order='shards' ({steps} steps of {self.global_batch_size} positions): "
+                "the state belongs to another dataset or setting (or was changed)"
+            )
+        return True
 
     def _check_fingerprint(self, saved: Any) -> None:
         """Refuse a state taken on another version of the dataset, naming what changed."""
@@ -916,6 +1117,8 @@ class EpochSampler(torch.utils.data.Sampler[int]):
 
     def __len__(self) -> int:
         loader = self._loader
+        if loader.order == "shards":  # this rank's samples of the epoch
+            return loader._shard_plan(loader._current_epoch()).quota
         n, world = loader._num_samples(), loader.world_size
         limit = min(n, len(loader) * loader.global_batch_size)  # positions read, all ranks
         return max(0, -(-(limit - loader.rank) // world))
@@ -968,6 +1171,46 @@ class EpochBatchSampler(torch.utils.data.Sampler[list[int]]):
         self._loader._set_epoch(epoch)
 
 
+class _SeededCollate(BaseNode[Any]):
+    """``collate_fn`` of the shard order's batches under each batch's seed (as the global
+    order's reads run it), so its random draws repeat on resume."""
+
+    SOURCE_KEY = "source"
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        collate_fn: Callable[[list[Any]], Any],
+        seeds: Callable[[int], int],
+        seeding: Seeding,
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.collate_fn = collate_fn
+        self.seeds = seeds
+        self.seeding = seeding
+        self._count = 0
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._count = 0
+        self.source.reset(None if initial_state is None else initial_state[self.SOURCE_KEY])
+
+    def next(self) -> Any:
+        samples = next(self.source)
+        seed = self.seeds(self._count)
+        self._count += 1
+        try:
+            with seeded(seed, self.seeding):
+                return self.collate_fn(samples)
+        except Exception as error:
+            mark_batch_failure(error)  # this batch alone: the next one follows
+            raise
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.SOURCE_KEY: self.source.state_dict()}
+
+
 class _LoaderIterator(Iterator[Any]):
     """One epoch (or the rest of one) of a :class:`StatefulDataLoader`.
 
@@ -1004,8 +1247,7 @@ class _LoaderIterator(Iterator[Any]):
     def __len__(self) -> int:
         """Batches this iterator delivers from where it started: ``len(loader)`` for a
         whole epoch, fewer for the rest of a resumed one."""
-        loader = self._loader
-        return num_steps(loader._num_samples(), self._offset0, self._global, loader.drop_last)
+        return self._loader._steps_left(self._epoch, self._offset0)
 
     def __next__(self) -> Any:
         if not self._active:
@@ -1055,8 +1297,7 @@ class _LoaderIterator(Iterator[Any]):
         """Where the loader goes on after what was delivered: ``(epoch, position)``, or the
         next epoch's start when this one has no batch left."""
         loader, offset = self._loader, self._position()
-        remaining = loader._num_samples() - offset
-        if remaining <= 0 or (loader.drop_last and remaining < self._global):
+        if loader._steps_left(self._epoch, offset) == 0:
             return self._epoch + 1, 0
         return self._epoch, offset
 

@@ -52,6 +52,7 @@ THROUGHPUT = (
     "shuffle",
     "mixture",
     "packed",
+    "shard-order",
 )
 
 

@@ -76,6 +76,7 @@ SCENARIOS = (
     "remote-cache",
     "remote-range",
     "remote-s3",
+    "shard-order",
 )
 #: The end-of-document token of the packed scenario's stream.
 PACKED_EOS = 0
@@ -265,6 +266,49 @@ class Bench:
         contenders = [ours(_slow_name(workers), storage, workers) for workers in (1, 8, 32)]
         contenders.append(ours(SLOW_PREAD, preads, 32))
         self.rows += measure("slow-storage", contenders, self.sizes, self.log)
+
+    def shard_order_scenario(self) -> None:
+        """``order="shards"`` (whole shards per rank, a buffer of 256 windows) against the
+        global order, on the local token stream and with 1 ms added to every read. Reported,
+        no target: the shard order trades the global shuffle for a read per shard."""
+        storage = self.tokens()
+        slow = StreamStorage(storage.dir, StreamNumpyFormat(TOKENS_DTYPE), SlowIO(0.001))
+        count = _count_tokens(2048)
+        common = {"sequence_length": 2048, "local_batch_size": 8, "prefetch": 4}
+        shards = {"order": "shards", "shuffle_buffer": 256}
+        contenders = [
+            _ours_contender("global order workers=0", storage, collate_tokens, count, **common),
+            _ours_contender(
+                "shards order workers=0", storage, collate_tokens, count, **common, **shards
+            ),
+            _ours_contender(
+                "shards order workers=2 threads",
+                storage,
+                collate_tokens,
+                count,
+                num_workers=2,
+                **common,
+                **shards,
+            ),
+            _ours_contender(
+                "global order workers=8 threads, 1 ms per read",
+                slow,
+                collate_tokens,
+                count,
+                num_workers=8,
+                **common,
+            ),
+            _ours_contender(
+                "shards order workers=2 threads, 1 ms per read",
+                slow,
+                collate_tokens,
+                count,
+                num_workers=2,
+                **common,
+                **shards,
+            ),
+        ]
+        self.rows += measure("shard-order", contenders, self.sizes, self.log)
 
     def shuffle_scenario(self) -> None:
         from guideloom_pipes.shuffle import FeistelPermutation

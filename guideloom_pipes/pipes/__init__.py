@@ -8,6 +8,11 @@ The standard pipeline (what :class:`guideloom_pipes.StatefulDataLoader` builds):
       -> Collate(collate_fn)                 # samples -> batch
       -> PinMemory -> Prefetcher(prefetch) -> ToDevice(device)   # each only when wanted
 
+The shard-streaming pipeline (``order="shards"``, see :mod:`guideloom_pipes.pipes.shards`)::
+
+    ListShards(reader) -> RankShards(...) -> ReadShards(reader) -> ShuffleBuffer()
+      -> BatchSamples(local_batch_size) -> Collate(collate_fn) -> (as above)
+
 Each stage is a :class:`torchdata.nodes.BaseNode` with its source in ``.source`` and its
 state in ``state_dict()``, so stages mix with torchdata's own nodes (``Mapper``,
 ``Batcher``, ``Prefetcher``, ...) and a pipeline checkpoints through
@@ -28,6 +33,14 @@ if TYPE_CHECKING:
     from guideloom_pipes.pipes.packed import collate_packed
     from guideloom_pipes.pipes.positions import Positions, RankPositions, num_steps
     from guideloom_pipes.pipes.read import ReadSamples
+    from guideloom_pipes.pipes.shards import (
+        BatchSamples,
+        ListShards,
+        RankShards,
+        ReadShards,
+        ShardPlan,
+        ShuffleBuffer,
+    )
     from guideloom_pipes.pipes.shuffle import Shuffle, draw_seed
 
 # The stages load on first use: a process worker imports ``guideloom_pipes.pipes._worker``
@@ -48,6 +61,12 @@ _STAGES = {
     "RankPositions": "positions",
     "num_steps": "positions",
     "ReadSamples": "read",
+    "BatchSamples": "shards",
+    "ListShards": "shards",
+    "RankShards": "shards",
+    "ReadShards": "shards",
+    "ShardPlan": "shards",
+    "ShuffleBuffer": "shards",
     "Shuffle": "shuffle",
     "draw_seed": "shuffle",
 }
@@ -69,6 +88,12 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "BatchRandom",
+    "BatchSamples",
+    "ListShards",
+    "RankShards",
+    "ReadShards",
+    "ShardPlan",
+    "ShuffleBuffer",
     "Collate",
     "DataLoaderTimeoutError",
     "PinMemory",

@@ -1,0 +1,89 @@
+"""The shard order over HTTP (nginx, through the tests' proxy that logs requests): a stream
+shard is one ranged request per epoch in range mode, one download with the shard cache, and
+the batches are the local dataset's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from remote_servers import HttpServer, fault_proxy, need_modules, nginx_server
+
+pytest.importorskip("torch")
+
+from guideloom_pipes import StatefulDataLoader, StreamNumpyFormat, StreamStorage
+from guideloom_pipes.storage.remote import RetryPolicy
+
+TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
+FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
+SHARDS, PER_SHARD, WINDOW = 4, 1000, 50
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    need_modules("aiohttp")
+    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
+        yield server
+
+
+def _write(directory: Path) -> None:
+    with StreamStorage(directory, TOKENS).sync_writer() as writer:
+        for shard in range(SHARDS):
+            first = shard * PER_SHARD
+            writer.append(shard, {"tokens": np.arange(first, first + PER_SHARD, dtype="<i4")})
+
+
+def _data_gets(proxy: Any) -> list[str]:
+    names = {f"/{shard:07d}.in_band.bin " for shard in range(SHARDS)}
+    return [
+        line
+        for _, line in proxy.log
+        if line.startswith("GET") and any(name in line for name in names)
+    ]
+
+
+def _epochs(storage: StreamStorage, epochs: int, **kw: Any) -> list[list[list[int]]]:
+    loader = StatefulDataLoader.from_storage(
+        storage,
+        sequence_length=WINDOW,
+        batch_size=4,
+        shuffle=True,
+        shuffle_seed=9,
+        device="cpu",
+        drop_last=False,
+        order="shards",
+        shuffle_buffer=30,
+        **kw,
+    )
+    with loader:
+        return [[batch["tokens"][:, 0].tolist() for batch in loader] for _ in range(epochs)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_range_mode_reads_each_shard_in_one_request_per_epoch(
+    http: HttpServer, num_workers: int
+) -> None:
+    name = f"ranged{num_workers}"
+    _write(http.root / name)
+    local = _epochs(StreamStorage(http.root / name, TOKENS), 2)
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        remote = StreamStorage(f"{proxy.url}/{name}", TOKENS, retry=FAST)
+        assert _epochs(remote, 2, num_workers=num_workers, prefetch=num_workers) == local
+    # the global order would make one request per window: 80 per epoch here
+    assert len(_data_gets(proxy)) == 2 * SHARDS
+
+
+def test_with_the_shard_cache_each_shard_is_downloaded_once(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    _write(http.root / "cached")
+    local = _epochs(StreamStorage(http.root / "cached", TOKENS), 2)
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        remote = StreamStorage(
+            f"{proxy.url}/cached", TOKENS, cache_dir=tmp_path / "cache", retry=FAST
+        )
+        assert _epochs(remote, 2) == local
+    assert len(_data_gets(proxy)) == SHARDS
