@@ -694,7 +694,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         else:
             # a prefetch thread collates: the global generators are the training loop's
             # then, so only batch_rng() is seeded (as the global order's threads do)
-            seeding: Seeding = "local" if self.prefetch else "restore"
+            seeding: Seeding = "local" if self.prefetch else "globals"
             node = _SeededCollate(node, self.collate_fn, seeds, seeding)
         if self.prefetch and not self.pin_memory:  # (pinning prefetches after itself)
             node = Prefetcher(node, self.prefetch)  # collated batches wait ahead

@@ -39,7 +39,7 @@ _Ids = npt.NDArray[np.int64]
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 #: How a batch's seed reaches the random number generators (see :class:`_ReadTask`).
-Seeding = Literal["process", "restore", "local"]
+Seeding = Literal["globals", "local"]
 
 
 def batch_seed(base_seed: int, epoch: int, position: int, rank: int) -> int:
@@ -109,7 +109,9 @@ def seed_globals(seed: int) -> None:
     """Seed the global generators of ``random``, numpy and (if imported) torch's CPU
     generator from ``seed``, each with a key of its own so their streams are unrelated."""
     random.seed(seed)
-    np.random.seed((seed & 0xFFFFFFFF, seed >> 32, 0x6E756D70))
+    # numpy's legacy seeding takes 32 bits (as torch seeds its workers' numpy): a 32-bit int
+    # seeds in about 1 us, where a tuple goes through SeedSequence (about 10 us)
+    np.random.seed((seed ^ (seed >> 32)) & 0xFFFFFFFF)
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.default_generator.manual_seed(seed)
@@ -119,34 +121,20 @@ def seed_globals(seed: int) -> None:
 def seeded(seed: int, seeding: Seeding) -> Iterator[None]:
     """Run a batch's read and collate under its seed.
 
-    ``"process"``: the global generators are seeded (a worker process owns them).
-    ``"restore"``: seeded too, and the caller's states are put back afterwards (reading in
-    the training thread: its own random stream goes on as if the batch drew nothing).
-    ``"local"``: the global generators are left alone (threads share them); only
-    :func:`batch_rng` is set.
+    ``"globals"``: the global generators of ``random``, numpy and torch are seeded from it
+    (in a worker process, which owns them; or in the training thread reading inline, whose
+    own draws after the batch then continue from the batch's seed: a function of the
+    batch, the same after a resume). ``"local"``: the global generators are left alone
+    (threads share them); only :func:`batch_rng` is set.
     """
     previous = getattr(_current, "rng", None)
     _current.rng = BatchRandom(seed)
-    saved: tuple[Any, Any, Any] | None = None
-    if seeding == "restore":
-        torch = sys.modules.get("torch")
-        saved = (
-            random.getstate(),
-            np.random.get_state(),
-            None if torch is None else torch.default_generator.get_state(),
-        )
     try:
-        if seeding != "local":
+        if seeding == "globals":
             seed_globals(seed)
         yield
     finally:
         _current.rng = previous
-        if saved is not None:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch = sys.modules.get("torch")
-            if torch is not None and saved[2] is not None:  # (None: imported meanwhile)
-                torch.default_generator.set_state(saved[2])
 
 
 class _Failed:
@@ -339,7 +327,7 @@ class _ProcessWorkerState:
             )
         read_is_ours = callable(getattr(reader, "read_batch", None))
         self.task = _ReadTask(
-            batch_read_fn(reader), collate_fn, read_is_ours=read_is_ours, seeding="process"
+            batch_read_fn(reader), collate_fn, read_is_ours=read_is_ours, seeding="globals"
         )
 
     def run(self, batches: list[_Ids], seeds: list[int] | None) -> list[Any]:

@@ -314,7 +314,7 @@ class ReadSamples(BaseNode[Any]):
                 batch_read_fn(reader),
                 self.collate_fn,
                 read_is_ours=callable(getattr(reader, "read_batch", None)),
-                seeding="restore" if self.num_workers == 0 else "local",
+                seeding="globals" if self.num_workers == 0 else "local",
             )
 
     def close(self) -> None:
