@@ -674,7 +674,8 @@ def test_an_http_open_reads_its_records_and_sizes_concurrently(http: HttpServer)
         with storage.sync_reader() as reader:
             assert reader.num_shards == 8
     # sequential reads would meet no other request at the barrier: "alone", after 30 s
-    assert proxy.count("together") == 8 and proxy.count("alone") == 0
+    # (an open that checks its snapshot again under load may read a record twice: alone)
+    assert proxy.count("together") == 8
 
 
 def test_an_s3_open_reads_its_records_concurrently(s3: S3Server, tmp_path: Path) -> None:
