@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import torch
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.batch import accepts_batch_arrays
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.loader_args import (
     _UNSET,
@@ -396,7 +397,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         inline = self.num_workers == 0 and self.prefetch == 0
         if inline and not self.timeout:
             # Everything inline in the training thread: the fewest steps per batch.
-            node = Collate(ReadSamples(node, self.dataset, reader=self._reader), collate)
+            arrays = accepts_batch_arrays(collate)
+            node = Collate(
+                ReadSamples(node, self.dataset, reader=self._reader, arrays=arrays), collate
+            )
         else:
             # Workers read and collate whole batches; finished batches wait in this stage
             # (``prefetch`` of them beyond the workers' own), so no extra thread hop. With

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom_pipes.batch import Batch, accepts_batch_arrays, batch_arrays
 from guideloom_pipes.datasets import batch_read_fn, open_reader
 from guideloom_pipes.pipes._transport import ResultRing, dump_result
 
@@ -59,23 +60,43 @@ class _RemoteTraceback(Exception):
         return f'\n"""\n{self.text}"""'
 
 
+@batch_arrays
+def keep_batch_arrays(samples: Any) -> Any:
+    """The collate of a stage that hands batches on uncollated, as arrays where the reader
+    gives them (a :class:`~guideloom_pipes.batch.Batch`), for a collate further on."""
+    return samples
+
+
+def read_fn_for(reader: Any, collate_fn: Callable[..., Any] | None) -> Callable[[_Ids], Any]:
+    """``reader``'s batch read for ``collate_fn``: arrays (``read_arrays``) when it takes
+    a :class:`~guideloom_pipes.batch.Batch`, else the list of samples."""
+    return batch_read_fn(reader, arrays=accepts_batch_arrays(collate_fn))
+
+
 class _ReadTask:
     """ids -> samples (-> ``collate_fn(samples)`` when one is given): one batch of work.
 
     :meth:`run` does a *chunk* of consecutive batches: one read of all their ids, then
     ``collate_fn`` per batch. An ``Exception`` fails its batch alone; a ``KeyboardInterrupt``
     (Ctrl-C, when the training thread runs the job) or ``SystemExit`` stops the whole job
-    at once and propagates.
+    at once and propagates. A :class:`~guideloom_pipes.batch.Batch` from the read reaches
+    ``collate_fn`` as it is when ``collate_fn`` takes arrays, else as its list of samples.
     """
 
-    __slots__ = ("_collate", "_read")
+    __slots__ = ("_arrays", "_collate", "_read")
 
-    def __init__(self, read: Callable[[_Ids], list[Any]], collate_fn: Callable[..., Any] | None):
+    def __init__(self, read: Callable[[_Ids], Any], collate_fn: Callable[..., Any] | None):
         self._read = read
         self._collate = collate_fn
+        self._arrays = accepts_batch_arrays(collate_fn)
+
+    def _input(self, samples: Any) -> Any:
+        if type(samples) is Batch and not self._arrays:
+            return samples.samples()
+        return samples
 
     def __call__(self, ids: _Ids) -> Any:
-        samples = self._read(ids) if len(ids) else []
+        samples = self._input(self._read(ids)) if len(ids) else []
         if self._collate is None:
             return samples
         return self._collate(samples)
@@ -109,7 +130,9 @@ class _ReadTask:
         for size in sizes:
             part = samples[start : start + size]
             start += size
-            if not isinstance(part, list):
+            if type(part) is Batch:
+                part = self._input(part)
+            elif not isinstance(part, list):
                 part = list(part)
             if collate is None:
                 out.append(part)
@@ -130,7 +153,7 @@ def _init_process_worker(dataset: Any, collate_fn: Callable[..., Any] | None) ->
     reader, opened = open_reader(dataset)
     if opened:
         multiprocessing.util.Finalize(reader, reader.close, exitpriority=10)
-    return _ReadTask(batch_read_fn(reader), collate_fn)
+    return _ReadTask(read_fn_for(reader, collate_fn), collate_fn)
 
 
 def _dump_outcomes(outcomes: list[Any], ring: ResultRing | None) -> tuple[bytes, list[Any]]:

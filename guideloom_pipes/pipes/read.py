@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.datasets import batch_read_fn, open_reader
+from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes._pool import (
     DataLoaderTimeoutError,
     _ProcessPool,
@@ -26,6 +26,8 @@ from guideloom_pipes.pipes._worker import (
     _Failed,
     _ReadTask,
     _RemoteTraceback,
+    keep_batch_arrays,
+    read_fn_for,
 )
 from guideloom_pipes.pipes.positions import Positions
 
@@ -151,6 +153,11 @@ class ReadSamples(BaseNode[Any]):
         chunk_seconds: A worker's time per job to aim for when batches are quick; 0 sends
             one batch per job.
         max_chunk: The most batches in one job.
+        arrays: With ``collate_fn=None``: deliver each batch as the reader's
+            :class:`~guideloom_pipes.batch.Batch` of arrays where it makes one (windows of
+            the built-in formats), for a collate further on that takes it; else the list.
+            A ``collate_fn`` gets a ``Batch`` when it takes one (``accepts_batch_arrays``,
+            as our collates do), whatever this says; any other gets the list of samples.
     """
 
     SOURCE_KEY = "source"
@@ -169,6 +176,7 @@ class ReadSamples(BaseNode[Any]):
         reader: Any = None,
         chunk_seconds: float = _CHUNK_SECONDS,
         max_chunk: int = 64,
+        arrays: bool = False,
     ) -> None:
         super().__init__()
         self.source = source
@@ -185,6 +193,9 @@ class ReadSamples(BaseNode[Any]):
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
         self.collate_fn = collate_fn
+        self.arrays = bool(arrays)
+        # What the workers run: with arrays and no collate_fn, a pass-through that takes them.
+        self._worker_collate = keep_batch_arrays if arrays and collate_fn is None else collate_fn
         if max_in_flight is None:
             max_in_flight = 2 * self.num_workers
         elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
@@ -234,7 +245,8 @@ class ReadSamples(BaseNode[Any]):
         if self._reader is None:
             self._reader, self._owns_reader = open_reader(self.dataset)
         if self._task is None:
-            self._task = _ReadTask(batch_read_fn(self._reader), self.collate_fn)
+            collate = self._worker_collate
+            self._task = _ReadTask(read_fn_for(self._reader, collate), collate)
 
     def close(self) -> None:
         """Stop the workers and close the reader this stage opened (it can be reset again).
@@ -285,7 +297,9 @@ class ReadSamples(BaseNode[Any]):
             )
         else:
             assert self._mp is not None
-            self._pool = _ProcessPool(self.dataset, self.collate_fn, self.num_workers, self._mp)
+            self._pool = _ProcessPool(
+                self.dataset, self._worker_collate, self.num_workers, self._mp
+            )
         self._fill()
 
     def _reset_source_as_delivered(self) -> None:
