@@ -44,6 +44,17 @@ def as_int(value: Any, what: str) -> int:
 
 #: The largest int64, the last index numpy can hold in the int64 vectors the readers use.
 _INT64_MAX = int(np.iinfo(np.int64).max)
+#: Batches of at least this many windows are gathered a shard at a time (one numpy call
+#: each), smaller ones a window at a time (measured: 64 windows of 128 tokens 2.2 us
+#: gathered, 15 us one by one; 8 of 2048 about the same either way).
+_GATHER_ROWS = 16
+#: The unsigned integer dtype of each element size: windows are gathered through it.
+_GATHER_DTYPES = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.uint16),
+    4: np.dtype(np.uint32),
+    8: np.dtype(np.uint64),
+}
 
 
 def as_indexes(
@@ -277,6 +288,9 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         self._raw = np.dtype((np.void, itemsize))
         # per shard: its mapped _raw array, False for a byte-range backend, None until used
         self._mapped: list[np.ndarray | bool | None] = [None] * listing.num_shards
+        # windows gathered through an unsigned integer view of the element's size, if any
+        self._gather = _GATHER_DTYPES.get(itemsize)
+        self._views: dict[tuple[int, int], np.ndarray] = {}
 
     def _seal_args(self, shard: int) -> dict[str, Any]:
         return {"count": int(self._lengths[shard]), "dtype": self._record_dtype()}
@@ -310,6 +324,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
     def close(self) -> None:
         """Release every mapping and descriptor. Samples already returned stay valid."""
         self._mapped = []
+        self._views = {}
         super().close()
 
     def _copy(self, shard: int, local: int, count: int, out: np.ndarray) -> None:
@@ -409,6 +424,14 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         if self._mapped_array(int(first[0])) is None:
             self._read_rows(out, starts, first, last, local, length)
             return out.view(self.dtype)
+        if first[0] == last[-1] and bool((first == last).all()) and bool((first == first[0]).all()):
+            # all in one shard (one shard, or a small batch): one gather, one copy per token
+            view = self._window_view(int(first[0]), length)
+            if view is not None:
+                return view[local].view(self.dtype)
+        if len(starts) >= _GATHER_ROWS:
+            self._gather_rows(out, starts, first, last, local, length)
+            return out.view(self.dtype)
         maps = self._mapped
         for row, (shard, end_shard, offset) in enumerate(
             zip(first.tolist(), last.tolist(), local.tolist())
@@ -424,6 +447,46 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             else:
                 self._copy(shard, offset, length, out[row])
         return out.view(self.dtype)
+
+    def _window_view(self, shard: int, length: int) -> np.ndarray | None:
+        """Every window of ``length`` elements inside shard ``shard`` as rows of a read-only
+        strided view of its mapping (in an unsigned integer dtype of the element's size where
+        there is one, whose copies numpy does fastest), or None for a byte-range backend or a
+        shard shorter than ``length``. Fancy-indexing its rows copies windows straight into
+        a fresh ``(B, length)`` array. Kept per (shard, length) until the reader closes."""
+        key = (shard, length)
+        view = self._views.get(key)
+        if view is None:
+            mapped = self._mapped_array(shard)
+            if mapped is None or len(mapped) < length:
+                return None
+            flat = mapped.view(self._gather) if self._gather is not None else mapped
+            view = self._views[key] = np.lib.stride_tricks.sliding_window_view(flat, length)
+        return view
+
+    def _gather_rows(
+        self,
+        out: np.ndarray,
+        starts: np.ndarray,
+        first: np.ndarray,
+        last: np.ndarray,
+        local: np.ndarray,
+        length: int,
+    ) -> None:
+        """Windows of mapped shards into the rows of ``out``: one gather per shard, so a
+        batch of many short windows costs a few numpy calls, not one per window."""
+        inside = first == last
+        rows_out = out.view(self._gather) if self._gather is not None else out
+        for shard in np.unique(first[inside]).tolist():
+            rows = np.flatnonzero(inside & (first == shard))
+            view = self._window_view(shard, length)
+            if view is None:
+                for row in rows.tolist():
+                    self._copy(shard, int(local[row]), length, out[row])
+            else:
+                rows_out[rows] = view[local[rows]]
+        for row in np.flatnonzero(~inside).tolist():
+            self._copy_across(out[row], int(starts[row]), int(first[row]), length)
 
     def _read_rows(
         self,
