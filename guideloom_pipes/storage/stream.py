@@ -7,6 +7,7 @@ the last element, wrap around to shard 0.
 
 from __future__ import annotations
 
+import bisect
 import operator
 import os
 import sys
@@ -48,6 +49,11 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 #: each), smaller ones a window at a time (measured: 64 windows of 128 tokens 2.2 us
 #: gathered, 15 us one by one; 8 of 2048 about the same either way).
 _GATHER_ROWS = 16
+#: Windows of this many bytes or more are copied one by one whatever their number: the copy
+#: then costs more than the call, and a gather into a batch of several shards copies twice.
+_GATHER_MAX_BYTES = 4096
+#: Up to this many indexes are checked as a Python list (numpy's min and max cost more).
+_FEW = 64
 #: The unsigned integer dtype of each element size: windows are gathered through it.
 _GATHER_DTYPES = {
     1: np.dtype(np.uint8),
@@ -69,6 +75,10 @@ def as_indexes(
     the whole vector (``min``/``max``), never a check per element.
     """
     given = isinstance(values, np.ndarray)
+    if given and values.dtype == np.int64 and values.ndim == 1 and len(values) <= _FEW:
+        listed = values.tolist()  # a loader's batch of ids: checked in Python, faster
+        if not listed or (min(listed) >= 0 and max(listed) < length):
+            return values
     array = values if given else np.asarray(values)
     if array.dtype.kind not in "iu":
         if not array.size:
@@ -282,6 +292,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         self._starts = np.zeros(listing.num_shards + 1, dtype=np.int64)
         np.cumsum(lengths, out=self._starts[1:])
         self._total = int(self._starts[-1])
+        self._bounds: list[int] = self._starts.tolist()
         self._in_band = self._files[IN_BAND]
         # copies go through an opaque same-size void dtype: a plain memcpy, where numpy's
         # structured copy walks field by field (1.7x slower for one field, more for several)
@@ -418,6 +429,9 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         out = np.empty((len(starts), length), dtype=self._raw)
         if len(starts) == 0:
             return out.view(self.dtype)
+        few = len(starts) < _GATHER_ROWS or length * self.dtype.itemsize >= _GATHER_MAX_BYTES
+        if few and self._copy_few(out, starts, length):
+            return out.view(self.dtype)
         first = np.searchsorted(self._starts, starts, side="right") - 1
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
         local = starts - self._starts[first]
@@ -447,6 +461,25 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             else:
                 self._copy(shard, offset, length, out[row])
         return out.view(self.dtype)
+
+    def _copy_few(self, out: np.ndarray, starts: np.ndarray, length: int) -> bool:
+        """Windows of mapped shards, each copied into its row of ``out`` (shards found with
+        ``bisect`` on Python ints: for a handful of windows, or long ones, numpy's calls cost
+        more than they save). False, with nothing done, where a shard is not mapped."""
+        bounds, maps = self._bounds, self._mapped
+        for row, start in enumerate(starts.tolist()):
+            shard = bisect.bisect_right(bounds, start) - 1
+            offset = start - bounds[shard]
+            mapped = maps[shard]
+            if mapped is None:
+                mapped = self._mapped_array(shard)
+            if not isinstance(mapped, np.ndarray):
+                return False
+            if start + length <= bounds[shard + 1]:
+                out[row] = mapped[offset : offset + length]
+            else:
+                self._copy_across(out[row], start, shard, length)
+        return True
 
     def _window_view(self, shard: int, length: int) -> np.ndarray | None:
         """Every window of ``length`` elements inside shard ``shard`` as rows of a read-only
