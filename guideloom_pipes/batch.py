@@ -64,6 +64,14 @@ class Batch:
         self.rows = list(rows) if rows is not None else None
 
     @classmethod
+    def of_columns(cls, columns: dict[str, np.ndarray]) -> Batch:
+        """A batch of ``columns`` that the caller made with one length (not checked again:
+        the readers' path, once per batch)."""
+        batch = cls.__new__(cls)
+        batch.columns, batch.rows = columns, None
+        return batch
+
+    @classmethod
     def concat(cls, batches: Sequence[Batch]) -> Batch:
         """The samples of ``batches`` one after the other (columns of equal fields)."""
         if not batches:
@@ -126,7 +134,7 @@ class Batch:
             if self.rows is not None:
                 return Batch(rows=self.rows[index])
             assert self.columns is not None
-            return Batch({name: column[index] for name, column in self.columns.items()})
+            return Batch.of_columns({name: column[index] for name, column in self.columns.items()})
         if self.rows is not None:
             return self.rows[index]
         assert self.columns is not None

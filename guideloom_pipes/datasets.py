@@ -206,7 +206,7 @@ class StreamDatasetReader(_DatasetReaderBase):
             return self.read_batch(ids)
         ids = _as_ids(ids, self._length)
         length = self.sequence_length
-        return Batch(unpack_columns(reader._windows(ids * length, length)))
+        return Batch.of_columns(unpack_columns(reader._windows(ids * length, length)))
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
         """The windows at ``ids``: one vectorised read, then the format decodes them."""

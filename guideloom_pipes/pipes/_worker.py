@@ -112,10 +112,14 @@ class _ReadTask:
 
         The ids of all batches are read with one call; if that raises (or returns the wrong
         number of samples), each batch is read alone, so an error belongs to the batch that
-        caused it and the batches around it are intact.
+        caused it and the batches around it are intact. A collate that takes arrays gets
+        each batch read on its own: arrays the size of one batch come from the allocator's
+        free memory, where a chunk's arrays are fresh pages that the kernel faults in (a
+        chunk of 35 batches of 8 x 2048 tokens spent 0.4 ms in ``np.empty`` alone, more than
+        35 reads of one batch cost).
         """
-        if len(batches) == 1:
-            return [self._one(batches[0])]
+        if len(batches) == 1 or self._arrays:
+            return [self._one(ids) for ids in batches]
         sizes = [len(ids) for ids in batches]
         total = sum(sizes)
         try:
