@@ -64,7 +64,7 @@ def batch_read_fn(reader: Any, arrays: bool = False) -> Callable[[np.ndarray], A
     if arrays:
         read_arrays = getattr(reader, "read_arrays", None)
         if callable(read_arrays):
-            return read_arrays  # type: ignore[no-any-return]
+            return read_arrays
     read_batch = getattr(reader, "read_batch", None)
     if callable(read_batch):
         return read_batch

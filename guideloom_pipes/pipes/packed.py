@@ -77,7 +77,7 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
     """
     if not isinstance(samples, Mapping) and len(samples) == 0:
         return []
-    if type(samples) is Batch:
+    if isinstance(samples, Batch):
         samples = samples.columns if samples.columns is not None else samples.samples()
     found = None if isinstance(samples, Mapping) else _rows_of_one_read(samples)
     if found is not None:

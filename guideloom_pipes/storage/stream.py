@@ -53,7 +53,7 @@ _GATHER_ROWS = 16
 #: Up to this many indexes are checked as a Python list (numpy's min and max cost more).
 _FEW = 64
 #: The unsigned integer dtype of each element size: windows are gathered through it.
-_GATHER_DTYPES = {
+_GATHER_DTYPES: dict[int, np.dtype[Any]] = {
     1: np.dtype(np.uint8),
     2: np.dtype(np.uint16),
     4: np.dtype(np.uint32),
