@@ -369,3 +369,36 @@ def test_collate_packed_of_a_batch_is_collate_packed_of_its_samples(tmp_path: Pa
     got = collate_packed(Batch(columns))
     assert _equal(got, collate_packed([dict(s) for s in samples]))
     assert got["cu_seqlens"][-1] == 3 * 32
+
+
+# -- mixtures ----------------------------------------------------------------------------------
+
+
+def test_a_mixture_of_streams_reads_arrays_in_the_order_of_the_ids(tmp_path: Path) -> None:
+    from guideloom_pipes import MixtureDataset
+
+    first = StreamDataset(_stream(tmp_path / "a", TWO_FIELDS), LENGTH)
+    second = StreamDataset(_stream(tmp_path / "b", TWO_FIELDS), LENGTH)
+    mixture = MixtureDataset({"a": first, "b": second}, {"a": 0.7, "b": 0.3}, seed=4)
+    ids = np.random.default_rng(2).integers(0, len(mixture), size=50)
+    with mixture.sync_reader() as reader:
+        batch = reader.read_arrays(ids)
+        samples = reader.read_batch(ids)
+    components, _ = mixture.locate(ids)
+    assert set(components.tolist()) == {0, 1}  # both components in one batch
+    assert type(batch) is Batch
+    assert describe(batch)["samples"] == describe(samples)["samples"]
+
+
+def test_a_mixture_with_a_component_without_arrays_reads_the_list(tmp_path: Path) -> None:
+    from guideloom_pipes import MixtureDataset
+
+    windows = StreamDataset(_stream(tmp_path / "a", TOKENS), LENGTH)
+    with windows.sync_reader() as reader:
+        plain = [dict(sample) for sample in reader[:]]  # a map-style list: no read_arrays
+    mixture = MixtureDataset({"a": windows, "b": plain}, {"a": 0.5, "b": 0.5}, seed=4)
+    ids = np.arange(len(mixture))
+    with mixture.sync_reader() as reader:
+        got = reader.read_arrays(ids)
+        assert type(got) is list
+        assert describe(got)["samples"] == describe(reader.read_batch(ids))["samples"]

@@ -14,9 +14,7 @@ from guideloom_pipes.bench.contenders import (
     OURS_0_ARRAYS,
     OURS_2,
     OURS_2_ARRAYS,
-    OURS_2_PAD,
     OURS_2P,
-    OURS_2P_PAD,
     PACKED,
     PLAIN,
     SINGLE,
@@ -160,7 +158,9 @@ def _issue9_targets(rows: list[Row], scenarios: set[str]) -> list[Target]:
             )
     if "documents" in scenarios:
         torch0 = _rate(rows, "documents", TORCH_0)
-        for row, floor in ((OURS_2, 1.0), (OURS_2_PAD, 1.0), (OURS_2P, 1.5), (OURS_2P_PAD, 1.5)):
+        # the rows with the baseline's own collate (GuideLoom's contract: a list of samples);
+        # the pad_collate rows are shown in the table, they collate more (a mask, checks)
+        for row, floor in ((OURS_2, 1.0), (OURS_2P, 1.5)):
             ratio = _rate(rows, "documents", row) / torch0
             out.append(Target(f"documents: {row} / {TORCH_0}", ratio, floor, True))
     return out
