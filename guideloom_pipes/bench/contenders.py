@@ -30,6 +30,7 @@ OURS_2P = "ours workers=2 processes prefetch=4"
 #: Our loader with ``collate_fn=None`` (batches as arrays to ``default_collate``), issue 9.
 OURS_0_ARRAYS = "ours workers=0 prefetch=4, collate_fn=None"
 OURS_2_ARRAYS = "ours workers=2 threads prefetch=4, collate_fn=None"
+OURS_INLINE_ARRAYS = "ours workers=0 prefetch=0 (inline), collate_fn=None"
 OURS_2P_PAD = "ours workers=2 processes prefetch=4, pad_collate"
 OURS_2_PAD = "ours workers=2 threads prefetch=4, pad_collate"
 OURS_0_PAD = "ours workers=0 prefetch=4, pad_collate"

@@ -31,6 +31,7 @@ from guideloom_pipes.bench.contenders import (
     OURS_2_PAD,
     OURS_2P,
     OURS_2P_PAD,
+    OURS_INLINE_ARRAYS,
     PACKED,
     PLAIN,
     SINGLE,
@@ -119,6 +120,9 @@ class Bench:
             ),
             _ours_contender(
                 OURS_2_ARRAYS, storage, None, count, num_workers=2, prefetch=4, **stream
+            ),
+            _ours_contender(
+                OURS_INLINE_ARRAYS, storage, None, count, num_workers=0, prefetch=0, **stream
             ),
             _ours_contender(
                 OURS_0, storage, collate_tokens, count, num_workers=0, prefetch=4, **stream
