@@ -402,3 +402,20 @@ def test_a_mixture_with_a_component_without_arrays_reads_the_list(tmp_path: Path
         got = reader.read_arrays(ids)
         assert type(got) is list
         assert describe(got)["samples"] == describe(reader.read_batch(ids))["samples"]
+
+
+def test_default_collate_of_columns_torch_cannot_share_fails_as_torch_does() -> None:
+    # torch refuses another byte order whether it gets the column or the samples: the same
+    # error either way
+    big_endian = Batch({"tokens": np.arange(6, dtype=">i4").reshape(2, 3)})
+    with pytest.raises(ValueError, match="byte order") as ours:
+        default_collate(big_endian)
+    with pytest.raises(ValueError, match="byte order") as theirs:
+        torch_default_collate(big_endian.samples())
+    assert str(ours.value) == str(theirs.value)
+    strings = Batch({"names": np.array([["a", "b"], ["c", "d"]])})
+    with pytest.raises(TypeError) as ours_strings:
+        default_collate(strings)
+    with pytest.raises(TypeError) as theirs_strings:
+        torch_default_collate(strings.samples())
+    assert str(ours_strings.value) == str(theirs_strings.value)

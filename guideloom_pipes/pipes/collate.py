@@ -40,10 +40,11 @@ def default_collate(samples: Sequence[Any] | Batch) -> Any:
 
 def _as_tensor(column: np.ndarray) -> Any:
     """A column as torch's ``default_collate`` stacks it: a tensor sharing its memory (a
-    dtype torch cannot hold, e.g. strings, goes through torch's function)."""
+    column ``torch.from_numpy`` refuses, e.g. strings or another byte order, goes through
+    torch's function, row by row, which then does what it does with such samples)."""
     try:
         return torch.from_numpy(column)
-    except TypeError:
+    except (TypeError, ValueError):
         return _torch_default_collate(list(column))
 
 
