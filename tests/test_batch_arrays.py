@@ -206,6 +206,23 @@ def test_a_stage_with_arrays_and_no_collate_hands_on_the_batch(tmp_path: Path) -
     assert [describe(b)["samples"] for b in got] == [describe(b)["samples"] for b in expected]
 
 
+def test_process_workers_send_a_batch_as_its_arrays(tmp_path: Path) -> None:
+    dataset = StreamDataset(_stream(tmp_path, TWO_FIELDS), LENGTH)
+    n = len(dataset)
+    options = {"num_workers": 2, "method": "process", "max_in_flight": 4}
+    node = ReadSamples(Shuffle(RankPositions(n, 6), 7), dataset, arrays=True, **options)
+    plain = ReadSamples(Shuffle(RankPositions(n, 6), 7), dataset, **options)
+    try:
+        got, expected = list(node), list(plain)
+    finally:
+        node.close()
+        plain.close()
+    assert len(got) == len(expected) > 1
+    assert {type(b) for b in got} == {Batch} and {type(b) for b in expected} == {list}
+    assert [describe(b)["samples"] for b in got] == [describe(b)["samples"] for b in expected]
+    assert all(column.flags.c_contiguous for b in got for column in b.columns.values())
+
+
 # -- the reader: read_arrays ------------------------------------------------------------------
 
 
