@@ -436,3 +436,31 @@ def test_default_collate_of_columns_torch_cannot_share_fails_as_torch_does() -> 
     with pytest.raises(TypeError) as theirs_strings:
         torch_default_collate(strings.samples())
     assert str(ours_strings.value) == str(theirs_strings.value)
+
+
+def test_batches_of_columns_are_read_one_by_one_and_lists_a_chunk_at_a_time() -> None:
+    from guideloom_pipes.pipes._worker import _ReadTask
+
+    calls: list[int] = []
+
+    def columns(ids: np.ndarray) -> Batch:
+        calls.append(len(ids))
+        return Batch({"tokens": np.repeat(ids[:, None], 3, axis=1)})
+
+    def rows(ids: np.ndarray) -> list[int]:
+        calls.append(len(ids))
+        return ids.tolist()
+
+    chunk = [np.arange(k, k + 2, dtype=np.int64) for k in (0, 2, 4)]
+    task = _ReadTask(columns, ArrayCollate())
+    first = task.run(chunk)
+    assert calls == [2, 2, 2]  # one read per batch: arrays the size of one batch
+    assert [b["samples"][0]["tokens"][1] for b in first] == [[0, 0, 0], [2, 2, 2], [4, 4, 4]]
+    calls.clear()
+    task = _ReadTask(rows, ArrayCollate())
+    task.run(chunk[:1])  # the first read tells: no columns
+    task.run(chunk)
+    assert calls == [2, 6]  # then one read for the whole chunk
+    calls.clear()
+    _ReadTask(rows, list_collate).run(chunk)
+    assert calls == [6]  # a user collate: the list path, a chunk at a time, as before
