@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from guideloom_pipes import io, types
+from guideloom_pipes.batch import Batch
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.mixture import MixtureDataset
@@ -56,6 +57,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "DataLoaderTimeoutError",
+    "Batch",
     "DocumentDataset",
     "DocumentPickleFormat",
     "DocumentStorage",

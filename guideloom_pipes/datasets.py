@@ -7,9 +7,12 @@ sample ``i`` is document ``i``. Samples are read through a reader::
     with StreamDataset(storage, 2048).sync_reader() as reader:
         len(reader), reader[0], reader[10:20], reader.read_batch(np.array([5, 3, 9]))
 
-``read_batch`` is the loader's path: a numpy array of sample ids in, a list of samples out,
-one vectorised read per batch. Readers are thread-safe; samples own their memory (or share
-it only with samples of the same batch) and stay valid after the reader closes.
+``read_batch`` takes a numpy array of sample ids and returns a list of samples, one
+vectorised read per batch; ``read_arrays`` (the loader's path) returns the same samples as a
+:class:`~guideloom_pipes.batch.Batch` of arrays where the format allows it (windows of a
+``StreamNumpyFormat``; documents as rows), else the list. Readers are thread-safe; samples own
+their memory (or share it only with samples of the same batch) and stay valid after the
+reader closes.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from guideloom_pipes.batch import Batch
 from guideloom_pipes.storage.document import DocumentReader, DocumentStorage
 from guideloom_pipes.storage.stream import StreamReader, StreamStorage, as_indexes
 from guideloom_pipes.storage.stream_meta import StreamWithMetaReader, StreamWithMetaStorage
@@ -50,9 +54,17 @@ def open_reader(dataset: Any) -> tuple[Any, bool]:
     return dataset, False
 
 
-def batch_read_fn(reader: Any) -> Callable[[np.ndarray], list[Any]]:
+def batch_read_fn(reader: Any, arrays: bool = False) -> Callable[[np.ndarray], Any]:
     """The fastest way ``reader`` offers to turn an int64 id array into a list of samples:
-    its ``read_batch``, else ``__getitems__``, else ``[i]`` for each id."""
+    its ``read_batch``, else ``__getitems__``, else ``[i]`` for each id.
+
+    With ``arrays=True``, a reader's ``read_arrays`` comes first: it may return a
+    :class:`~guideloom_pipes.batch.Batch` instead of the list (for a collate that takes one).
+    """
+    if arrays:
+        read_arrays = getattr(reader, "read_arrays", None)
+        if callable(read_arrays):
+            return read_arrays
     read_batch = getattr(reader, "read_batch", None)
     if callable(read_batch):
         return read_batch
@@ -179,6 +191,11 @@ class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
         whole shard's samples at once (a stream reads the span in one request per shard)."""
         return self.read_batch(np.arange(first, first + count, dtype=np.int64))
 
+    def read_arrays(self, ids: Sequence[int] | np.ndarray) -> Batch | list[Any]:
+        """The samples at ``ids`` as a :class:`~guideloom_pipes.batch.Batch` where this
+        reader can make one, else as :meth:`read_batch`'s list (the same samples)."""
+        return self.read_batch(ids)
+
 
 class StreamDatasetReader(_DatasetReaderBase):
     """Reader of a :class:`StreamDataset` (windows of ``sequence_length`` elements)."""
@@ -195,6 +212,19 @@ class StreamDatasetReader(_DatasetReaderBase):
     def _read_one(self, index: int) -> Any:
         length = self.sequence_length
         return self._storage_reader.read(index * length, length)
+
+    def read_arrays(self, ids: Sequence[int] | np.ndarray) -> Batch | list[Any]:
+        """The windows at ``ids`` as a :class:`~guideloom_pipes.batch.Batch`: one
+        ``(len(ids), sequence_length)`` array per field, each token copied once out of the
+        shards, when the format decodes columns (``StreamNumpyFormat``); else the list."""
+        self._check_open()
+        reader = self._storage_reader
+        unpack_columns = getattr(reader.storage.format, "unpack_columns", None)
+        if unpack_columns is None or isinstance(reader, StreamWithMetaReader):
+            return self.read_batch(ids)
+        ids = _as_ids(ids, self._length)
+        length = self.sequence_length
+        return Batch.of_columns(unpack_columns(reader._windows(ids * length, length)))
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
         """The windows at ``ids``: one vectorised read, then the format decodes them."""
@@ -251,6 +281,10 @@ class DocumentDatasetReader(_DatasetReaderBase):
         """The documents at ``ids``, in that order."""
         self._check_open()
         return self._storage_reader.read_many(_as_ids(ids, self._length))
+
+    def read_arrays(self, ids: Sequence[int] | np.ndarray) -> Batch | list[Any]:
+        """The documents at ``ids`` as a :class:`~guideloom_pipes.batch.Batch` of rows."""
+        return Batch(rows=self.read_batch(ids))
 
 
 class _AsyncDatasetReader(DatasetAsyncReaderAbstract[Any]):

@@ -147,9 +147,15 @@ class StreamNumpyFormat(StreamStorageFormat[DataT, DataT, DType]):
         """Split a window into ``{field: contiguous array}``."""
         return cast(DataT, {name: np.array(stream[name], copy=True) for name in self.fields})
 
+    def unpack_columns(self, windows: np.ndarray) -> dict[str, np.ndarray]:
+        """Decode a ``(batch, length)`` array of windows into one contiguous ``(batch,
+        length)`` array per field: a view of ``windows`` for a dtype of one field (no copy),
+        else one copy per field."""
+        return {name: np.ascontiguousarray(windows[name]) for name in self.fields}
+
     def unpack_batch(self, windows: np.ndarray) -> list[dict[str, np.ndarray]]:
         """Decode a ``(batch, length)`` array of windows: one contiguous copy per field."""
-        columns = [(name, np.ascontiguousarray(windows[name])) for name in self.fields]
+        columns = list(self.unpack_columns(windows).items())
         return [{name: column[i] for name, column in columns} for i in range(len(windows))]
 
     def __repr__(self) -> str:

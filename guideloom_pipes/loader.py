@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.batch import accepts_batch_arrays
 from guideloom_pipes.datasets import open_reader, reader_fingerprint
 from guideloom_pipes.loader_args import (
     _UNSET,
@@ -740,7 +741,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             # Everything inline in the training thread: the fewest steps per batch (the
             # collate inside the read when batches are seeded: it runs under the seed).
             if seeds is None:
-                node = Collate(ReadSamples(node, self.dataset, reader=self._reader), collate)
+                arrays = accepts_batch_arrays(collate)
+                node = Collate(
+                    ReadSamples(node, self.dataset, reader=self._reader, arrays=arrays), collate
+                )
             else:
                 node = ReadSamples(
                     node, self.dataset, reader=self._reader, collate_fn=collate, batch_seeds=seeds

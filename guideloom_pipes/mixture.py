@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom_pipes.batch import Batch
 from guideloom_pipes.datasets import (
     _as_ids,
     _AsyncDatasetReader,
@@ -621,6 +622,7 @@ class MixtureReader(_DatasetReaderBase):
         self.dataset = dataset
         self._readers: list[tuple[Any, bool]] = []
         self._reads: list[Callable[[_I64], list[Any]]] = []
+        self._array_reads: list[Callable[[_I64], Any]] = []
         self._passes = _PassPermutations(dataset)
 
     def open(self) -> None:
@@ -648,6 +650,7 @@ class MixtureReader(_DatasetReaderBase):
             raise
         self._readers = opened
         self._reads = [batch_read_fn(reader) for reader, _ in opened]
+        self._array_reads = [batch_read_fn(reader, arrays=True) for reader, _ in opened]
         self._length = dataset.num_samples
 
     def fingerprint(self) -> dict[str, Any] | None:
@@ -661,6 +664,7 @@ class MixtureReader(_DatasetReaderBase):
     def close(self) -> None:
         """Close the component readers this reader opened."""
         readers, self._readers, self._reads = self._readers, [], []
+        self._array_reads = []
         for reader, own in readers:
             if own:
                 reader.close()
@@ -676,26 +680,66 @@ class MixtureReader(_DatasetReaderBase):
             ids: An integer array or sequence of positions in ``[0, len)``; one out of range
                 raises ``IndexError`` naming it.
         """
+        return self._read(ids, arrays=False)
+
+    def read_arrays(self, ids: Sequence[int] | np.ndarray) -> Batch | list[Any]:
+        """The samples at ``ids`` as a :class:`~guideloom_pipes.batch.Batch` when every
+        component's share comes as one (with the same columns: their rows gathered back
+        into the order of ``ids``), else as :meth:`read_batch`'s list."""
+        return self._read(ids, arrays=True)
+
+    def _read(self, ids: Sequence[int] | np.ndarray, arrays: bool) -> Any:
         self._check_open()
         dataset = self.dataset
         positions = dataset._check_ids(ids)
         component, draw = dataset._schedule.route(positions)
         indexes = dataset._sample_indexes(component, draw, self._passes)
+        reads = self._array_reads if arrays else self._reads
         if dataset._schedule.num_components == 1:
-            return list(self._reads[0](indexes))
+            found = reads[0](indexes)
+            return found if type(found) is Batch else list(found)
         # group the rows by component (one read each), then put the samples back in order
         order = np.argsort(component, kind="stable")
         ends = np.cumsum(np.bincount(component, minlength=len(self._reads))).tolist()
-        grouped: list[Any] = []
+        parts: list[Any] = []
+        slots: list[_I64] = []
         start = 0
         for c, end in enumerate(ends):
             if end > start:
-                grouped += self._reads[c](indexes[order[start:end]])
+                parts.append(reads[c](indexes[order[start:end]]))
+                slots.append(order[start:end])
             start = end
+        if arrays and _same_columns(parts) and sum(map(len, parts)) == len(positions):
+            # each component's rows copied once, straight to their places in the batch
+            columns = {}
+            for name, column in parts[0].columns.items():
+                out = np.empty((len(positions), *column.shape[1:]), dtype=column.dtype)
+                for part, slot in zip(parts, slots):
+                    out[slot] = part.columns[name]
+                columns[name] = out
+            return Batch.of_columns(columns)
+        where = np.empty_like(order)
+        where[order] = np.arange(len(order))
+        grouped: list[Any] = []
+        for part in parts:
+            grouped += part.samples() if type(part) is Batch else part
         if len(grouped) != len(positions):
             raise RuntimeError(
                 f"a component's reader returned {len(grouped)} samples for {len(positions)} ids"
             )
-        where = np.empty_like(order)
-        where[order] = np.arange(len(order))
         return list(map(grouped.__getitem__, where.tolist()))
+
+
+def _same_columns(parts: list[Any]) -> bool:
+    """Whether ``parts`` are all batches of columns with the same names, dtypes and shapes
+    past the batch axis (so that they stack)."""
+    first = parts[0]
+    if type(first) is not Batch or first.columns is None:
+        return False
+    shape = {name: (c.dtype, c.shape[1:]) for name, c in first.columns.items()}
+    return all(
+        type(part) is Batch
+        and part.columns is not None
+        and {name: (c.dtype, c.shape[1:]) for name, c in part.columns.items()} == shape
+        for part in parts
+    )

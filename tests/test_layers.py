@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.storage": 1,
     "guideloom_pipes.io": 1,
     "guideloom_pipes.formats": 2,
+    "guideloom_pipes.batch": 2,
     "guideloom_pipes.datasets": 3,
     "guideloom_pipes.mixture": 3,
     "guideloom_pipes.packing": 3,

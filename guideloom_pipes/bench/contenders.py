@@ -27,6 +27,14 @@ CPU = torch.device("cpu")
 OURS_0 = "ours workers=0 prefetch=4"
 OURS_2 = "ours workers=2 threads prefetch=4"
 OURS_2P = "ours workers=2 processes prefetch=4"
+#: Our loader with ``collate_fn=None`` (batches as arrays to ``default_collate``), issue 9.
+OURS_0_ARRAYS = "ours workers=0 prefetch=4, collate_fn=None"
+OURS_2_ARRAYS = "ours workers=2 threads prefetch=4, collate_fn=None"
+OURS_INLINE_ARRAYS = "ours workers=0 prefetch=0 (inline), collate_fn=None"
+OURS_2P_PAD = "ours workers=2 processes prefetch=4, pad_collate"
+OURS_2_PAD = "ours workers=2 threads prefetch=4, pad_collate"
+OURS_0_PAD = "ours workers=0 prefetch=4, pad_collate"
+COPY_LIMIT = "copy limit"
 SLOW_PREAD = "ours workers=32 threads prefetch=32, sleep then pread"
 #: The kinds of rows of the mixture and packed scenarios (see ``dataset_row``).
 SINGLE = "single stream"
@@ -111,6 +119,38 @@ class HandLoop:
             ids = permutation[step * batch : (step + 1) * batch]
             windows = [window(int(i) * length, length) for i in ids]
             yield torch.from_numpy(np.stack(windows))
+
+
+class CopyLimit:
+    """The copy limit: the hand loop's windows copied into one preallocated ``(B, L)``
+    buffer (a slice assignment per window, a shard boundary in two pieces), then
+    ``torch.from_numpy``; nothing else. Where each window lies is computed before the
+    loop, for the whole epoch. Every batch it yields is the same buffer, refilled: what a
+    loader could reach if nothing but the copy cost anything."""
+
+    def __init__(self, storage: StreamStorage, length: int, batch: int, seed: int) -> None:
+        self.maps = _ShardMaps(_shard_paths(storage, ".in_band.bin"), np.dtype("<i4"))
+        self.length = length
+        self.batch = batch
+        self.samples = self.maps.total // length
+        permutation = np.random.default_rng(seed).permutation(self.samples)
+        starts = permutation * length
+        shard = np.searchsorted(self.maps.starts, starts, side="right") - 1
+        local = starts - self.maps.starts[shard]
+        self.places = list(zip(shard.tolist(), local.tolist(), permutation.tolist()))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        length, batch, maps = self.length, self.batch, self.maps.maps()
+        lengths, places = self.maps.lengths, self.places
+        buffer = np.empty((batch, length), dtype=np.int32)
+        tensor = torch.from_numpy(buffer)
+        for step in range(self.samples // batch):
+            for row, (shard, local, index) in enumerate(places[step * batch : (step + 1) * batch]):
+                if local + length <= lengths[shard]:
+                    buffer[row] = maps[shard][local : local + length]
+                else:
+                    buffer[row] = self.maps.window(index * length, length)
+            yield tensor
 
 
 class MemmapWindows(torch.utils.data.Dataset):
@@ -231,7 +271,7 @@ def _torch_contender(
 def _ours_contender(
     name: str,
     storage: Any,
-    collate: Callable[[Any], Any],
+    collate: Callable[[Any], Any] | None,
     count: Callable[[Any], tuple[int, int]],
     **options: Any,
 ) -> Contender:

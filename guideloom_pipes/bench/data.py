@@ -175,5 +175,10 @@ def _count_tokens(length: int) -> Callable[[Any], tuple[int, int]]:
     return count
 
 
+def _count_pad_collate(batch: Any) -> tuple[int, int]:
+    lengths = batch["lengths"]
+    return int(lengths.shape[0]), int(lengths.sum())
+
+
 def _count_padded(batch: Any) -> tuple[int, int]:
     return int(batch[1].shape[0]), int(batch[1].sum())

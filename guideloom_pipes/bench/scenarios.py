@@ -21,14 +21,22 @@ import torch
 
 from guideloom_pipes.bench.contenders import (
     BLEND,
+    COPY_LIMIT,
     CPU,
     OURS_0,
+    OURS_0_ARRAYS,
+    OURS_0_PAD,
     OURS_2,
+    OURS_2_ARRAYS,
+    OURS_2_PAD,
     OURS_2P,
+    OURS_2P_PAD,
+    OURS_INLINE_ARRAYS,
     PACKED,
     PLAIN,
     SINGLE,
     SLOW_PREAD,
+    CopyLimit,
     HandLoop,
     MemmapDocuments,
     MemmapMetaWindows,
@@ -44,6 +52,7 @@ from guideloom_pipes.bench.contenders import (
 from guideloom_pipes.bench.data import (
     SEED,
     TOKENS_DTYPE,
+    _count_pad_collate,
     _count_padded,
     _count_tokens,
     build_documents,
@@ -106,8 +115,19 @@ class Bench:
         count = _count_tokens(length)
         hand = HandLoop(storage, length, batch, SEED)
         stream = {"sequence_length": length, "local_batch_size": batch}
+        limit = CopyLimit(storage, length, batch, SEED)
         contenders = [
             Contender("hand loop", lambda: iter(hand), count),
+            Contender(COPY_LIMIT, lambda: iter(limit), count),
+            _ours_contender(
+                OURS_0_ARRAYS, storage, None, count, num_workers=0, prefetch=4, **stream
+            ),
+            _ours_contender(
+                OURS_2_ARRAYS, storage, None, count, num_workers=2, prefetch=4, **stream
+            ),
+            _ours_contender(
+                OURS_INLINE_ARRAYS, storage, None, count, num_workers=0, prefetch=0, **stream
+            ),
             _ours_contender(
                 OURS_0, storage, collate_tokens, count, num_workers=0, prefetch=4, **stream
             ),
@@ -192,6 +212,8 @@ class Bench:
         self.rows += measure("meta", contenders, self.sizes, self.log)
 
     def documents_scenario(self) -> None:
+        from guideloom_pipes.pipes.collate import pad_collate
+
         started = time.perf_counter()
         storage, _ = build_documents(
             self.root / "documents", self.sizes.documents, self.sizes.shards
@@ -223,6 +245,27 @@ class Bench:
                 storage,
                 collate_pad,
                 _count_padded,
+                num_workers=2,
+                parallel_method="process",
+                **common,
+            ),
+            _ours_contender(
+                OURS_0_PAD, storage, pad_collate, _count_pad_collate, num_workers=0, **common
+            ),
+            _ours_contender(
+                OURS_2_PAD,
+                storage,
+                pad_collate,
+                _count_pad_collate,
+                num_workers=2,
+                parallel_method="thread",
+                **common,
+            ),
+            _ours_contender(
+                OURS_2P_PAD,
+                storage,
+                pad_collate,
+                _count_pad_collate,
                 num_workers=2,
                 parallel_method="process",
                 **common,

@@ -13,6 +13,7 @@ from torch.utils.data._utils.collate import collate_tensor_fn as _torch_collate_
 from torch.utils.data._utils.collate import default_collate_fn_map
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.batch import Batch, batch_arrays
 from guideloom_pipes.pipes._errors import mark_batch_failure
 
 __all__ = ["Collate", "default_collate", "pad_collate"]
@@ -32,19 +33,37 @@ def _stack_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None)
 _COLLATE_FN_MAP = {**default_collate_fn_map, torch.Tensor: _stack_tensors}
 
 
-def default_collate(samples: Sequence[Any]) -> Any:
+@batch_arrays
+def default_collate(samples: Sequence[Any] | Batch) -> Any:
     """torch's ``default_collate``, except that an empty rank batch stays ``[]``.
 
     With ``drop_last=False`` and several ranks a rank's last batch can be empty (SPEC §5);
     torch's function cannot stack nothing, so that batch is delivered as ``[]``.
 
     Args:
-        samples: The samples of one local batch.
+        samples: The samples of one local batch, or a :class:`~guideloom_pipes.batch.Batch`
+            of them: its columns become the tensors (``torch.from_numpy``, no copy), the
+            same dict of ``(B, ...)`` tensors torch's function stacks from the samples.
     """
     if len(samples) == 0:
         return []
+    if type(samples) is Batch:
+        if samples.columns is None:
+            samples = samples.samples()
+        else:
+            return {name: _as_tensor(column) for name, column in samples.columns.items()}
     samples = samples if isinstance(samples, list) else list(samples)
     return _torch_collate(samples, collate_fn_map=_COLLATE_FN_MAP)
+
+
+def _as_tensor(column: np.ndarray) -> Any:
+    """A column as torch's ``default_collate`` stacks it: a tensor sharing its memory (a
+    column ``torch.from_numpy`` refuses, e.g. strings or another byte order, goes through
+    torch's function, row by row, which then does what it does with such samples)."""
+    try:
+        return torch.from_numpy(column)
+    except (TypeError, ValueError):
+        return _torch_collate(list(column), collate_fn_map=_COLLATE_FN_MAP)
 
 
 def _as_sequence(value: Any) -> np.ndarray | None:
@@ -52,18 +71,28 @@ def _as_sequence(value: Any) -> np.ndarray | None:
     if isinstance(value, torch.Tensor):
         value = value.numpy()
     elif isinstance(value, (list, tuple)):
-        if not all(isinstance(v, (int, float, np.integer, np.floating)) for v in value):
+        try:  # one conversion; what is not a flat list of numbers has another dtype or shape
+            value = np.asarray(value)
+        except (ValueError, TypeError):
             return None
-        value = np.asarray(value)
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "biuf":
         return value
     return None
 
 
+def _mask(lengths: np.ndarray, width: int, left: bool) -> np.ndarray:
+    """The ``(B, width)`` mask of real tokens, for all rows at once."""
+    steps = np.arange(width, dtype=np.int64)
+    if left:
+        return steps >= (width - lengths)[:, None]
+    return steps < lengths[:, None]
+
+
 def _pad(
-    name: str, columns: list[np.ndarray], width: int, value: Any, left: bool
-) -> tuple[torch.Tensor, np.ndarray]:
-    """``columns`` padded to ``width`` with ``value``: the ``(B, width)`` tensor and mask."""
+    name: str, columns: list[np.ndarray], lengths: np.ndarray, width: int, value: Any, left: bool
+) -> torch.Tensor:
+    """``columns`` (cut to ``lengths``) padded to ``width`` with ``value``: one ``(B,
+    width)`` buffer, one copy per document."""
     dtype = np.result_type(*[c.dtype for c in columns])
     try:
         fill = np.array(value).astype(dtype, casting="same_kind")
@@ -72,20 +101,17 @@ def _pad(
             f"pad_collate: pad value {value!r} does not fit field {name!r} of dtype {dtype}"
         ) from None
     out = np.full((len(columns), width), fill, dtype=dtype)
-    mask = np.zeros((len(columns), width), dtype=bool)
-    for row, column in enumerate(columns):
-        n = min(len(column), width)
+    for row, (column, n) in enumerate(zip(columns, lengths.tolist())):
         if left:
             out[row, width - n :] = column[:n]
-            mask[row, width - n :] = True
         else:
             out[row, :n] = column[:n]
-            mask[row, :n] = True
-    return torch.from_numpy(out), mask
+    return torch.from_numpy(out)
 
 
+@batch_arrays
 def pad_collate(
-    samples: Sequence[Any],
+    samples: Sequence[Any] | Batch,
     *,
     pad_value: Any = 0,
     max_length: int | None = None,
@@ -100,7 +126,8 @@ def pad_collate(
     values a list.
 
     Args:
-        samples: one local batch (what a ``DocumentDataset`` of token arrays yields).
+        samples: one local batch (what a ``DocumentDataset`` of token arrays yields), a
+            list or a :class:`~guideloom_pipes.batch.Batch` of its samples.
         pad_value: the value of the padding; a dict ``{field: value}`` gives each field its
             own (e.g. ``{"tokens": 0, "labels": -100}``; fields not in it get 0).
         max_length: truncate longer documents to this many tokens.
@@ -123,6 +150,8 @@ def pad_collate(
         raise ValueError(f"padding_side must be 'right' or 'left', got {padding_side!r}")
     if len(samples) == 0:
         return []
+    if type(samples) is Batch:
+        samples = samples.samples()
     rows = [s if isinstance(s, Mapping) else {"tokens": s} for s in samples]
     names = list(rows[0])
     for index, row in enumerate(rows):
@@ -160,11 +189,11 @@ def pad_collate(
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
     values = pad_value if isinstance(pad_value, Mapping) else {}
     out: dict[str, Any] = {}
-    mask = None
+    left = padding_side == "left"
     for name, columns in sequences.items():
         value = values.get(name, 0) if isinstance(pad_value, Mapping) else pad_value
-        out[name], mask = _pad(name, columns, width, value, padding_side == "left")
-    out["attention_mask"] = torch.from_numpy(mask)
+        out[name] = _pad(name, columns, lengths, width, value, left)
+    out["attention_mask"] = torch.from_numpy(_mask(lengths, width, left))
     out["lengths"] = torch.from_numpy(lengths)
     for name, column in others.items():
         if all(

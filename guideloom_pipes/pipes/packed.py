@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from guideloom_pipes.batch import Batch, batch_arrays
 from guideloom_pipes.packing import FIELDS, PackedSample
 
 __all__ = ["collate_packed"]
@@ -51,13 +52,15 @@ def _stack(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any], name: str) 
     return array.astype(np.int64, copy=False)
 
 
-def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> Any:
+@batch_arrays
+def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Batch) -> Any:
     """Batch the windows of a :class:`~guideloom_pipes.PackedDataset` for varlen attention.
 
     Args:
         samples: A list of samples (dicts with ``tokens``, ``position_ids``,
             ``document_ids`` and ``labels``, each of shape ``(L,)``), or one dict of those
-            fields already stacked to ``(B, L)``.
+            fields already stacked to ``(B, L)``, or a :class:`~guideloom_pipes.batch.Batch`
+            of them.
 
     Returns:
         A dict: ``tokens``, ``position_ids``, ``document_ids``, ``labels`` as ``(B, L)``
@@ -74,6 +77,8 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> 
     """
     if not isinstance(samples, Mapping) and len(samples) == 0:
         return []
+    if isinstance(samples, Batch):
+        samples = samples.columns if samples.columns is not None else samples.samples()
     found = None if isinstance(samples, Mapping) else _rows_of_one_read(samples)
     if found is not None:
         arrays, starts = found

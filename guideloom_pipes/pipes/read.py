@@ -16,7 +16,7 @@ import numpy.typing as npt
 import torch.utils.data._utils.worker as _torch_worker
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.datasets import batch_read_fn, open_reader
+from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes._errors import mark_batch_failure
 from guideloom_pipes.pipes._pool import (
     DataLoaderTimeoutError,
@@ -29,6 +29,8 @@ from guideloom_pipes.pipes._worker import (
     _Failed,
     _ReadTask,
     _RemoteTraceback,
+    keep_batch_arrays,
+    read_fn_for,
 )
 from guideloom_pipes.pipes.positions import Positions
 
@@ -215,6 +217,11 @@ class ReadSamples(BaseNode[Any]):
         process_pool: Worker processes that outlive this stage (a loader's, shared by its
             epochs): used instead of starting new ones for ``method="process"``, and on
             close or reset only released, not stopped (a failure of the pool stops it).
+        arrays: With ``collate_fn=None``: deliver each batch as the reader's
+            :class:`~guideloom_pipes.batch.Batch` of arrays where it makes one (windows of
+            the built-in formats), for a collate further on that takes it; else the list.
+            A ``collate_fn`` gets a ``Batch`` when it takes one (``accepts_batch_arrays``,
+            as our collates do), whatever this says; any other gets the list of samples.
     """
 
     SOURCE_KEY = "source"
@@ -237,6 +244,7 @@ class ReadSamples(BaseNode[Any]):
         base_seed: int | None = None,
         worker_init_fn: Callable[[int], Any] | None = None,
         process_pool: _ProcessPool | None = None,
+        arrays: bool = False,
     ) -> None:
         super().__init__()
         self.source = source
@@ -253,6 +261,9 @@ class ReadSamples(BaseNode[Any]):
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
         self.collate_fn = collate_fn
+        self.arrays = bool(arrays)
+        # What the workers run: with arrays and no collate_fn, a pass-through that takes them.
+        self._worker_collate = keep_batch_arrays if arrays and collate_fn is None else collate_fn
         if max_in_flight is None:
             max_in_flight = 2 * self.num_workers
         elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
@@ -309,10 +320,11 @@ class ReadSamples(BaseNode[Any]):
         if self._reader is None:
             self._reader, self._owns_reader = open_reader(self.dataset)
         if self._task is None:
+            collate = self._worker_collate
             reader = self._reader
             self._task = _ReadTask(
-                batch_read_fn(reader),
-                self.collate_fn,
+                read_fn_for(reader, collate),
+                collate,
                 read_is_ours=callable(getattr(reader, "read_batch", None)),
                 seeding="globals" if self.num_workers == 0 else "local",
             )
@@ -386,7 +398,7 @@ class ReadSamples(BaseNode[Any]):
             assert self._mp is not None
             self._pool = _ProcessPool(
                 self.dataset,
-                self.collate_fn,
+                self._worker_collate,
                 self.num_workers,
                 self._mp,
                 base_seed=self._worker_base_seed(),

@@ -358,15 +358,19 @@ class StreamWithMetaReader(StreamReader):
         good = np.flatnonzero(simple)
         if len(good) == 0:
             return out
+        every = len(good) == rows  # the usual case: no row picked out (no fancy copies)
         runs_start = np.ones((len(good), length), dtype=bool)
-        runs_start[:, 1:] = steps[good]
+        runs_start[:, 1:] = steps if every else steps[good]
         document_index = np.cumsum(runs_start, axis=1, dtype=np.int32)
         document_index -= 1
         runs = runs_start.sum(axis=1)
-        locals_ = index[good][runs_start].astype(np.int64)  # each row's payloads, in order
-        payload_shards = np.repeat(first[good], runs)
+        # each row's payloads, in order
+        locals_ = (index if every else index[good])[runs_start].astype(np.int64)
+        payload_shards = np.repeat(first if every else first[good], runs)
         fetched = self._fetch(payload_shards, locals_)
-        stream = np.array(windows["user"][good], copy=True)
+        # one copy of the rows' own fields (picking rows out copies them already)
+        user = windows["user"]
+        stream = np.array(user, copy=True) if every else user[good]
         unpack = self.storage.format.unpack
         begin = 0
         try:

@@ -1,0 +1,183 @@
+"""``Batch``: one local batch as arrays (one ``(B, ...)`` array per field), the way a batch
+travels from a dataset reader to our collates without a dict per sample.
+
+A dataset reader's ``read_arrays(ids)`` returns a :class:`Batch` for the built-in formats:
+windows of a ``StreamNumpyFormat`` stream as *columns* (one contiguous ``(B, L)`` array per
+field, each token copied once out of the shard mapping), documents as *rows* (the decoded
+documents, whose ``lengths`` the padding collate reads first). Our collates
+(``default_collate``, ``pad_collate``, ``collate_packed``) and any callable marked with
+:func:`batch_arrays` take it as it is; every other ``collate_fn`` gets
+:meth:`Batch.samples`, the list of sample dicts GuideLoom hands over. numpy only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+
+__all__ = ["Batch", "accepts_batch_arrays", "batch_arrays"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class Batch:
+    """A batch of samples held as arrays.
+
+    Exactly one of ``columns`` and ``rows`` is given.
+
+    Args:
+        columns: field -> array whose first axis is the batch (``(B, L)`` for windows). The
+            arrays must own their memory (or share it only with this batch), never a
+            storage's; sample ``i`` is ``{field: column[i]}``.
+        rows: the samples themselves (e.g. decoded documents), when they are not arrays of
+            one shape.
+
+    ``len(batch)`` is the number of samples; ``batch[i]`` is sample ``i``, ``batch[a:b]`` a
+    :class:`Batch` of those samples (sharing the arrays), and iterating yields the samples.
+    It pickles as its arrays, so a process worker sends one buffer per field.
+    """
+
+    __slots__ = ("columns", "rows")
+
+    columns: dict[str, np.ndarray] | None
+    rows: list[Any] | None
+
+    def __init__(
+        self,
+        columns: Mapping[str, np.ndarray] | None = None,
+        rows: Sequence[Any] | None = None,
+    ) -> None:
+        if (columns is None) == (rows is None):
+            raise ValueError("Batch needs exactly one of columns= (field -> array) and rows=")
+        if columns is not None:
+            columns = dict(columns)
+            if not columns:
+                raise ValueError("Batch(columns=...) needs at least one field")
+            sizes = {name: len(column) for name, column in columns.items()}
+            if len(set(sizes.values())) != 1:
+                raise ValueError(
+                    f"Batch columns must have one length along the batch axis, got {sizes}"
+                )
+        self.columns = columns
+        self.rows = list(rows) if rows is not None else None
+
+    @classmethod
+    def of_columns(cls, columns: dict[str, np.ndarray]) -> Batch:
+        """A batch of ``columns`` that the caller made with one length (not checked again:
+        the readers' path, once per batch)."""
+        batch = cls.__new__(cls)
+        batch.columns, batch.rows = columns, None
+        return batch
+
+    @classmethod
+    def concat(cls, batches: Sequence[Batch]) -> Batch:
+        """The samples of ``batches`` one after the other (columns of equal fields)."""
+        if not batches:
+            raise ValueError("Batch.concat needs at least one batch")
+        if len(batches) == 1:
+            return batches[0]
+        first = batches[0]
+        if first.columns is None:
+            return cls(rows=[sample for batch in batches for sample in batch.samples()])
+        names = list(first.columns)
+        for batch in batches:
+            if batch.columns is None or list(batch.columns) != names:
+                raise ValueError("Batch.concat needs batches with the same columns")
+        return cls(
+            {
+                name: np.concatenate([b.columns[name] for b in batches])  # type: ignore[index]
+                for name in names
+            }
+        )
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The column names (empty for a batch of rows)."""
+        return tuple(self.columns) if self.columns is not None else ()
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Each sample's length (int64): its first column's second axis, else ``len(row)``."""
+        if self.columns is not None:
+            column = next(iter(self.columns.values()))
+            size = column.shape[1] if column.ndim > 1 else 1
+            return np.full(len(column), size, dtype=np.int64)
+        assert self.rows is not None
+        return np.fromiter((len(row) for row in self.rows), dtype=np.int64, count=len(self.rows))
+
+    def __len__(self) -> int:
+        if self.columns is not None:
+            return len(next(iter(self.columns.values())))
+        assert self.rows is not None
+        return len(self.rows)
+
+    def samples(self) -> list[Any]:
+        """The samples as a list: ``{field: column[i]}`` each (views of the columns), or the
+        rows. What a ``collate_fn`` that does not take arrays receives."""
+        if self.rows is not None:
+            return list(self.rows)
+        assert self.columns is not None
+        items = list(self.columns.items())
+        return [{name: column[i] for name, column in items} for i in range(len(self))]
+
+    def take(self, order: np.ndarray) -> Batch:
+        """The samples at ``order`` (int positions in this batch), in that order."""
+        if self.rows is not None:
+            return Batch(rows=[self.rows[i] for i in np.asarray(order).tolist()])
+        assert self.columns is not None
+        return Batch({name: column[order] for name, column in self.columns.items()})
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            if self.rows is not None:
+                return Batch(rows=self.rows[index])
+            assert self.columns is not None
+            return Batch.of_columns({name: column[index] for name, column in self.columns.items()})
+        if self.rows is not None:
+            return self.rows[index]
+        assert self.columns is not None
+        return {name: column[index] for name, column in self.columns.items()}
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.samples())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.columns, self.rows))
+
+    def __repr__(self) -> str:
+        if self.columns is not None:
+            shapes = ", ".join(
+                f"{name}: {column.dtype}{list(column.shape)}"
+                for name, column in self.columns.items()
+            )
+            return f"Batch({{{shapes}}})"
+        return f"Batch(rows of {len(self)})"
+
+
+def _rebuild(columns: dict[str, np.ndarray] | None, rows: list[Any] | None) -> Batch:
+    batch = Batch.__new__(Batch)
+    batch.columns, batch.rows = columns, rows
+    return batch
+
+
+def batch_arrays(fn: _F) -> _F:
+    """Mark ``fn`` (a collate) as taking a :class:`Batch` as well as a list of samples.
+
+    The loader then hands it the arrays its reader produced (it sets the attribute
+    ``accepts_batch_arrays = True``, which a class may also define).
+    """
+    fn.accepts_batch_arrays = True  # type: ignore[attr-defined]
+    return fn
+
+
+def accepts_batch_arrays(fn: Any) -> bool:
+    """Whether ``fn`` takes a :class:`Batch` (``accepts_batch_arrays = True`` on it, or on
+    the function a ``functools.partial`` wraps)."""
+    if fn is None:
+        return False
+    if getattr(fn, "accepts_batch_arrays", False) is True:
+        return True
+    inner = getattr(fn, "func", None)  # functools.partial(pad_collate, pad_value=...)
+    return inner is not None and getattr(inner, "accepts_batch_arrays", False) is True
