@@ -18,7 +18,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-_BATCH_LINE = re.compile(r"^rank=(\d+): (\[\[.*\]\])$")
+#: a printed batch: ``rank=0: [[0, 1, 2, 3], [24, 25, 26, 27]]`` (a list of lists of ints)
+_BATCH_ANYWHERE = re.compile(r"rank=(\d+): (\[\[[^\[\]]*\](?:, \[[^\[\]]*\])*\])")
 
 
 def _env() -> dict[str, str]:
@@ -38,10 +39,10 @@ def _run(args: list[str], cwd: Path) -> str:
 
 def _batches(stdout: str) -> dict[int, list[list[list[int]]]]:
     by_rank: dict[int, list[list[list[int]]]] = {}
-    for line in stdout.splitlines():
-        match = _BATCH_LINE.match(line.strip())
-        if match:
-            by_rank.setdefault(int(match[1]), []).append(ast.literal_eval(match[2]))
+    # two ranks print to one pipe: a line's text and its newline are separate writes, so
+    # one rank's line may end up glued to the other's; find every batch wherever it is
+    for match in _BATCH_ANYWHERE.finditer(stdout):
+        by_rank.setdefault(int(match[1]), []).append(ast.literal_eval(match[2]))
     return by_rank
 
 

@@ -676,8 +676,13 @@ def test_raising_the_limit_wakes_sleeping_workers_for_queued_jobs():
 
 
 def test_slow_batches_that_compute_run_on_one_worker_at_a_time(cpu_clock_is_the_wall_clock):
-    dataset = _Concurrency(60, wait=False, seconds=0.003)  # 3 ms a batch: one batch per job
-    node = ReadSamples(RankPositions(60, 2), dataset, num_workers=3, collate_fn=ids_collate)
+    dataset = _Concurrency(60, wait=False, seconds=0.003)  # 3 ms a batch
+    # chunk_seconds=1: the first job, which runs alone to tell computing from waiting, is
+    # judged by its own CPU share even where a loaded machine starts its worker late (a job
+    # not started within chunk_seconds is taken to wait, and jobs would then run side by side)
+    node = ReadSamples(
+        RankPositions(60, 2), dataset, num_workers=3, collate_fn=ids_collate, chunk_seconds=1.0
+    )
     assert list(node) == [[i, i + 1] for i in range(0, 60, 2)]
     assert not node._side_by_side()
     assert node._pool is not None and node._pool._limit == 1
