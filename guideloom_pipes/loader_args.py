@@ -124,6 +124,28 @@ def _cpu_count() -> int | None:
     return os.cpu_count()
 
 
+def _check_mp_context(context: Any, num_workers: int) -> None:
+    """torch's checks of ``multiprocessing_context``, with its words: only with workers, a
+    start method this platform has, or a context object."""
+    if num_workers == 0:
+        raise ValueError(
+            "multiprocessing_context can only be used with multi-process loading "
+            f"(num_workers > 0), but got num_workers={num_workers}"
+        )
+    if isinstance(context, str):
+        valid = multiprocessing.get_all_start_methods()
+        if context not in valid:
+            raise ValueError(
+                f"multiprocessing_context option should specify a valid start method in "
+                f"{valid!r}, but got multiprocessing_context={context!r}"
+            )
+    elif not isinstance(context, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string "
+            f"specifying the start method, but got multiprocessing_context={context}"
+        )
+
+
 def _excessive_workers_message(num_workers: int) -> str | None:
     """torch's warning text for more worker processes than CPUs (None: not too many)."""
     suggest = _cpu_count()
@@ -271,14 +293,20 @@ def resolve_arguments(
         local_batch_size = batch_size
     if shuffle is None:
         shuffle = False
+    if isinstance(num_workers, int) and not isinstance(num_workers, bool) and num_workers < 0:
+        raise ValueError(
+            "num_workers option should be non-negative; use num_workers=0 to disable "
+            f"multiprocessing (here: to read in the training thread), got {num_workers}"
+        )
     num_workers = _int_arg("num_workers", num_workers, 0)
     if prefetch_factor is not None:
-        prefetch_factor = _int_arg("prefetch_factor", prefetch_factor, 1)
         if num_workers == 0:
             raise ValueError(
-                f"prefetch_factor={prefetch_factor} applies only with num_workers > 0 (as "
-                "in torch); pass prefetch= for finished batches waiting ahead"
+                "prefetch_factor option could only be specified in multiprocessing (as in "
+                f"torch: prefetch_factor={prefetch_factor} applies only with num_workers > "
+                "0); pass prefetch= for finished batches waiting ahead"
             )
+        prefetch_factor = _int_arg("prefetch_factor", prefetch_factor, 1)
         if prefetch != 0:
             raise ValueError(
                 f"pass prefetch ({prefetch}) or prefetch_factor ({prefetch_factor}), not "
@@ -286,7 +314,10 @@ def resolve_arguments(
             )
         prefetch = prefetch_factor * num_workers
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
-        raise ValueError(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        raise ValueError(
+            f"timeout option should be non-negative: a number of seconds (0: wait forever), "
+            f"got {timeout!r}"
+        )
 
     local_batch_size = _int_arg("local_batch_size", local_batch_size, 1)
     world_size = _int_arg("world_size", world_size, 1)
@@ -298,6 +329,8 @@ def resolve_arguments(
         )
     if parallel_method not in _METHODS:
         raise ValueError(f"parallel_method must be 'thread' or 'process', got {parallel_method!r}")
+    if multiprocessing_context is not None:
+        _check_mp_context(multiprocessing_context, num_workers)
     if multiprocessing_context is not None and parallel_method != "process":
         raise ValueError(
             f"multiprocessing_context={multiprocessing_context!r} applies only to process "
@@ -341,7 +374,9 @@ def resolve_arguments(
             UserWarning,
             stacklevel=stacklevel,
         )
-    if prefetch * local_batch_size < num_workers:
+    # GuideLoom's warning, for GuideLoom's keywords: a torch-style call (batch_size=) gets
+    # torch's behaviour, which has nothing to warn of here (workers read ahead anyway)
+    if prefetch * local_batch_size < num_workers and batch_size is _UNSET:
         warnings.warn(
             f"prefetch * local_batch_size = {prefetch * local_batch_size} < "
             f"num_workers = {num_workers}: GuideLoom warns here because its "

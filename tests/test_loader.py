@@ -139,14 +139,14 @@ def test_device_defaults_to_the_cpu_without_cuda():
         ({"rank": 2, "world_size": 2}, ValueError, r"rank must be < world_size \(2\), got 2"),
         ({"local_batch_size": 0}, ValueError, "local_batch_size must be >= 1, got 0"),
         ({"local_batch_size": 2.0}, TypeError, "local_batch_size must be an int, got 2.0"),
-        ({"num_workers": -1}, ValueError, "num_workers must be >= 0, got -1"),
+        ({"num_workers": -1}, ValueError, "num_workers option should be non-negative.* -1"),
         ({"prefetch": -2}, ValueError, "prefetch must be >= 0, got -2"),
         ({"parallel_method": "fork"}, ValueError, "parallel_method must be .* got 'fork'"),
         ({"shuffle": "yes"}, TypeError, "shuffle must be True or False, got 'yes'"),
         ({"drop_last": None}, TypeError, "drop_last must be True or False, got None"),
         ({"pin_memory": 1}, TypeError, "pin_memory must be True or False, got 1"),
         ({"shuffle_seed": -5}, ValueError, "shuffle_seed must be >= 0, got -5"),
-        ({"timeout": -1}, ValueError, "timeout must be .* got -1"),
+        ({"timeout": -1}, ValueError, "timeout option should be non-negative.* got -1"),
     ],
 )
 def test_constructor_rejects_bad_values_naming_them(kwargs, error, match):
@@ -245,14 +245,30 @@ def test_torch_keywords_work():
         ({"batch_size": None}, r"batch_size=None .* not supported"),
         ({"batch_size": 4, "local_batch_size": 2}, "batch_size=4 and local_batch_size=2 disagree"),
         ({"prefetch_factor": 2}, "prefetch_factor=2 applies only with num_workers > 0"),
+        ({"prefetch_factor": 2}, "prefetch_factor option could only be specified in multipro"),
         ({"prefetch_factor": 2, "num_workers": 1, "prefetch": 1}, "not both"),
-        ({"multiprocessing_context": "spawn"}, "parallel_method='process'"),
+        ({"multiprocessing_context": "spawn", "num_workers": 1}, "parallel_method='process'"),
+        (
+            {"multiprocessing_context": "spawn", "parallel_method": "process"},
+            r"multiprocessing_context can only be used with multi-process loading \(num_workers"
+            r" > 0\), but got num_workers=0",
+        ),
+        (
+            {"multiprocessing_context": "bad", "num_workers": 2, "parallel_method": "process"},
+            "multiprocessing_context option should specify a valid start method in .* but got "
+            "multiprocessing_context='bad'",
+        ),
         ({"shuffle_seed": 3, "generator": torch.Generator()}, "shuffle_seed or generator"),
     ],
 )
 def test_torch_keywords_we_cannot_honour_say_what_to_use_instead(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _loader(**kwargs)
+
+
+def test_a_multiprocessing_context_that_is_no_context_is_a_type_error_at_construction():
+    with pytest.raises(TypeError, match="should be a valid context object or a string"):
+        _loader(multiprocessing_context=object(), num_workers=2, parallel_method="process")
 
 
 def test_a_torch_generator_seeds_the_shuffle_reproducibly():

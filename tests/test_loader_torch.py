@@ -391,3 +391,14 @@ def test_no_tail_warning_when_drop_last_is_passed_guideloom_keywords_or_nothing_
 def test_the_tail_warning_counts_every_rank():
     texts, _ = _tail_warnings(lambda: _loader(Ids(101), batch_size=5, world_size=2), epochs=1)
     assert len(texts) == 1 and "batch_size=5 * world_size 2 make 10 batches" in texts[0]
+
+
+def test_guideloom_keywords_get_guideloom_s_idle_worker_warning_and_torch_s_do_not():
+    from guideloom_pipes import StatefulDataLoader
+
+    data = list(range(40))
+    with pytest.warns(UserWarning, match=r"prefetch \* local_batch_size = 0 < num_workers = 4"):
+        StatefulDataLoader(data, local_batch_size=2, num_workers=4, device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        StatefulDataLoader(data, batch_size=2, num_workers=4, drop_last=True, device="cpu")
