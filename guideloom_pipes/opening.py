@@ -5,6 +5,7 @@ the right storage, and :func:`detect` says what a directory holds."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
@@ -55,6 +56,22 @@ class Detected:
     format: str | None = None
     #: the data-file suffixes found
     suffixes: set[str] = field(default_factory=set)
+
+
+def _shard_files(names: Iterable[str]) -> tuple[set[str], list[int]]:
+    """The data-file suffixes among ``names`` and the ids of the shards with a record
+    (temporaries and versioned files left out)."""
+    suffixes: set[str] = set()
+    records: list[int] = []
+    for name in names:
+        match = _NAME.match(name)
+        if match is None or match.group("temporary") or match.group("generation"):
+            continue
+        if match.group("suffix") == RECORD:
+            records.append(int(match.group("shard")))
+        else:
+            suffixes.add(match.group("suffix"))
+    return suffixes, records
 
 
 def local_path(path_or_url: Any) -> Path:
@@ -109,16 +126,7 @@ def detect(
         raise NotADirectoryError(
             f"{directory} is not a directory; pass the dataset directory"
         ) from None
-    suffixes: set[str] = set()
-    records: list[int] = []
-    for name in names:
-        match = _NAME.match(name)
-        if match is None or match.group("temporary") or match.group("generation"):
-            continue
-        if match.group("suffix") == RECORD:
-            records.append(int(match.group("shard")))
-        else:
-            suffixes.add(match.group("suffix"))
+    suffixes, records = _shard_files(names)
     record = _first_record(directory, sorted(records))
     if record is not None and record.kind in KIND_SUFFIXES:
         return Detected(directory, record.kind, True, record.dtype, record.format, suffixes)
@@ -155,16 +163,7 @@ def _detect_remote(
             for suffix in (RECORD, IN_BAND, INDEX, OUT_OF_BAND)
             if _backend_size(io, directory / (first + suffix)) is not None
         ]
-    suffixes: set[str] = set()
-    records: list[int] = []
-    for name in names:
-        match = _NAME.match(name)
-        if match is None or match.group("temporary") or match.group("generation"):
-            continue
-        if match.group("suffix") == RECORD:
-            records.append(int(match.group("shard")))
-        else:
-            suffixes.add(match.group("suffix"))
+    suffixes, records = _shard_files(names)
     if not suffixes and not records:
         raise FileNotFoundError(
             f"{url} is not a dataset: nothing there has a shard file's name "

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 pytest.importorskip("torch")
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

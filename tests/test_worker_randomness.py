@@ -13,6 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+pytest.importorskip("torch")
+
 import torch
 from loader_helpers import Ids, ids_collate, threads_end
 from random_helpers import (
