@@ -18,7 +18,7 @@ from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.listing import ShardListing, discover
 from guideloom_pipes.storage.names import IN_BAND, shard_name
 from guideloom_pipes.storage.stream_meta import record_dtype
-from guideloom_pipes.storage.verify import check_listing, file_crc32
+from guideloom_pipes.storage.verify import check_files, check_listing, recorded_files
 
 #: datasets at least this large show progress (``--progress auto``)
 PROGRESS_FROM = 64 << 20
@@ -137,40 +137,27 @@ def _checksums(
     counts: dict[str, Any],
 ) -> None:
     storage = opened.storage
-    io = storage._resolve_io()
-    jobs = []
-    for shard in recorded:
-        record = listing.records[shard]
-        for suffix in storage.suffixes:
-            expected = record.files.get(suffix.lstrip("."))
-            if expected is not None:
-                jobs.append((shard, listing.file_name(shard, suffix), expected))
-    total = sum(expected.size for _, _, expected in jobs)
+    files = recorded_files(listing, storage.suffixes, recorded)
+    total = sum(expected.size for _, _, expected in files)
     show = args.progress == "always" or (args.progress == "auto" and total >= PROGRESS_FROM)
     started = time.perf_counter()
     with Progress("verifying", total, "B", enabled=show and not args.json) as progress:
-        for shard, name, expected in jobs:
-            reader = io.reader(listing.directory / name)
-            try:
-                reader.open()
-                try:
-                    size = reader.filesize()
-                    crc = file_crc32(reader, size, progress.update)
-                finally:
-                    reader.close()
-            except OSError as error:
+        io = storage._resolve_io()
+        for check in check_files(listing, io, files, progress.update, errors="collect"):
+            shard = check.shard
+            if check.error is not None:
                 findings.problem(
-                    f"shard {shard_name(shard)}: {error}; rewrite shard {shard}", shard
+                    f"shard {shard_name(shard)}: {check.error}; rewrite shard {shard}", shard
                 )
                 continue
             counts["files"] += 1
-            counts["bytes"] += size
-            if crc != expected.crc32 or size != expected.size:
+            counts["bytes"] += check.size
+            if not check.matches:
                 findings.problem(
-                    f"shard {shard_name(shard)}: {name} fails its checksum (crc32 {crc:#010x} "
-                    f"over {size} bytes, committed {expected.crc32:#010x} over {expected.size} "
-                    f"bytes): it changed after it was committed. Restore it or rewrite shard "
-                    f"{shard}",
+                    f"shard {shard_name(shard)}: {check.name} fails its checksum (crc32 "
+                    f"{check.crc32:#010x} over {check.size} bytes, committed "
+                    f"{check.expected.crc32:#010x} over {check.expected.size} bytes): it "
+                    f"changed after it was committed. Restore it or rewrite shard {shard}",
                     shard,
                 )
     counts["seconds"] = time.perf_counter() - started

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from guideloom_pipes.storage.errors import CorruptShardError, UncommittedShardEr
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing, _backend_size
 from guideloom_pipes.storage.names import RECORD, TMP, _display, shard_name
-from guideloom_pipes.storage.records import _CHUNK, ShardRecord
+from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord
 
 
 def check_listing(
@@ -187,6 +188,70 @@ def file_crc32(reader: Any, size: int, progress: Callable[[int], None] | None = 
     return crc
 
 
+@dataclass(frozen=True)
+class FileCheck:
+    """One recorded file checksummed: its size and CRC-32 now against its commit record's,
+    or the ``OSError`` reading it raised (``check_files(..., errors="collect")``)."""
+
+    shard: int
+    name: str
+    expected: FileRecord
+    size: int = -1
+    crc32: int = 0
+    error: OSError | None = None
+
+    @property
+    def matches(self) -> bool:
+        """Whether the file reads whole and is what was committed."""
+        return (
+            self.error is None
+            and self.size == self.expected.size
+            and self.crc32 == self.expected.crc32
+        )
+
+
+def recorded_files(
+    listing: ShardListing, suffixes: Sequence[str], shards: Iterable[int]
+) -> list[tuple[int, str, FileRecord]]:
+    """(shard, file name, its record) of every file the records of ``shards`` name."""
+    files = []
+    for shard in shards:
+        record = listing.records[shard]
+        for suffix in suffixes:
+            expected = record.files.get(suffix.lstrip("."))
+            if expected is not None:
+                files.append((shard, listing.file_name(shard, suffix), expected))
+    return files
+
+
+def check_files(
+    listing: ShardListing,
+    backend: Any,
+    files: Iterable[tuple[int, str, FileRecord]],
+    progress: Callable[[int], None] | None = None,
+    errors: str = "raise",
+) -> Iterator[FileCheck]:
+    """Checksum each of ``files`` (see :func:`recorded_files`), one :class:`FileCheck`
+    each. A file that cannot be read raises its ``OSError``, or with ``errors="collect"``
+    is a check carrying it (the CLI reports every file and goes on)."""
+    backend = resolve_backend(backend)
+    for shard, name, expected in files:
+        reader = backend.reader(listing.directory / name)
+        try:
+            reader.open()
+            try:
+                size = reader.filesize()
+                crc = file_crc32(reader, size, progress)
+            finally:
+                reader.close()
+        except OSError as error:
+            if errors != "collect":
+                raise
+            yield FileCheck(shard, name, expected, error=error)
+            continue
+        yield FileCheck(shard, name, expected, size, crc)
+
+
 def verify_checksums(
     listing: ShardListing,
     backend: Any,
@@ -213,25 +278,16 @@ def verify_checksums(
     checked["unrecorded"] = listing.num_shards - len(recorded)
     _check_sizes(listing, backend, suffixes, recorded)
     problems: list[str] = []
-    for shard, record in recorded:
-        checked["shards"] += 1
-        for suffix in suffixes:
-            name = listing.file_name(shard, suffix)
-            expected = record.files[suffix.lstrip(".")]
-            reader = backend.reader(listing.directory / name)
-            reader.open()
-            try:
-                size = reader.filesize()
-                crc = file_crc32(reader, size, progress)
-            finally:
-                reader.close()
-            checked["files"] += 1
-            checked["bytes"] += size
-            if crc != expected.crc32 or size != expected.size:
-                problems.append(
-                    f"{name}: crc32 {crc:#010x} over {size} bytes, committed "
-                    f"{expected.crc32:#010x} over {expected.size} bytes"
-                )
+    checked["shards"] = len(recorded)
+    files = recorded_files(listing, suffixes, [shard for shard, _ in recorded])
+    for check in check_files(listing, backend, files, progress):
+        checked["files"] += 1
+        checked["bytes"] += check.size
+        if not check.matches:
+            problems.append(
+                f"{check.name}: crc32 {check.crc32:#010x} over {check.size} bytes, committed "
+                f"{check.expected.crc32:#010x} over {check.expected.size} bytes"
+            )
     if checked["unrecorded"]:
         warnings.warn(
             f"{checked['unrecorded']} of the {listing.num_shards} shards of "
