@@ -20,7 +20,7 @@ from guideloom_pipes.progress import Progress
 from guideloom_pipes.storage.base import StorageBase
 from guideloom_pipes.storage.commit import WRITER_MODES, remove_shards_from
 from guideloom_pipes.storage.errors import StorageError
-from guideloom_pipes.storage.names import _NAME, RECORD, shard_name
+from guideloom_pipes.storage.names import RECORD, shard_ids, shard_name
 from guideloom_pipes.storage.records import ShardRecord, format_name
 from guideloom_pipes.storage.remote import RemotePath
 from guideloom_pipes.storage.upload import RemoteUpload
@@ -146,14 +146,22 @@ def _remote(storage: StorageBase) -> RemoteUpload | None:
     return RemoteUpload(storage.read_interface, str(storage.dir), "update", storage.kind)
 
 
-def _unchanged(storage: StorageBase, shard: int, fp: str) -> bool:
+def _unchanged(
+    storage: StorageBase,
+    shard: int,
+    fp: str,
+    remote: RemoteUpload | None = None,
+    remote_sizes: dict[str, int] | None = None,
+) -> bool:
     """Whether shard ``shard`` is committed from the item of fingerprint ``fp`` with its
-    files at their recorded sizes."""
-    remote = _remote(storage)
+    files at their recorded sizes (at a URL: ``remote``, with its objects' sizes from one
+    listing, ``remote_sizes``)."""
     if remote is not None:
-        record, sizes = remote.committed(shard)
-        if record is None:
+        found = remote.record(shard)
+        if found is None:
             return False
+        record = found
+        sizes = remote_sizes or {}
 
         def size_of(name: str) -> int | None:
             return sizes.get(name)
@@ -193,21 +201,13 @@ def _check_picklable(convert: Any) -> bytes:
         ) from error
 
 
-def _shards_present(storage: StorageBase) -> set[int]:
-    remote = _remote(storage)
+def _shards_present(storage: StorageBase, remote: RemoteUpload | None) -> set[int]:
     if remote is not None:
         return remote.shards_present()
-    directory = os.fspath(storage.dir)
     try:
-        names = os.listdir(directory)
+        return shard_ids(os.listdir(os.fspath(storage.dir)))
     except FileNotFoundError:
         return set()
-    found = set()
-    for name in names:
-        match = _NAME.match(name)
-        if match and not match.group("temporary") and match.group("generation") is None:
-            found.add(int(match.group("shard")))
-    return found
 
 
 def write_parallel(
@@ -293,7 +293,8 @@ def write_parallel(
     directory = os.fspath(storage.dir)
     work = list(items)
     started = time.perf_counter()
-    if mode == "create" and _shards_present(storage):
+    remote = _remote(storage)
+    if mode == "create" and _shards_present(storage, remote):
         raise FileExistsError(
             f"{directory} already holds shards and write_parallel was called with "
             f"mode='create'; write into a new directory, or use mode='overwrite'"
@@ -301,8 +302,10 @@ def write_parallel(
     report = WriteReport()
     prints = [_fingerprint(item, convert_bytes, storage, fingerprint) for item in work]
     todo = []
+    check = resume and mode != "create"
+    remote_sizes = remote.object_sizes() if remote is not None and check else None
     for shard, fp in enumerate(prints):
-        if resume and mode != "create" and _unchanged(storage, shard, fp):
+        if check and _unchanged(storage, shard, fp, remote, remote_sizes):
             report.skipped.append(shard)
         else:
             todo.append(shard)
@@ -358,8 +361,7 @@ def write_parallel(
     if failures:
         failures.sort(key=lambda failure: failure[0])
         raise WriteParallelError(failures, report)
-    above = sorted(s for s in _shards_present(storage) if s >= len(work))
-    remote = _remote(storage)
+    above = sorted(s for s in _shards_present(storage, remote) if s >= len(work))
     if above and mode == "overwrite" and remote is not None:
         report.removed = remote.remove_from(len(work))
     elif above and mode == "overwrite":

@@ -99,6 +99,7 @@ from guideloom_pipes.storage.names import (
     RECORD,
     TMP,
     check_shard_id,
+    shard_ids,
     shard_name,
     versioned_name,
 )
@@ -931,12 +932,7 @@ WRITER_MODES = ("update", "overwrite", "create")
 
 def _shards_in(directory: str) -> set[int]:
     """The ids of the shards whose data files or records are in ``directory`` (by name)."""
-    found = set()
-    for name in os.listdir(directory):
-        match = _NAME.match(name)
-        if match and not match.group("temporary") and match.group("generation") is None:
-            found.add(int(match.group("shard")))
-    return found
+    return shard_ids(os.listdir(directory))
 
 
 class _Removal:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterable
 from pathlib import PurePath
 from typing import Any
 
@@ -28,6 +29,17 @@ _NAME = re.compile(
     r"(?P<suffix>\.in_band\.bin|\.out_of_band\.bin|\.out_of_band\.index|\.shard\.json)"
     r"(?P<temporary>\.tmp|\.pending)?$"
 )
+
+
+def shard_ids(names: Iterable[str]) -> set[int]:
+    """The ids of the shards with a file at its canonical name among ``names`` (a data file
+    or a record; temporaries and versioned files left out)."""
+    found = set()
+    for name in names:
+        match = _NAME.match(name)
+        if match and not match.group("temporary") and match.group("generation") is None:
+            found.add(int(match.group("shard")))
+    return found
 
 
 def shard_name(shard: int) -> str:

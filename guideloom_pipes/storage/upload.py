@@ -42,6 +42,7 @@ from guideloom_pipes.storage.names import (
     INDEX,
     OUT_OF_BAND,
     RECORD,
+    shard_ids,
     shard_name,
     versioned_name,
 )
@@ -100,17 +101,15 @@ class RemoteUpload:
 
     def shards_present(self) -> set[int]:
         """Ids of the shards with a file at its canonical name at the URL."""
-        found = set()
-        for name in self._shard_files():
-            match = _NAME.match(name)
-            if match and not match.group("temporary") and match.group("generation") is None:
-                found.add(int(match.group("shard")))
-        return found
+        return shard_ids(self._shard_files())
 
-    def committed(self, shard: int) -> tuple[ShardRecord | None, dict[str, int]]:
-        """Shard ``shard``'s record at the URL (None if it has none, or an unreadable one)
-        and the size of each object of the dataset, by name."""
-        return self._remote_record(shard), self._shard_files()
+    def object_sizes(self) -> dict[str, int]:
+        """The size of each shard object at the URL, by name (one listing)."""
+        return self._shard_files()
+
+    def record(self, shard: int) -> ShardRecord | None:
+        """Shard ``shard``'s record at the URL (None if it has none, or an unreadable one)."""
+        return self._remote_record(shard)
 
     def remove_from(self, first: int) -> list[int]:
         """Remove every shard whose id is ``first`` or more, as an ``"overwrite"`` writer
@@ -215,9 +214,9 @@ class RemoteUpload:
 
     def _remove(self, shards: Sequence[int]) -> None:
         """Delete the data files of shards marked deleted, then their records."""
+        listing = self._shard_files()  # once: versioned leftovers of every shard
         for shard in shards:
             self._delete(shard_name(shard) + suffix for suffix in _DATA_SUFFIXES)
-            listing = self._shard_files()
             self._delete(
                 name
                 for name in listing
