@@ -8,6 +8,7 @@ import multiprocessing
 import multiprocessing.context
 import operator
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -45,6 +46,19 @@ _WAITING = 0.35
 _START_METHODS = ("spawn", "forkserver", "fork")
 #: A worker's time per job of quick batches to aim for (``chunk_seconds``' default).
 _CHUNK_SECONDS = 0.002
+#: Batches that compute and take less than this of a thread's time are read by the calling
+#: thread (when they run only this library's code): a handoff to a worker thread and back
+#: costs about as much CPU as such a batch (8 windows of 2048 tokens: 16 us read in the
+#: calling thread, 24 us through a worker thread, under the same GIL).
+_INLINE_SECONDS = 50e-6
+#: One in this many batches read by the calling thread also measures its CPU share.
+_INLINE_SAMPLE = 16
+
+
+def _ours(obj: Any) -> bool:
+    """Whether ``obj`` (a reader, a function) is defined by this library."""
+    module = getattr(obj, "__module__", None)
+    return isinstance(module, str) and module.split(".", 1)[0] == "guideloom_pipes"
 
 
 # -- torch's get_worker_info() in worker threads --------------------------------------------
@@ -163,6 +177,14 @@ class ReadSamples(BaseNode[Any]):
     quick ones go up to ``max_chunk`` per job, read with one call of the reader (each batch
     collated on its own), so a handoff between threads, which costs tens of microseconds
     of CPU, is paid per chunk instead of per batch.
+
+    Quick batches that compute and run only this library's code (one of our datasets, no
+    ``collate_fn`` or one of ours) are read by the calling thread once a worker's first job
+    has shown them to be quick (under 50 us each): a handoff to a worker thread and back
+    costs as much CPU as such a batch, and threads gain nothing on it under the GIL. Every
+    batch read so is timed, so batches that turn slow or start to wait on I/O go back to
+    the workers. A user's ``collate_fn`` or dataset keeps its batches on the workers (it
+    may ask torch's ``get_worker_info()``).
 
     Thread workers run jobs that compute one at a time: threads running them side by side
     only take the GIL from each other. Jobs run side by side on all workers once they are
@@ -304,6 +326,7 @@ class ReadSamples(BaseNode[Any]):
         self._batch_seconds = 0.0  # a worker's time per batch (moving average; 0: unknown)
         self._cpu_share = -1.0  # a lone job's share of its time on the CPU (-1: unknown)
         self._probing = False  # the first job runs alone (threads), see _side_by_side
+        self._may_inline = False  # quick batches may be read by the calling thread (_inline)
         self._delivered = 0  # batches delivered since reset
         self._snapshot: Any = None  # the source's state after the last delivered batch
         self._previous: Any = None  # ... and before it (None: none delivered since reset)
@@ -372,6 +395,7 @@ class ReadSamples(BaseNode[Any]):
         self._source_done = False
         self._source_error = None
         self._probing = self.method == "thread" and self.chunk_seconds > 0
+        self._may_inline = self._probing and self.timeout is None and self._library_only()
         if self.method == "thread":
             assert self._task is not None
             tell = self.base_seed is not None or self.worker_init_fn is not None
@@ -461,6 +485,8 @@ class ReadSamples(BaseNode[Any]):
             except Exception as failed:
                 mark_batch_failure(failed)  # the source has moved past it: the next batch follows
                 raise
+        if self._quick_to_inline() and not self._pending:
+            return self._next_inline()
         self._fill()
         if not self._pending:
             if self._source_error is not None:
@@ -508,6 +534,71 @@ class ReadSamples(BaseNode[Any]):
                 error.__cause__ = _RemoteTraceback(result.remote)
             mark_batch_failure(error)
             raise error
+        return result
+
+    def _library_only(self) -> bool:
+        """Whether a batch runs only this library's code: one of our dataset readers, and
+        no ``collate_fn`` or one of ours. Only such batches may be read by the calling thread
+        (:meth:`_quick_to_inline`): user code could ask torch's ``get_worker_info()`` who
+        reads it, and is told a worker thread reads it."""
+        return _ours(self._reader) and (self._worker_collate is None or _ours(self._worker_collate))
+
+    def _quick_to_inline(self) -> bool:
+        """Whether batches go to the calling thread rather than to worker threads: they run
+        only this library's code, and are known to compute (not wait on I/O) and to take
+        under ``_INLINE_SECONDS`` each, where a handoff between threads costs as much CPU as
+        the batch and gains nothing under the GIL. The calling thread takes over once the
+        jobs already submitted are delivered; every batch it reads refines what is known, so
+        batches that turn slow, or wait, go back to the workers."""
+        return (
+            self._may_inline
+            and not self._probing
+            and not self._source_done
+            and 0 < self._batch_seconds < _INLINE_SECONDS
+            and self._cpu_share >= _WAITING
+        )
+
+    def _next_inline(self) -> Any:
+        """The next batch, read by the calling thread (see :meth:`_quick_to_inline`)."""
+        source = self.source
+        try:
+            ids = _to_ids(next(source))
+        except StopIteration:
+            self._source_done = True
+            self._end_snapshot = source.state_dict()
+            return self.next()  # delivers the end
+        except Exception as error:
+            self._source_done = True
+            self._source_error = error
+            return self.next()  # raises it
+        snapshot = source.state_dict()
+        task = self._task
+        assert task is not None
+        seeds = self.batch_seeds
+        # The CPU share is sampled (a thread's CPU clock is a system call); the time is not.
+        sample = self._delivered % _INLINE_SAMPLE == 0
+        cpu = time.thread_time() if sample else 0.0
+        started = time.perf_counter()
+        try:
+            if seeds is None:
+                result = task._plain(ids)
+            else:
+                self._taken += 1
+                result = task(ids, seeds(self._taken - 1))
+        except Exception as error:  # (a KeyboardInterrupt propagates, nothing delivered)
+            # The batch failed alone: it counts as delivered, the next call reads the next.
+            self._previous, self._snapshot = self._snapshot, snapshot
+            self._delivered += 1
+            mark_batch_failure(error)
+            raise
+        finally:
+            elapsed = time.perf_counter() - started
+            if sample and elapsed > 0:
+                self._learn(elapsed, min(1.0, (time.thread_time() - cpu) / elapsed))
+            else:
+                self._batch_seconds = 0.75 * self._batch_seconds + 0.25 * elapsed
+        self._previous, self._snapshot = self._snapshot, snapshot
+        self._delivered += 1
         return result
 
     def _timeout_message(self, together: int) -> str:
@@ -601,7 +692,7 @@ class ReadSamples(BaseNode[Any]):
         compute share the GIL, so quick jobs gain nothing from running side by side).
         """
         pool = self._pool
-        if pool is None or self._source_done:
+        if pool is None or self._source_done or self._quick_to_inline():
             return
         pending = self._pending
         source = self.source
