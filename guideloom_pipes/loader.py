@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.batch import accepts_batch_arrays
 from guideloom_pipes.datasets import open_reader, reader_fingerprint
 from guideloom_pipes.loader_args import (
     _UNSET,
@@ -738,17 +737,11 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         inline = self.num_workers == 0 and self.prefetch == 0
         seeds = self._batch_seeds(epoch, offset)
         if inline and not self.timeout:
-            # Everything inline in the training thread: the fewest steps per batch (the
-            # collate inside the read when batches are seeded: it runs under the seed).
-            if seeds is None:
-                arrays = accepts_batch_arrays(collate)
-                node = Collate(
-                    ReadSamples(node, self.dataset, reader=self._reader, arrays=arrays), collate
-                )
-            else:
-                node = ReadSamples(
-                    node, self.dataset, reader=self._reader, collate_fn=collate, batch_seeds=seeds
-                )
+            # Everything inline in the training thread: the fewest steps per batch, the
+            # collate inside the read (under the batch's seed when batches are seeded).
+            node = ReadSamples(
+                node, self.dataset, reader=self._reader, collate_fn=collate, batch_seeds=seeds
+            )
         else:
             # Workers read and collate whole batches; finished batches wait in this stage
             # (``prefetch`` of them beyond the workers' own), so no extra thread hop. With

@@ -298,13 +298,17 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         self._total = int(self._starts[-1])
         self._bounds: list[int] = self._starts.tolist()
         self._in_band = self._files[IN_BAND]
-        # copies go through an opaque same-size void dtype: a plain memcpy, where numpy's
-        # structured copy walks field by field (1.7x slower for one field, more for several)
-        self._raw = np.dtype((np.void, itemsize))
-        # per shard: its mapped _raw array, False for a byte-range backend, None until used
-        self._mapped: list[np.ndarray | bool | None] = [None] * listing.num_shards
         # windows gathered through an unsigned integer view of the element's size, if any
         self._gather = _GATHER_DTYPES.get(itemsize)
+        # copies go through an opaque dtype of the element's size, where numpy's structured
+        # copy walks field by field (1.7x slower for one field, more for several): that
+        # unsigned integer where there is one (numpy copies it faster than a void), else a
+        # void of that size
+        self._raw = self._gather if self._gather is not None else np.dtype((np.void, itemsize))
+        # per shard: its mapped _raw array, False for a byte-range backend, None until used
+        self._mapped: list[np.ndarray | bool | None] = [None] * listing.num_shards
+        # per shard: its mapped _raw array once mapped, else None (the copy loops' lookup)
+        self._arrays: list[np.ndarray | None] = [None] * listing.num_shards
         self._views: dict[tuple[int, int], np.ndarray] = {}
 
     def _seal_args(self, shard: int) -> dict[str, Any]:
@@ -334,11 +338,13 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         if mapped is None:
             array = self._in_band.array(shard, self._raw)
             mapped = self._mapped[shard] = array if array is not None else False
+            self._arrays[shard] = array
         return mapped if isinstance(mapped, np.ndarray) else None
 
     def close(self) -> None:
         """Release every mapping and descriptor. Samples already returned stay valid."""
         self._mapped = []
+        self._arrays = []
         self._views = {}
         super().close()
 
@@ -469,16 +475,16 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         """Windows of mapped shards, each copied into its row of ``out`` (shards found with
         ``bisect`` on Python ints: for a handful of windows, numpy's calls cost more than the
         copies). False, with nothing done, where a shard is not mapped."""
-        bounds, maps = self._bounds, self._mapped
+        bounds, arrays, find = self._bounds, self._arrays, bisect.bisect_right
         for row, start in enumerate(starts.tolist()):
-            shard = bisect.bisect_right(bounds, start) - 1
-            offset = start - bounds[shard]
-            mapped = maps[shard]
+            shard = find(bounds, start) - 1
+            mapped = arrays[shard]
             if mapped is None:
                 mapped = self._mapped_array(shard)
-            if not isinstance(mapped, np.ndarray):
-                return False
+                if mapped is None:
+                    return False
             if start + length <= bounds[shard + 1]:
+                offset = start - bounds[shard]
                 out[row] = mapped[offset : offset + length]
             else:
                 self._copy_across(out[row], start, shard, length)
