@@ -227,6 +227,42 @@ def test_read_windows_and_read_batch_equal_the_reference_windows(
     assert [s["loss_mask"].tolist() for s in samples] == [w["loss_mask"].tolist() for w in windows]
 
 
+#: Record sizes copied through an unsigned integer (1, 2, 4, 8 bytes, either byte order)
+#: and through a void (3, 7 bytes).
+ELEMENT_DTYPES = [
+    np.dtype([("tokens", "u1")]),
+    np.dtype([("tokens", ">u2")]),
+    np.dtype([("tokens", ">i4")]),
+    np.dtype([("tokens", "<f8")]),
+    np.dtype([("tokens", "<u2"), ("mask", "u1")]),
+    np.dtype([("tokens", ">i4"), ("mask", "u1"), ("segment", "<u2")]),
+]
+
+
+@pytest.mark.parametrize("dtype", ELEMENT_DTYPES, ids=lambda d: f"{d.itemsize}B-{d.descr}")
+@pytest.mark.parametrize("count", [3, 40])  # a few windows (row copies), many (gathers)
+def test_windows_of_every_element_size_and_byte_order_read_back_as_written(
+    tmp_path: Path, dtype: np.dtype[Any], count: int
+) -> None:
+    reference = write_shards(tmp_path, [50, 7, 0, 61, 33], dtype)
+    length = 6
+    ids = np.random.default_rng(count).integers(0, len(reference) // length, count)
+    expected = [reference[i * length : (i + 1) * length] for i in ids]
+    storage = StreamStorage(tmp_path, StreamNumpyFormat(dtype))
+    with storage.sync_reader() as reader:
+        raw = reader.read_windows(ids * length, length)
+    with StreamDataset(storage, length).sync_reader() as reader:
+        batch = reader.read_arrays(ids)
+        samples = reader.read_batch(ids)
+    assert raw.dtype == dtype
+    for name in dtype.names or ():
+        column = np.stack([window[name] for window in expected])
+        assert_array_equal(raw[name], column)
+        assert batch.columns is not None and batch.columns[name].dtype == dtype[name]
+        assert_array_equal(batch.columns[name], column)
+        assert_array_equal(np.stack([sample[name] for sample in samples]), column)
+
+
 @settings(deadline=None, max_examples=40)
 @given(lengths=shard_lengths_strategy, sequence_length=st.integers(1, 12))
 def test_read_batch_of_a_format_without_unpack_batch_gets_each_windows_pieces(
