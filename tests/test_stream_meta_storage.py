@@ -428,6 +428,80 @@ def test_a_failing_unpack_in_a_batch_names_the_payloads_of_its_row(
         reader.read_batch(np.array([0, 1]))  # window 1 is elements 2, 3: payload 1
 
 
+class WindowsAtOnce(ScriptedMetaFormat):
+    """``ScriptedMetaFormat`` with the batch fast path; counts the windows it decoded."""
+
+    def __init__(self) -> None:
+        self.windows = 0
+
+    def unpack_windows(
+        self, stream_data: Any, document_shard: Any, document_index: Any, data: Any, runs: Any
+    ) -> list[Any]:
+        assert stream_data.shape == document_index.shape and document_index.dtype == np.int32
+        assert document_shard.dtype == np.int64 and len(document_shard) == len(data)
+        self.windows += len(stream_data)
+        ends = np.cumsum(runs).tolist()
+        return [
+            self.unpack(stream, document_shard[begin:end], index, data[begin:end])
+            for stream, index, begin, end in zip(stream_data, document_index, [0, *ends[:-1]], ends)
+        ]
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 14])
+def test_a_format_with_unpack_windows_decodes_batches_like_single_reads(
+    written: tuple[Path, Reference], length: int
+) -> None:
+    """``unpack_windows`` gets the windows a batch read decodes together (all but those
+    crossing a shard), and the batch equals the single reads window for window."""
+    directory, _ = written
+    fast = WindowsAtOnce()
+    storage = StreamWithMetaStorage(directory, fast)
+    with StreamDataset(storage, length).sync_reader() as reader, storage.sync_reader() as stream:
+        ids = np.random.default_rng(length).permutation(np.repeat(np.arange(len(reader)), 2))
+        batch = reader.read_batch(ids)
+        singles = [stream.read(int(i) * length, length) for i in ids]
+        bounds = stream.shard_starts[1:-1].tolist()
+    assert [as_plain(s) for s in batch] == [as_plain(s) for s in singles]
+    crossing = [i for i in ids.tolist() if any(i * length < b < (i + 1) * length for b in bounds)]
+    assert fast.windows == len(ids) - len(crossing)
+
+
+def test_an_unpack_windows_that_returns_another_count_is_named(
+    written: tuple[Path, Reference],
+) -> None:
+    directory, _ = written
+
+    class Short(WindowsAtOnce):
+        def unpack_windows(self, *args: Any) -> list[Any]:
+            return super().unpack_windows(*args)[:-1]
+
+    pattern = r"Short\.unpack_windows returned 1 samples for 2"
+    storage = StreamWithMetaStorage(directory, Short())
+    with (
+        StreamDataset(storage, 2).sync_reader() as reader,
+        pytest.raises(TypeError, match=pattern),
+    ):
+        reader.read_batch(np.array([0, 1]))
+
+
+def test_an_unpack_windows_that_raises_names_the_payloads_of_its_windows(
+    written: tuple[Path, Reference],
+) -> None:
+    directory, _ = written
+
+    class Failing(WindowsAtOnce):
+        def unpack_windows(self, *args: Any) -> list[Any]:
+            raise ValueError("bad payload")
+
+    storage = StreamWithMetaStorage(directory, Failing())
+    pattern = r"payloads 0\.\.1 of .*0000000\.out_of_band\.bin.*Failing\.unpack_windows raised"
+    with (
+        StreamDataset(storage, 2).sync_reader() as reader,
+        pytest.raises(CorruptShardError, match=pattern),
+    ):
+        reader.read_batch(np.array([0, 1]))
+
+
 # refusals ----------------------------------------------------------------------------------
 
 
