@@ -216,38 +216,6 @@ def test_memmap_meta_baseline_matches_our_reader(tmp_path: Path) -> None:
             assert ours["payloads"] == theirs["payloads"]
 
 
-def test_the_meta_formats_batch_path_gives_the_samples_of_its_window_path(
-    tmp_path: Path,
-) -> None:
-    """``ChunkMetaFormat.unpack_windows`` (the batch fast path) hands the collate the same
-    samples ``unpack`` does: keys, dtypes, payload types and values; and the baseline's."""
-    from guideloom_pipes import StreamDataset
-    from guideloom_pipes.bench.data import ChunkMetaFormat
-
-    storage = bench.build_meta(tmp_path / "m", 5000, 3, chunk=100)
-
-    class WindowByWindow(ChunkMetaFormat):
-        unpack_windows = None  # type: ignore[assignment]
-
-    slow = type(storage)(storage.dir, WindowByWindow(100))
-    baseline = bench.MemmapMetaWindows(storage, 300)
-    ids = np.random.default_rng(0).permutation(len(baseline))
-    with (
-        StreamDataset(storage, 300).sync_reader() as fast_reader,
-        StreamDataset(slow, 300).sync_reader() as slow_reader,
-    ):
-        fast, plain = fast_reader.read_batch(ids), slow_reader.read_batch(ids)
-    for ours, theirs, index in zip(fast, plain, ids.tolist()):
-        assert list(ours) == list(theirs) == ["tokens", "payload_index", "payloads"]
-        assert ours["tokens"].dtype == theirs["tokens"].dtype
-        assert ours["payload_index"].dtype == theirs["payload_index"].dtype == np.int32
-        assert ours["tokens"].tolist() == theirs["tokens"].tolist()
-        assert ours["payload_index"].tolist() == theirs["payload_index"].tolist()
-        assert type(ours["payloads"]) is type(theirs["payloads"]) is list
-        assert [type(p) for p in ours["payloads"]] == [type(p) for p in theirs["payloads"]]
-        assert ours["payloads"] == theirs["payloads"] == baseline[index]["payloads"]
-
-
 def test_memmap_documents_baseline_matches_our_reader(tmp_path: Path) -> None:
     from guideloom_pipes import DocumentDataset
 

@@ -51,7 +51,7 @@ class ChunkMetaFormat:
 
     ``pack({"tokens": array, "source": str})`` gives every ``chunk`` consecutive tokens one
     payload; ``unpack`` returns ``{"tokens": array, "payload_index": int32 array, "payloads":
-    [memoryview, ...]}``, and ``unpack_windows`` the same samples for a batch of windows.
+    [bytes, ...]}``.
     """
 
     stream_dtype = TOKENS_DTYPE
@@ -86,23 +86,6 @@ class ChunkMetaFormat:
             "payload_index": document_index,
             "payloads": document_data,
         }
-
-    def unpack_windows(
-        self,
-        stream_data: np.ndarray,
-        document_shard: np.ndarray,
-        document_index: np.ndarray,
-        document_data: list[memoryview],
-        runs: np.ndarray,
-    ) -> list[dict[str, Any]]:
-        """The batch fast path (``BatchStreamWithMetaFormat``): ``unpack``'s samples for a
-        batch of windows, the tokens of all of them split from the records at once."""
-        tokens = np.ascontiguousarray(stream_data["tokens"])
-        ends = np.cumsum(runs).tolist()
-        return [
-            {"tokens": row, "payload_index": index, "payloads": document_data[begin:end]}
-            for row, index, begin, end in zip(tokens, document_index, [0, *ends[:-1]], ends)
-        ]
 
 
 def build_meta(directory: Path, total: int, shards: int, chunk: int) -> StreamWithMetaStorage:

@@ -310,7 +310,7 @@ class StreamWithMetaReader(StreamReader):
             raise self._decode_failed(error, document_shard, locals_) from error
 
     def _decode_failed(
-        self, error: Exception, shards: np.ndarray, locals_: np.ndarray, method: str = "unpack"
+        self, error: Exception, shards: np.ndarray, locals_: np.ndarray
     ) -> ShardDecodeError:
         """The error for a span whose ``unpack`` raised: the payloads it touched, by shard."""
         touched = []
@@ -324,7 +324,7 @@ class StreamWithMetaReader(StreamReader):
         return decode_error(
             error,
             f"a span touching {'; '.join(touched) or 'no payload'} could not be decoded: "
-            f"{format_name}.{method} raised {type(error).__name__}: {str(error).rstrip('.')}; a "
+            f"{format_name}.unpack raised {type(error).__name__}: {str(error).rstrip('.')}; a "
             f"payload is corrupt, or the shard was written with another format. Run "
             f"storage.verify() (it checks every committed file against its checksum), then "
             f"rewrite shard {shard_list}",
@@ -370,14 +370,6 @@ class StreamWithMetaReader(StreamReader):
         # one copy of the rows' own fields (picking rows out copies them already)
         user = windows["user"]
         stream = np.array(user, copy=True) if every else user[good]
-        unpack_windows = getattr(self.storage.format, "unpack_windows", None)
-        if unpack_windows is not None:
-            samples = self._unpack_windows(
-                unpack_windows, stream, payload_shards, document_index, fetched, runs, low
-            )
-            for row, sample in zip(good.tolist(), samples):
-                out[row] = sample
-            return out
         unpack = self.storage.format.unpack
         ends = np.cumsum(runs).tolist()
         begin = end = 0
@@ -397,39 +389,6 @@ class StreamWithMetaReader(StreamReader):
                 error, payload_shards[begin:end], locals_[begin:end]
             ) from error
         return out
-
-    def _unpack_windows(
-        self,
-        unpack_windows: Any,
-        stream: np.ndarray,
-        payload_shards: np.ndarray,
-        document_index: np.ndarray,
-        fetched: list[memoryview],
-        runs: np.ndarray,
-        low: np.ndarray,
-    ) -> list[Any]:
-        """``format.unpack_windows`` of the rows :meth:`decode_windows` decodes together:
-        its samples, checked to be one per row."""
-        try:
-            samples = unpack_windows(stream, payload_shards, document_index, fetched, runs)
-        except StorageError:
-            raise
-        except Exception as error:
-            locals_ = np.arange(len(payload_shards), dtype=np.int64) - np.repeat(
-                np.cumsum(runs) - runs - low, runs
-            )
-            raise self._decode_failed(
-                error, payload_shards, locals_, "unpack_windows"
-            ) from error
-        if not isinstance(samples, list):
-            samples = list(samples)
-        if len(samples) != len(stream):
-            raise TypeError(
-                f"{type(self.storage.format).__name__}.unpack_windows returned "
-                f"{len(samples)} samples for {len(stream)} windows; it must return one "
-                f"sample per window (row of stream_data)"
-            )
-        return samples
 
     def _fetch(self, shards: np.ndarray, locals_: np.ndarray) -> list[memoryview]:
         """Payloads ``locals_[j]`` of shards ``shards[j]``, as memoryviews of fresh copies."""

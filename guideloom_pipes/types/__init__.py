@@ -8,9 +8,8 @@ protocol, or subclass an abstract base, to plug in a format or a backend of your
 The names GuideLoom 1.1 has in ``guideloom.types`` are all here, with the same bases and
 abstract methods, so code written against them (``isinstance`` checks, subclasses) runs
 unchanged; the built-in storages, readers, writers, datasets and backends subclass them.
-Our own additions: :class:`BatchStreamFormat`, :class:`BatchStreamWithMetaFormat`, the
-structural reader protocols (:class:`SyncByteReader`, :class:`ReadInterface`, ...),
-:class:`Storage` and ``Buffer``.
+Our own additions: :class:`BatchStreamFormat`, the structural reader protocols
+(:class:`SyncByteReader`, :class:`ReadInterface`, ...), :class:`Storage` and ``Buffer``.
 
 Nothing here imports torch (:class:`StatefulDataLoaderStateDict` is a plain ``TypedDict``).
 Each kind of extension point has a module of its own (``buffers``, ``formats``, ``context``,
@@ -65,7 +64,6 @@ from guideloom_pipes.types.datasets import (
 )
 from guideloom_pipes.types.formats import (
     BatchStreamFormat,
-    BatchStreamWithMetaFormat,
     DocumentStorageFormat,
     StorageFormat,
     StreamStorageFormat,
@@ -112,7 +110,6 @@ __all__ = [
     # ours
     "AsyncByteReader",
     "BatchStreamFormat",
-    "BatchStreamWithMetaFormat",
     "Buffer",
     "Dataset",
     "ListingReadInterface",

@@ -114,41 +114,6 @@ class StreamWithMetaStorageFormat(Protocol[_InContraT, _OutCoT, StreamDType]):
     ) -> _OutCoT: ...
 
 
-@runtime_checkable
-class BatchStreamWithMetaFormat(Protocol):
-    """Optional fast path for stream-with-metadata formats: decode a batch of windows in one
-    call instead of one ``unpack`` per window.
-
-    ``unpack_windows(stream_data, document_shard, document_index, document_data, runs)``
-    gets ``B`` windows of equal length ``L`` that each lie in one shard and touch payloads
-    numbered in stream order (the reader's batch read; other windows still go to
-    ``unpack``):
-
-    - ``stream_data``: a C-contiguous ``(B, L)`` array of ``stream_dtype`` (a copy, owned by
-      the batch);
-    - ``runs``: int64 ``(B,)``, how many payloads each window touches; window ``k``'s are
-      ``document_data[sum(runs[:k]) : sum(runs[:k + 1])]``;
-    - ``document_shard``: int64, the shard of each payload, window after window;
-    - ``document_index``: int32 ``(B, L)``, each element's payload among its own window's
-      (0 for the window's first), as ``unpack`` gets it;
-    - ``document_data``: the payloads, window after window (``memoryview`` objects over a
-      copy, valid after the reader closes).
-
-    It returns ``B`` samples, sample ``k`` equal to what ``unpack`` returns for window
-    ``k`` (the same types and values), since which path a window takes depends on the
-    batch it is read in.
-    """
-
-    def unpack_windows(
-        self,
-        stream_data: np.ndarray,
-        document_shard: Vector[np.int64],
-        document_index: np.ndarray,
-        document_data: Sequence[StorageBufferTypes],
-        runs: Vector[np.int64],
-    ) -> Sequence[Any]: ...
-
-
 if sys.version_info < (3, 11):  # pragma: no cover - Python 3.10
     # Python 3.10 swaps a protocol's own __init__ for one that refuses arguments; put ours
     # back so that formats subclassing the protocols inherit it, as on later Pythons.
