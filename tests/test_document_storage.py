@@ -256,6 +256,36 @@ def test_an_offset_past_the_end_of_the_data_file_is_refused(tmp_path: Path) -> N
         reader.read(0)
 
 
+@pytest.mark.parametrize("copies", [1, 5], ids=["few", "many"])
+def test_read_many_equals_single_reads_and_hands_out_owned_copies(
+    written: Path, copies: int
+) -> None:
+    """A batch of documents (across shards, repeated, a few read one by one, many all at
+    once) decodes as single reads do; each ``unpack`` gets a memoryview of a copy."""
+    ids = np.random.default_rng(copies).permutation(np.tile(np.arange(len(ALL)), copies))
+    with DocumentStorage(written, BytesFormat()).sync_reader() as reader:
+        many = reader.read_many(ids)
+        singles = [reader.read(int(i)) for i in ids]
+    assert [(bytes(b), s) for b, s in many] == [(bytes(b), s) for b, s in singles]
+    assert all(type(b) is memoryview and type(b.obj) is bytearray for b, _ in many)
+    with pickled(written).sync_reader() as reader:
+        assert reader.read_many(ids) == [ALL[i] for i in ids]
+
+
+@pytest.mark.parametrize("copies", [1, 20], ids=["few", "many"])
+@pytest.mark.parametrize(
+    ("offsets", "message"),
+    [([0, 4, 2, 5], "decreasing offsets at document 1"), ([0, 9, 2, 5], "outside the 5-byte")],
+)
+def test_bad_offsets_are_named_by_read_many(
+    tmp_path: Path, offsets: list[int], message: str, copies: int
+) -> None:
+    write_raw(tmp_path, 0, [b"abc", b"de"], offsets=offsets)
+    reader = DocumentStorage(tmp_path, BytesFormat()).sync_reader()
+    with reader, pytest.raises(CorruptShardError, match=message):
+        reader.read_many(np.tile([2, 0, 1], copies))
+
+
 def test_read_many_accepts_any_iterable_of_ints(written: Path) -> None:
     with pickled(written).sync_reader() as reader:
         assert reader.read_many(i for i in (2, 0)) == [ALL[2], ALL[0]]

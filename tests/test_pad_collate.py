@@ -4,6 +4,7 @@ mask and the lengths; through the loader too."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,6 +67,34 @@ def test_left_padding_truncation_and_a_multiple_of() -> None:
     rounded = pad_collate([[1, 2, 3]], pad_to_multiple_of=8)
     assert rounded["tokens"].shape == (1, 8)
     assert rounded["attention_mask"].sum().item() == 3
+
+
+@pytest.mark.parametrize(
+    "documents",
+    [
+        [[1, 2, 3], [4]],
+        [[True, False], [True]],
+        [[1, True], [2]],
+        [[1, 2.5], [3]],
+        [[2**63], [1]],
+        [[-(2**63)], [2**62]],
+        [[1, np.int32(2)], [3]],
+        [[np.int16(1), 2], [3]],
+        [[], [1, 2]],
+        [(1, 2), [3]],
+    ],
+    ids=lambda documents: repr(documents),
+)
+def test_lists_are_padded_as_numpy_converts_them(documents: list[Any]) -> None:
+    """Lists of Python ints take a quicker conversion; every list still pads to the dtype
+    and values ``np.asarray`` gives it (bools, floats, ints past int64, numpy scalars,
+    empty lists)."""
+    as_arrays = [np.asarray(document) for document in documents]
+    batch = pad_collate(documents, pad_value=False)  # False fits every dtype here
+    expected = pad_collate(as_arrays, pad_value=False)
+    assert batch["tokens"].dtype == expected["tokens"].dtype
+    assert batch["tokens"].tolist() == expected["tokens"].tolist()
+    assert batch["lengths"].tolist() == [len(document) for document in documents]
 
 
 def test_an_empty_rank_batch_stays_empty() -> None:

@@ -4,6 +4,7 @@ decoded for any window (across shards and the wrap-around)."""
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,9 @@ from hypothesis import strategies as st
 from storage_formats import ChunkMetaFormat, ScriptedMetaFormat
 
 from guideloom_pipes import StreamDataset, StreamWithMetaStorage
+from guideloom_pipes.io import MmapIO, PosixPreadIO
 from guideloom_pipes.storage import stream_meta
+from guideloom_pipes.storage.errors import CorruptShardError
 
 RECORD = np.dtype([("index", "<i4"), ("user", "<i4")])
 
@@ -299,6 +302,130 @@ def test_a_batch_row_whose_payload_numbers_decrease_decodes_like_a_single_read(
     assert [as_plain(s) for s in batch] == [as_plain(s) for s in singles]
     assert as_plain(batch[0])["document_data"] == [b"p1", b"p0"]
     assert as_plain(batch[0])["document_index"] == [0, 0, 1, 1]
+
+
+def test_a_batch_row_whose_payload_numbers_jump_decodes_like_a_single_read(
+    tmp_path: Path,
+) -> None:
+    """A row whose payload numbers skip one (files from elsewhere) touches payloads that are
+    not back to back: it is decoded on its own, the rows around it together."""
+    write_runs(tmp_path, [(0, [("a", b"p0", 2), ("b", b"p1", 2), ("c", b"p2", 4)])])
+    path = tmp_path / "0000000.in_band.bin"
+    records = np.fromfile(path, dtype=RECORD)
+    records["index"][2:4] = 2  # the first window now points at p0, then p2 (p1 skipped)
+    records.tofile(path)
+    storage = scripted(tmp_path)
+    with StreamDataset(storage, 4).sync_reader() as reader, storage.sync_reader() as stream:
+        batch = reader.read_batch(np.array([1, 0, 1]))
+        singles = [stream.read(4, 4), stream.read(0, 4), stream.read(4, 4)]
+    assert [as_plain(s) for s in batch] == [as_plain(s) for s in singles]
+    assert as_plain(batch[1])["document_data"] == [b"p0", b"p2"]
+    assert as_plain(batch[1])["document_index"] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("backend", [MmapIO, PosixPreadIO])
+@pytest.mark.parametrize("length", [1, 2, 3, 5, 14])
+def test_a_batch_of_windows_equals_their_single_reads(
+    written: tuple[Path, Reference], backend: type, length: int
+) -> None:
+    """Every window of a batch (shard boundaries, runs spanning windows, a batch touching
+    several shards, ids repeated) decodes as a single read of its span does, over mapped
+    files (the batch path) and over ``pread`` (payloads read run by run)."""
+    directory, _ = written
+    storage = StreamWithMetaStorage(directory, ScriptedMetaFormat(), backend())
+    with StreamDataset(storage, length).sync_reader() as reader, storage.sync_reader() as stream:
+        ids = np.random.default_rng(length).permutation(np.repeat(np.arange(len(reader)), 2))
+        batch = reader.read_batch(ids)
+        singles = [stream.read(int(i) * length, length) for i in ids]
+    assert [as_plain(s) for s in batch] == [as_plain(s) for s in singles]
+
+
+def test_the_payloads_of_a_batch_are_memoryviews_of_one_owned_copy(
+    written: tuple[Path, Reference],
+) -> None:
+    """The payloads a batch read hands ``unpack`` are memoryviews over a copy the read made
+    (a ``bytearray``), never over the mapped file, and stay valid after the reader closes."""
+    directory, reference = written
+    seen: list[Sequence[Any]] = []
+
+    class Keeping(ScriptedMetaFormat):
+        def unpack(self, stream_data: Any, shards: Any, index: Any, data: Any) -> Any:
+            seen.append(data)
+            return super().unpack(stream_data, shards, index, data)
+
+    with StreamDataset(StreamWithMetaStorage(directory, Keeping()), 2).sync_reader() as reader:
+        reader.read_batch(np.array([0, 1, 6, 2]))
+    payloads = [payload for data in seen for payload in data]
+    assert all(type(p) is memoryview and type(p.obj) is bytearray for p in payloads)
+    assert [bytes(p) for p in payloads] == [
+        bytes(d) for i in (0, 1, 6, 2) for d in reference.window(2 * i, 2)["document_data"]
+    ]
+
+
+@pytest.mark.parametrize("backend", [MmapIO, PosixPreadIO])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda o: o.__setitem__(slice(1, 3), o[2:0:-1].copy()), "decreasing offsets at"),
+        (lambda o: o.__setitem__(2, 10_000), "offsets outside the"),
+    ],
+    ids=["decreasing", "past-the-end"],
+)
+@pytest.mark.parametrize("copies", [1, 8], ids=["few-rows", "many-rows"])
+def test_bad_payload_offsets_are_named_by_a_batch_read(
+    written: tuple[Path, Reference], backend: type, change: Any, message: str, copies: int
+) -> None:
+    """The batch path checks the offsets it gathers and names the index file (a few rows
+    are read one by one, many all at once)."""
+    directory, _ = written
+    index_path = directory / "0000000.out_of_band.index"
+    offsets = np.fromfile(index_path, dtype="<i8")
+    change(offsets)
+    offsets.tofile(index_path)
+    storage = StreamWithMetaStorage(directory, ScriptedMetaFormat(), backend())
+    pattern = rf"0000000\.out_of_band\.index has {message}"
+    with (
+        StreamDataset(storage, 2).sync_reader() as reader,
+        pytest.raises(CorruptShardError, match=pattern),
+    ):
+        reader.read_batch(np.tile([0, 1, 2], copies))
+
+
+@pytest.mark.parametrize("copies", [1, 12], ids=["few-rows", "many-rows"])
+def test_a_batch_row_pointing_past_its_payloads_is_named(
+    written: tuple[Path, Reference], copies: int
+) -> None:
+    directory, _ = written
+    path = directory / "0000000.in_band.bin"
+    records = np.fromfile(path, dtype=RECORD)
+    records["index"][2:4] = [3, 4]  # shard 0 holds payloads 0..2; steps of 1
+    records.tofile(path)
+    pattern = r"pointing at payload 4, but .* 3 entries"
+    with (
+        StreamDataset(scripted(directory), 2).sync_reader() as reader,
+        pytest.raises(CorruptShardError, match=pattern),
+    ):
+        reader.read_batch(np.tile([0, 1], copies))
+
+
+def test_a_failing_unpack_in_a_batch_names_the_payloads_of_its_row(
+    written: tuple[Path, Reference],
+) -> None:
+    directory, _ = written
+
+    class Failing(ScriptedMetaFormat):
+        def unpack(self, stream_data: Any, shards: Any, index: Any, data: Any) -> Any:
+            if bytes(data[0]) == b"p1":
+                raise ValueError("bad payload")
+            return super().unpack(stream_data, shards, index, data)
+
+    storage = StreamWithMetaStorage(directory, Failing())
+    pattern = r"payload 1 of .*0000000\.out_of_band\.bin"
+    with (
+        StreamDataset(storage, 2).sync_reader() as reader,
+        pytest.raises(CorruptShardError, match=pattern),
+    ):
+        reader.read_batch(np.array([0, 1]))  # window 1 is elements 2, 3: payload 1
 
 
 # refusals ----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import array
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -66,11 +67,28 @@ def _as_tensor(column: np.ndarray) -> Any:
         return _torch_collate(list(column), collate_fn_map=_COLLATE_FN_MAP)
 
 
+def _int64_list(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """A list of Python ints as the int64 array ``np.asarray`` makes of it, converted by
+    ``array.array`` (a third faster: no pass to find the dtype); None for anything else
+    (an empty list, a first element that is not an ``int``, floats, ints beyond int64),
+    which ``np.asarray`` then converts as it always did. A list that starts with an ``int``
+    and holds only integers (``bool``, numpy integers) is int64 for numpy too."""
+    if not value or type(value[0]) is not int:
+        return None
+    try:
+        return np.frombuffer(array.array("q", value), dtype=np.int64)
+    except (TypeError, OverflowError):
+        return None
+
+
 def _as_sequence(value: Any) -> np.ndarray | None:
     """``value`` as a 1-D numeric array if it is one (array, tensor, list of numbers)."""
     if isinstance(value, torch.Tensor):
         value = value.numpy()
     elif isinstance(value, (list, tuple)):
+        ints = _int64_list(value)
+        if ints is not None:
+            return ints
         try:  # one conversion; what is not a flat list of numbers has another dtype or shape
             value = np.asarray(value)
         except (ValueError, TypeError):

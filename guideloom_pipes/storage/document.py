@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
+from itertools import pairwise
 from pathlib import PurePath
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -36,6 +37,8 @@ from guideloom_pipes.types import (
 )
 
 INDEX_DTYPE = np.dtype("<i8")
+#: Runs that :meth:`OffsetIndex.run_views` reads one by one rather than all at once.
+_FEW_RUNS = 16
 
 
 def check_payload(payload: Any, what: str) -> memoryview:
@@ -172,6 +175,120 @@ class OffsetIndex:
             block = memoryview(bytearray(view[base : last[end - 1]]))
             out += [block[a - base : b - base] for a, b in zip(first[begin:end], last[begin:end])]
         return out
+
+    def _mapped(self, shard: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """Shard ``shard``'s offsets and bytes as mapped arrays (checked once), or None when
+        the backend does not map files."""
+        index = self._index.array(shard, INDEX_DTYPE)
+        data = self._data.array(shard, np.dtype("u1"))
+        if index is None or data is None:
+            return None
+        if shard not in self._checked:
+            self._check(shard)
+        return index, data
+
+    def run_views(
+        self, shards: np.ndarray, firsts: np.ndarray, counts: np.ndarray
+    ) -> list[memoryview]:
+        """The payloads of runs: run ``r`` is payloads ``firsts[r] .. firsts[r] + counts[r]
+        - 1`` of shard ``shards[r]`` (``counts[r] >= 1``), whose bytes follow each other in
+        the data file (what one stream window touches). All of them, run after run, as
+        memoryviews into one fresh copy of the runs' bytes (valid after the reader closes).
+
+        When the files are mapped the work is done for all runs at once: one gather of
+        their offsets per shard, one check of them, the bytes copied with one ``join``
+        (a piece per run), one slice per payload. Otherwise :meth:`payload_views` per run.
+        """
+        shards = np.asarray(shards, dtype=np.int64)
+        firsts = np.asarray(firsts, dtype=np.int64)
+        counts = np.asarray(counts, dtype=np.int64)
+        if len(shards) == 0:
+            return []
+        one = bool(shards[0] == shards[-1]) and bool((shards == shards[0]).all())
+        distinct: list[int] = [int(shards[0])] if one else np.unique(shards).tolist()
+        files = [self._mapped(shard) for shard in distinct]
+        if any(f is None for f in files):
+            out: list[memoryview] = []
+            for shard, first, count in zip(shards.tolist(), firsts.tolist(), counts.tolist()):
+                out += self.payload_views(shard, np.arange(first, first + count, dtype=np.int64))
+            return out
+        mapped = cast("list[tuple[np.ndarray, np.ndarray]]", files)
+        if len(shards) <= _FEW_RUNS:
+            return self._few_run_views(shards, firsts, counts, distinct, mapped)
+        available = self._counts[shards]
+        outside = (firsts < 0) | (firsts + counts > available)
+        if outside.any():
+            bad = int(np.flatnonzero(outside)[0])
+            local = int(firsts[bad]) if firsts[bad] < 0 else int(firsts[bad] + counts[bad] - 1)
+            self.payload(int(shards[bad]), local)  # raises, naming the entry
+        # run r's offsets (index[firsts[r] : firsts[r] + counts[r] + 1]), runs back to back
+        widths = counts + 1
+        ends = np.cumsum(widths)
+        begins = ends - widths
+        places = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(begins - firsts, widths)
+        if one:
+            offsets = mapped[0][0][places]
+            sizes = np.full(len(shards), mapped[0][1].size, dtype=np.int64)
+        else:
+            offsets = np.empty(len(places), dtype=INDEX_DTYPE)
+            sizes = np.empty(len(shards), dtype=np.int64)
+            for shard, (index, data) in zip(distinct, mapped):
+                rows = shards == shard
+                where = np.repeat(rows, widths)
+                offsets[where] = index[places[where]]
+                sizes[rows] = data.size
+        low, high = offsets[begins], offsets[ends - 1]
+        decreasing = offsets[1:] < offsets[:-1]
+        decreasing[ends[:-1] - 1] = False  # from one run to the next: no order
+        if decreasing.any() or int(low.min()) < 0 or bool((high > sizes).any()):
+            self._raise_for_runs(shards, firsts, counts)
+        views = [memoryview(data.data) for _, data in mapped]
+        which = [0] * len(shards) if one else np.searchsorted(distinct, shards).tolist()
+        block = bytearray().join(
+            [views[w][a:b] for w, a, b in zip(which, low.tolist(), high.tolist())]
+        )
+        # each run's bytes start in ``block`` where the earlier runs' bytes end
+        lengths = high - low
+        relative = offsets + np.repeat(np.cumsum(lengths) - lengths - low, widths)
+        not_last = np.ones(len(relative), dtype=bool)
+        not_last[ends - 1] = False
+        not_first = np.ones(len(relative), dtype=bool)
+        not_first[begins] = False
+        whole = memoryview(block)
+        return [
+            whole[a:b] for a, b in zip(relative[not_last].tolist(), relative[not_first].tolist())
+        ]
+
+    def _few_run_views(
+        self,
+        shards: np.ndarray,
+        firsts: np.ndarray,
+        counts: np.ndarray,
+        distinct: list[int],
+        mapped: list[tuple[np.ndarray, np.ndarray]],
+    ) -> list[memoryview]:
+        """:meth:`run_views` of a few runs, one run at a time: a handful of numpy calls per
+        run cost less than the dozens of the vectorised path."""
+        files = dict(zip(distinct, mapped))
+        out: list[memoryview] = []
+        for shard, first, count in zip(shards.tolist(), firsts.tolist(), counts.tolist()):
+            index, data = files[shard]
+            if first < 0 or first + count > self._counts[shard]:
+                self.payload(shard, first if first < 0 else first + count - 1)  # raises
+            offsets = index[first : first + count + 1].tolist()
+            base, end = offsets[0], offsets[-1]
+            if base < 0 or end > data.size or sorted(offsets) != offsets:
+                self._raise_for_runs(np.array([shard]), np.array([first]), np.array([count]))
+            block = memoryview(bytearray(memoryview(data.data)[base:end]))
+            out += [block[a - base : b - base] for a, b in pairwise(offsets)]
+        return out
+
+    def _raise_for_runs(self, shards: np.ndarray, firsts: np.ndarray, counts: np.ndarray) -> None:
+        """Raise the error of the first payload of the runs whose offsets are bad."""
+        for shard, first, count in zip(shards.tolist(), firsts.tolist(), counts.tolist()):
+            for local in range(first, first + count):
+                self.payload(shard, local)  # raises for a bad entry
+        raise AssertionError("bad offsets that payload() accepts")  # pragma: no cover
 
 
 def index_counts(reader: ReaderBase, sizes: list[dict[str, int]]) -> np.ndarray:
@@ -390,15 +507,18 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         ids = as_indexes(global_indexes, self._total, "document indexes", self._out_of_range)
         shards = np.searchsorted(self._starts, ids, side="right") - 1
         locals_ = ids - self._starts[shards]
-        unpack, payload = self.storage.format.unpack, self._index.payload
+        # every document's bytes at once: one gather and check of the offsets, one copy
+        # (read errors are not decode errors: they are raised here)
+        payloads = self._index.run_views(shards, locals_, np.ones(len(ids), dtype=np.int64))
+        unpack = self.storage.format.unpack
         out: list[Any] = []
-        for s, k in zip(shards.tolist(), locals_.tolist()):
-            data = memoryview(payload(s, k))  # read errors are not decode errors
+        for s, data in zip(shards.tolist(), payloads):
             try:
                 out.append(unpack(data, s))
             except StorageError:
                 raise
             except Exception as error:
+                k = int(locals_[len(out)])
                 raise self._decode_failed(error, s, k, int(ids[len(out)])) from error
         return out
 

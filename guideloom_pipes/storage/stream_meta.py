@@ -333,11 +333,15 @@ class StreamWithMetaReader(StreamReader):
     def decode_windows(self, windows: np.ndarray, starts: np.ndarray) -> list[Any]:
         """:meth:`decode` of each row of ``windows`` (the records of equal-length spans at
         ``starts``, all inside the stream, as :meth:`read_windows` returns them), with the
-        work done for the whole batch at once where it can be.
+        work done for the whole batch at once.
 
-        Rows inside one shard whose payload numbers never decrease (what our writers and
-        GuideLoom's produce) are decoded together: their runs found in one pass, their
-        payloads fetched with one gather per shard. Other rows go through :meth:`decode`.
+        A row inside one shard whose payload number goes up by 0 or 1 from each element to
+        the next (what our writers and GuideLoom's write: a shard's payloads are numbered
+        in stream order) touches payloads ``first .. last`` of its shard, whose bytes
+        follow each other: for all such rows together, ``document_index`` is one
+        subtraction, the payloads one gather of offsets and one copy of bytes
+        (:meth:`OffsetIndex.run_views`). Only ``unpack`` is called per row. Other rows (a
+        shard boundary, payload numbers that jump or go back) go through :meth:`decode`.
         """
         rows, length = windows.shape
         if rows == 0 or length == 0:
@@ -346,12 +350,9 @@ class StreamWithMetaReader(StreamReader):
         first = np.searchsorted(self._starts, starts, side="right") - 1
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
         index = np.ascontiguousarray(windows["index"])  # the ops below run on it contiguous
-        if int(index.min()) < 0:  # a corrupt record: name it (past the end: _fetch does)
-            row, column = divmod(int(np.argmax(index.reshape(-1) < 0)), length)
-            shard = int(np.searchsorted(self._starts, starts[row] + column, side="right")) - 1
-            self._payloads.payload(shard, int(index[row, column]))  # raises, naming the files
-        steps = index[:, 1:] != index[:, :-1]
-        simple = (first == last) & (index[:, 1:] >= index[:, :-1]).all(axis=1)
+        steps = np.subtract(index[:, 1:], index[:, :-1])
+        # steps of 0 or 1 (a negative step is a large unsigned number)
+        simple = (first == last) & (steps.view(np.uint32) <= 1).all(axis=1)
         out: list[Any] = [None] * rows
         for row in np.flatnonzero(~simple).tolist():
             out[row] = self.decode(windows[row], *self.window_pieces(int(starts[row]), length))
@@ -359,29 +360,31 @@ class StreamWithMetaReader(StreamReader):
         if len(good) == 0:
             return out
         every = len(good) == rows  # the usual case: no row picked out (no fancy copies)
-        runs_start = np.ones((len(good), length), dtype=bool)
-        runs_start[:, 1:] = steps if every else steps[good]
-        document_index = np.cumsum(runs_start, axis=1, dtype=np.int32)
-        document_index -= 1
-        runs = runs_start.sum(axis=1)
-        # each row's payloads, in order
-        locals_ = (index if every else index[good])[runs_start].astype(np.int64)
-        payload_shards = np.repeat(first if every else first[good], runs)
-        fetched = self._fetch(payload_shards, locals_)
+        if not every:
+            index, first = index[good], first[good]
+        low = index[:, 0].astype(np.int64)
+        runs = index[:, -1] - low + 1
+        document_index = np.subtract(index, index[:, :1])  # int32: payload number - first
+        fetched = self._payloads.run_views(first, low, runs)
+        payload_shards = np.repeat(first, runs)
         # one copy of the rows' own fields (picking rows out copies them already)
         user = windows["user"]
         stream = np.array(user, copy=True) if every else user[good]
         unpack = self.storage.format.unpack
-        begin = 0
+        ends = np.cumsum(runs).tolist()
+        begin = end = 0
         try:
-            for k, (row, end) in enumerate(zip(good.tolist(), np.cumsum(runs).tolist())):
+            for row, end, data, element_index in zip(good.tolist(), ends, stream, document_index):
                 out[row] = unpack(
-                    stream[k], payload_shards[begin:end], document_index[k], fetched[begin:end]
+                    data, payload_shards[begin:end], element_index, fetched[begin:end]
                 )
                 begin = end
         except StorageError:
             raise
         except Exception as error:
+            locals_ = np.arange(len(payload_shards), dtype=np.int64) - np.repeat(
+                np.cumsum(runs) - runs - low, runs
+            )
             raise self._decode_failed(
                 error, payload_shards[begin:end], locals_[begin:end]
             ) from error
