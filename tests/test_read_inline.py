@@ -1,9 +1,10 @@
-"""Quick batches that run only our code are read by the calling thread, not handed to a
-worker thread (``ReadSamples``' policy, see ``_quick_to_inline``).
+"""While the caller waits for the batches, batches that compute are read by the calling
+thread, not handed to a worker thread (``ReadSamples``' policy, see ``_quick_to_inline``).
 
-The policy follows measured figures (a batch's time and CPU share); these tests replace the
-clock the stage measures inline batches with, and set what the workers' first job taught,
-so they do not depend on how fast or how loaded the machine is.
+The policy follows measured figures (a batch's read time and CPU share, the caller's time
+between batches); these tests replace the clock the stage measures with, advance it by a
+set time per read and between batches, and set what the workers' first job taught, so they
+do not depend on how fast or how loaded the machine is.
 """
 
 from __future__ import annotations
@@ -40,29 +41,43 @@ def _stages_closed_whatever_happens(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 class FakeClock:
-    """Stands in for ``time`` in the stage: every reading moves on by ``step`` seconds, and
-    the thread's CPU clock moves with it unless ``waiting`` (then it stands still)."""
+    """Stands in for ``time`` in the stage. It stands still except when a read advances it
+    by ``read`` seconds, or the test by :meth:`advance` (the caller's own work); the
+    thread's CPU clock moves with the reads unless ``waiting``."""
 
-    def __init__(self, step: float = 1e-6) -> None:
-        self.step = step
+    def __init__(self) -> None:
+        self.read = 1e-3
         self.waiting = False
         self.now = 0.0
         self.cpu = 0.0
 
     def perf_counter(self) -> float:
-        self.now += self.step
         return self.now
 
     def thread_time(self) -> float:
-        if not self.waiting:
-            self.cpu += 4 * self.step  # ahead of the wall clock: a share of 1 (capped)
         return self.cpu
+
+    def reading(self) -> None:
+        self.now += self.read
+        if not self.waiting:
+            self.cpu += self.read
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
     monkeypatch.setattr(read_module, "time", fake)
+    # and the workers' jobs teach 1 ms batches that compute, however loaded the machine is
+    result = _ThreadPool.result
+
+    def taught(self: _ThreadPool, job: Any, timeout: float | None) -> Any:
+        outcomes, _, _ = result(self, job, timeout)
+        return outcomes, 1e-3 * len(outcomes), 1.0
+
+    monkeypatch.setattr(_ThreadPool, "result", taught)
     return fake
 
 
@@ -70,7 +85,8 @@ class Readers:
     """Our dataset's reader, opened here, whose reads note the thread that runs them (and
     can be told to fail)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, clock: FakeClock | None = None) -> None:
+        self.clock = clock
         storage = StreamStorage(root, StreamNumpyFormat(TOKENS))
         with storage.sync_writer() as writer:
             writer.append(0, {"tokens": np.arange(WINDOWS * LENGTH // 2)})
@@ -86,6 +102,8 @@ class Readers:
     def _noting(self, read: Any) -> Any:
         def noted(ids: Any) -> Any:
             self.threads.extend([threading.current_thread().name] * (len(ids) // BATCH))
+            if self.clock is not None and threading.current_thread() is threading.main_thread():
+                self.clock.reading()
             if self.fail_on is not None and self.fail_on in ids.tolist():
                 raise ValueError(f"sample {self.fail_on} cannot be read")
             if self.interrupt_on is not None and self.interrupt_on in ids.tolist():
@@ -99,8 +117,8 @@ class Readers:
 
 
 @pytest.fixture
-def readers(tmp_path: Path) -> Any:
-    made = Readers(tmp_path / "tokens")
+def readers(tmp_path: Path, clock: FakeClock) -> Any:
+    made = Readers(tmp_path / "tokens", clock)
     yield made
     made.close()
 
@@ -131,8 +149,9 @@ def _tokens(batch: Any) -> list[list[int]]:
 
 
 def _taught_quick(node: ReadSamples) -> None:
-    """What the workers' first job would teach of quick batches that compute."""
-    node._batch_seconds, node._cpu_share = 1e-6, 1.0
+    """What the workers' first job would teach of batches that compute (1 ms each, as the
+    fake clock's reads take), and a caller that waits for them."""
+    node._batch_seconds, node._cpu_share, node._gap = 1e-3, 1.0, 0.0
 
 
 def test_quick_batches_of_our_code_are_read_by_the_calling_thread(
@@ -154,17 +173,18 @@ def test_quick_batches_of_our_code_are_read_by_the_calling_thread(
     assert any(name != main for name in readers.threads[:1])
 
 
-def test_a_user_collate_keeps_the_batches_on_the_workers(
+def user_collate(samples: list[Any]) -> list[Any]:
+    return samples
+
+
+def test_a_user_collate_stays_on_workers_that_are_told_who_they_are(
     readers: Readers, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def user_collate(samples: list[Any]) -> list[Any]:
-        return samples
-
     inline = []
     monkeypatch.setattr(
         ReadSamples, "_next_inline", lambda self: inline.append(1) or pytest.fail("inline")
     )
-    node = _stage(readers, user_collate)
+    node = _stage(readers, user_collate, base_seed=5)
     node.reset()
     next(node)
     _taught_quick(node)
@@ -174,8 +194,29 @@ def test_a_user_collate_keeps_the_batches_on_the_workers(
     assert len(rest) == WINDOWS // BATCH - 1 and not inline
 
 
-@pytest.mark.parametrize("change", ["slow", "waiting"])
-def test_batches_that_turn_slow_or_wait_go_back_to_the_workers(
+def test_a_user_collate_is_read_inline_where_workers_are_not_told_who_they_are(
+    readers: Readers, clock: FakeClock
+) -> None:
+    # (the prefetch thread of num_workers=0: get_worker_info() is None in it too)
+    threads: list[str] = []
+
+    def noting_collate(samples: list[Any]) -> list[Any]:
+        threads.append(threading.current_thread().name)
+        return samples
+
+    expected = _reference(readers, user_collate)
+    node = _stage(readers, noting_collate)
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    got += list(node)
+    node.close()
+    assert list(map(_tokens, got)) == list(map(_tokens, expected))
+    assert threads[-300:] == [threading.current_thread().name] * 300
+
+
+@pytest.mark.parametrize("change", ["the caller slows", "the reads wait"])
+def test_a_caller_that_slows_or_reads_that_wait_go_back_to_the_workers(
     readers: Readers, clock: FakeClock, change: str
 ) -> None:
     expected = _reference(readers)
@@ -189,17 +230,17 @@ def test_batches_that_turn_slow_or_wait_go_back_to_the_workers(
         got.append(next(node))
     assert node._quick_to_inline() and not node._pending
     turned = len(got)
-    if change == "slow":
-        clock.step = 1.0  # each inline batch now measures a second
+    if change == "the caller slows":
+        clock.advance(1.0)  # a training step of its own before it asks for the next batch
     else:
-        clock.waiting = True  # ... or no CPU time: it waits on I/O
-    # a second per batch tells at once; waiting, once a few sampled batches have told
+        clock.waiting = True  # reads that take no CPU time: they wait on I/O
+    # the caller's step tells at once; waiting, once a few sampled batches have told
     for _ in range(8 * read_module._INLINE_SAMPLE):
         got.append(next(node))
         if not node._quick_to_inline():
             break
     assert not node._quick_to_inline()
-    assert change == "waiting" or len(got) == turned + 1
+    assert change == "the reads wait" or len(got) == turned + 1
     got.append(next(node))  # through the workers again
     assert node._jobs > 0 or node._job is not None
     got += list(node)

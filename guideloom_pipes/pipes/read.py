@@ -46,11 +46,11 @@ _WAITING = 0.35
 _START_METHODS = ("spawn", "forkserver", "fork")
 #: A worker's time per job of quick batches to aim for (``chunk_seconds``' default).
 _CHUNK_SECONDS = 0.002
-#: Batches that compute and take less than this of a thread's time are read by the calling
-#: thread (when they run only this library's code): a handoff to a worker thread and back
-#: costs about as much CPU as such a batch (8 windows of 2048 tokens: 16 us read in the
-#: calling thread, 24 us through a worker thread, under the same GIL).
-_INLINE_SECONDS = 50e-6
+#: The calling thread reads the batches itself while it comes back for the next one within
+#: this share of a batch's read time: it is waiting for the data, and a worker thread reading
+#: ahead under the same GIL only adds a handoff (and colder memory) to every batch (8 windows
+#: of 2048 tokens: 16 us of CPU read by the calling thread, 24 us through a worker thread).
+_GAP_SHARE = 0.5
 #: One in this many batches read by the calling thread also measures its CPU share.
 _INLINE_SAMPLE = 16
 
@@ -178,13 +178,16 @@ class ReadSamples(BaseNode[Any]):
     collated on its own), so a handoff between threads, which costs tens of microseconds
     of CPU, is paid per chunk instead of per batch.
 
-    Quick batches that compute and run only this library's code (one of our datasets, no
-    ``collate_fn`` or one of ours) are read by the calling thread once a worker's first job
-    has shown them to be quick (under 50 us each): a handoff to a worker thread and back
-    costs as much CPU as such a batch, and threads gain nothing on it under the GIL. Every
-    batch read so is timed, so batches that turn slow or start to wait on I/O go back to
-    the workers. A user's ``collate_fn`` or dataset keeps its batches on the workers (it
-    may ask torch's ``get_worker_info()``).
+    While the caller waits for the batches (it comes back for the next one within half a
+    batch's read time) and they compute rather than wait on I/O, the calling thread reads
+    them itself: thread workers run computing jobs one at a time anyway, and a thread reading
+    ahead under the same GIL only adds a handoff and colder memory to each batch. A caller
+    with work of its own between batches (a training step) keeps the workers reading ahead.
+    Only where user code cannot tell: the batches run only this library's code (one of our
+    datasets, no ``collate_fn`` or one of ours), or the workers are not told who they are
+    (no ``base_seed``, no ``worker_init_fn``: torch's ``get_worker_info()`` is ``None`` in
+    both threads). The figures are kept current as batches go, so batches that start to
+    wait, or a caller that slows down, go back to the workers.
 
     Thread workers run jobs that compute one at a time: threads running them side by side
     only take the GIL from each other. Jobs run side by side on all workers once they are
@@ -326,7 +329,9 @@ class ReadSamples(BaseNode[Any]):
         self._batch_seconds = 0.0  # a worker's time per batch (moving average; 0: unknown)
         self._cpu_share = -1.0  # a lone job's share of its time on the CPU (-1: unknown)
         self._probing = False  # the first job runs alone (threads), see _side_by_side
-        self._may_inline = False  # quick batches may be read by the calling thread (_inline)
+        self._may_inline = False  # batches may be read by the calling thread (_quick_to_inline)
+        self._gap = -1.0  # the caller's time between next() calls (moving average; -1: unknown)
+        self._returned = 0.0  # when next() last returned (0: not since reset)
         self._delivered = 0  # batches delivered since reset
         self._snapshot: Any = None  # the source's state after the last delivered batch
         self._previous: Any = None  # ... and before it (None: none delivered since reset)
@@ -395,7 +400,12 @@ class ReadSamples(BaseNode[Any]):
         self._source_done = False
         self._source_error = None
         self._probing = self.method == "thread" and self.chunk_seconds > 0
-        self._may_inline = self._probing and self.timeout is None and self._library_only()
+        # user code may tell who reads it only where workers are told who they are
+        told = self.base_seed is not None or self.worker_init_fn is not None
+        self._may_inline = (
+            self._probing and self.timeout is None and (not told or self._library_only())
+        )
+        self._returned = 0.0
         if self.method == "thread":
             assert self._task is not None
             tell = self.base_seed is not None or self.worker_init_fn is not None
@@ -485,8 +495,20 @@ class ReadSamples(BaseNode[Any]):
             except Exception as failed:
                 mark_batch_failure(failed)  # the source has moved past it: the next batch follows
                 raise
-        if self._quick_to_inline() and not self._pending:
-            return self._next_inline()
+        if not self._may_inline:
+            return self._next_from_workers()
+        now = time.perf_counter()
+        if self._returned:
+            gap = now - self._returned
+            self._gap = gap if self._gap < 0 else 0.75 * self._gap + 0.25 * gap
+        try:
+            if self._quick_to_inline() and not self._pending:
+                return self._next_inline()
+            return self._next_from_workers()
+        finally:
+            self._returned = time.perf_counter()
+
+    def _next_from_workers(self) -> Any:
         self._fill()
         if not self._pending:
             if self._source_error is not None:
@@ -538,24 +560,28 @@ class ReadSamples(BaseNode[Any]):
 
     def _library_only(self) -> bool:
         """Whether a batch runs only this library's code: one of our dataset readers, and
-        no ``collate_fn`` or one of ours. Only such batches may be read by the calling thread
-        (:meth:`_quick_to_inline`): user code could ask torch's ``get_worker_info()`` who
-        reads it, and is told a worker thread reads it."""
+        no ``collate_fn`` or one of ours."""
         return _ours(self._reader) and (self._worker_collate is None or _ours(self._worker_collate))
 
     def _quick_to_inline(self) -> bool:
-        """Whether batches go to the calling thread rather than to worker threads: they run
-        only this library's code, and are known to compute (not wait on I/O) and to take
-        under ``_INLINE_SECONDS`` each, where a handoff between threads costs as much CPU as
-        the batch and gains nothing under the GIL. The calling thread takes over once the
-        jobs already submitted are delivered; every batch it reads refines what is known, so
-        batches that turn slow, or wait, go back to the workers."""
+        """Whether the calling thread reads the next batch itself rather than a worker
+        thread: the batches compute (they do not wait on I/O), and the caller comes back
+        for the next one within ``_GAP_SHARE`` of a batch's read time, so it is waiting for
+        them. Thread workers run computing jobs one at a time (see :meth:`_side_by_side`),
+        so reading ahead in a thread only adds a handoff under the same GIL. A caller with
+        work of its own between batches (a training step) keeps the workers reading ahead.
+        Only where nothing can tell: the batches run only this library's code, or the
+        workers are not told who they are (torch's ``get_worker_info()``, with no
+        ``base_seed`` or ``worker_init_fn``). The calling thread takes over once the jobs
+        already submitted are delivered; the batches it reads keep the figures current, so
+        batches that start to wait, or a caller that slows, go back to the workers."""
         return (
             self._may_inline
             and not self._probing
             and not self._source_done
-            and 0 < self._batch_seconds < _INLINE_SECONDS
+            and self._batch_seconds > 0
             and self._cpu_share >= _WAITING
+            and 0 <= self._gap < _GAP_SHARE * self._batch_seconds
         )
 
     def _next_inline(self) -> Any:
@@ -566,11 +592,11 @@ class ReadSamples(BaseNode[Any]):
         except StopIteration:
             self._source_done = True
             self._end_snapshot = source.state_dict()
-            return self.next()  # delivers the end
+            return self._next_from_workers()  # delivers the end
         except Exception as error:
             self._source_done = True
             self._source_error = error
-            return self.next()  # raises it
+            return self._next_from_workers()  # raises it
         snapshot = source.state_dict()
         task = self._task
         assert task is not None
