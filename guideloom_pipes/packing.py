@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom_pipes.batch import Batch
 from guideloom_pipes.datasets import (
     DocumentDataset,
     StreamDataset,
@@ -49,7 +50,14 @@ from guideloom_pipes.datasets import (
 from guideloom_pipes.shuffle import FeistelPermutation
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
-__all__ = ["FIELDS", "IGNORE_INDEX", "PackedDataset", "PackedSample", "pack_windows"]
+__all__ = [
+    "FIELDS",
+    "IGNORE_INDEX",
+    "PackedDataset",
+    "PackedSample",
+    "pack_columns",
+    "pack_windows",
+]
 
 #: The label of positions that predict nothing (torch's ``cross_entropy`` ignore_index).
 IGNORE_INDEX = -100
@@ -65,9 +73,6 @@ _I64 = npt.NDArray[np.int64]
 
 #: The four fields of a packed sample.
 FIELDS = ("tokens", "position_ids", "document_ids", "labels")
-#: Tokens computed at a time: a block of windows whose arrays (512 KiB each) stay in the CPU's
-#: cache.
-_BLOCK_TOKENS = 1 << 16
 
 
 @functools.lru_cache(maxsize=8)
@@ -77,33 +82,22 @@ def _arange(count: int) -> _I64:
     return steps
 
 
-def _fill_block(
-    tokens: _I64, inner: _I64, position_ids: _I64, document_ids: _I64, labels: _I64
-) -> _I64:
-    """Fill the boundaries of ``(R, L)`` windows (C-contiguous rows of the outputs) whose
-    documents start inside a window at the flat indexes ``inner`` (sorted); return the flat
-    starts of all their sequences (each window start and each document start)."""
-    rows, length = tokens.shape
-    total = rows * length
-    segments = np.union1d(np.arange(0, total, length, dtype=np.int64), inner)
-    sizes = np.empty_like(segments)
-    np.subtract(segments[1:], segments[:-1], out=sizes[:-1])
-    sizes[-1:] = total - segments[-1:]
-    first_of_window = np.searchsorted(segments, segments - segments % length)
-    numbers = np.arange(len(segments), dtype=np.int64) - first_of_window
-    np.subtract(_arange(total), np.repeat(segments, sizes), out=position_ids.reshape(-1))
-    document_ids.reshape(-1)[:] = np.repeat(numbers, sizes)
-    flat, next_tokens = labels.reshape(-1), tokens.reshape(-1)
-    flat[:-1] = next_tokens[1:]
-    flat[segments[1:] - 1] = IGNORE_INDEX  # the last token of a document or of a window
-    flat[-1:] = IGNORE_INDEX
-    return segments
+def _eos_scalar(windows: np.ndarray, eos_token: int) -> Any:
+    """``eos_token`` as a scalar to compare ``windows`` with in their own dtype (fewer bytes
+    than int64), or as an int64 where that dtype cannot hold it (then never found)."""
+    if windows.dtype.kind not in "iu":
+        return eos_token
+    info = np.iinfo(windows.dtype)
+    if not info.min <= eos_token <= info.max:
+        return np.int64(eos_token)
+    return windows.dtype.type(eos_token)
 
 
-def pack_windows(
+def pack_columns(
     windows: np.ndarray, *, eos_token: int | None = None, starts: _I64 | None = None
-) -> list[PackedSample]:
-    """The samples of ``(B, L)`` token windows: their four int64 fields.
+) -> tuple[dict[str, _I64], _I64]:
+    """The four int64 ``(B, L)`` fields of ``(B, L)`` token windows, computed for the whole
+    batch at once, and the flat starts of its sequences.
 
     Args:
         windows: ``(B, L)`` integer tokens (any integer dtype, any strides).
@@ -112,43 +106,60 @@ def pack_windows(
             inside a window, sorted (documents).
 
     Returns:
-        One :class:`PackedSample` per window (see the module docstring for the fields), rows of
-        ``(B, L)`` arrays. They are computed a block of windows at a time (a block's arrays
-        stay in the CPU's cache): a few passes over each block plus work per document start.
+        ``(columns, segments)``: field -> ``(B, L)`` int64 array, and the sorted flat index
+        of every sequence start (each window start and each document start inside a
+        window). A few whole-batch passes and no loop per window or per document: the
+        tokens copied once; a mask of the starts (the EOS found in the source's own dtype)
+        and its nonzero indexes; ``position_ids`` as the flat index minus its sequence's
+        start, and ``document_ids`` as its sequence's number minus that of its window's
+        first sequence (each one ``repeat`` of a value per sequence and one subtraction);
+        ``labels`` as the tokens shifted by one, with ``-100`` before each start and last.
     """
     rows, length = windows.shape
-    eos: Any = eos_token or 0
-    if windows.dtype.kind in "iu" and not (
-        np.iinfo(windows.dtype).min <= eos <= np.iinfo(windows.dtype).max
-    ):
-        eos = np.int64(eos)  # cannot occur in this dtype: compared (and never found) as int64
-    elif windows.dtype.kind in "iu":
-        eos = windows.dtype.type(eos)
-    # One allocation for the four fields: a large one is backed by huge pages where the
-    # kernel offers them, far fewer page faults than four (fresh memory faults per page).
-    buffer = np.empty((len(FIELDS), rows, length), dtype=np.int64)
-    columns = dict(zip(FIELDS, buffer))
-    block = max(1, _BLOCK_TOKENS // length)
-    pieces = [np.zeros(0, dtype=np.int64)]
-    for top in range(0, rows, block):
-        bottom = min(rows, top + block)
-        tokens = columns["tokens"][top:bottom]
-        np.copyto(tokens, windows[top:bottom])
-        if starts is None:  # scanned in the source's dtype: fewer bytes
-            flat = windows[top:bottom].reshape(-1)
-            inner = np.flatnonzero(flat[:-1] == eos) + 1
-        else:
-            low, high = np.searchsorted(starts, (top * length, bottom * length))
-            inner = starts[low:high] - top * length
-        segments = _fill_block(
-            tokens,
-            inner,
-            columns["position_ids"][top:bottom],
-            columns["document_ids"][top:bottom],
-            columns["labels"][top:bottom],
-        )
-        pieces.append(segments + top * length)
-    return _samples(columns, np.concatenate(pieces))
+    total = rows * length
+    tokens = np.empty((rows, length), dtype=np.int64)
+    np.copyto(tokens, windows, casting="unsafe")
+    if total == 0:
+        empty = {name: np.empty((0, length), dtype=np.int64) for name in FIELDS[1:]}
+        return {"tokens": tokens, **empty}, np.zeros(0, dtype=np.int64)
+    flat = windows.reshape(-1)  # a copy only for windows with odd strides
+    steps = _arange(total)
+    # is_start[k]: a sequence starts at flat index k (k == total: the end of the last one)
+    is_start = np.empty(total + 1, dtype=bool)
+    if starts is None:
+        np.equal(flat[:-1], _eos_scalar(windows, eos_token or 0), out=is_start[1:total])
+    else:
+        is_start[1:total] = False
+        is_start[starts] = True
+    is_start[::length] = True  # every window start (index 0 among them), and index total
+    bounds = is_start.nonzero()[0]
+    segments = bounds[:-1]
+    sizes = bounds[1:] - segments
+    position_ids = np.repeat(segments, sizes)
+    np.subtract(steps, position_ids, out=position_ids)
+    # a sequence's number in its window: its rank minus the rank of the window's first one
+    window = segments // length
+    numbers = steps[: len(segments)] - window.searchsorted(steps[:rows])[window]
+    document_ids = np.repeat(numbers, sizes)
+    labels = np.empty(total, dtype=np.int64)
+    np.copyto(labels[:-1], flat[1:], casting="unsafe")
+    labels[bounds[1:] - 1] = IGNORE_INDEX  # the last token of each document, window, batch
+    columns = {
+        "tokens": tokens,
+        "position_ids": position_ids.reshape(rows, length),
+        "document_ids": document_ids.reshape(rows, length),
+        "labels": labels.reshape(rows, length),
+    }
+    return columns, segments
+
+
+def pack_windows(
+    windows: np.ndarray, *, eos_token: int | None = None, starts: _I64 | None = None
+) -> list[PackedSample]:
+    """The samples of ``(B, L)`` token windows (see :func:`pack_columns` for the
+    arguments): one :class:`PackedSample` per window, rows of the ``(B, L)`` arrays."""
+    columns, segments = pack_columns(windows, eos_token=eos_token, starts=starts)
+    return _samples(columns, segments)
 
 
 class PackedSample(dict[str, Any]):
@@ -552,15 +563,25 @@ class PackedReader(_DatasetReaderBase):
             ids: An integer array or sequence of window numbers in ``[0, len)``; one out of
                 range raises ``IndexError`` naming it.
         """
+        return _samples(*self._columns(ids))
+
+    def read_arrays(self, ids: Sequence[int] | np.ndarray) -> Batch:
+        """The windows at ``ids`` as a :class:`~guideloom_pipes.batch.Batch` of four
+        ``(len(ids), sequence_length)`` int64 columns (the loader's path to
+        :func:`~guideloom_pipes.collate_packed` and ``collate_fn=None``); row ``i`` holds
+        the same arrays as ``read_batch(ids)[i]``."""
+        return Batch.of_columns(self._columns(ids)[0])
+
+    def _columns(self, ids: Sequence[int] | np.ndarray) -> tuple[dict[str, _I64], _I64]:
         self._check_open()
         ids = _as_ids(ids, self._length)
         dataset = self.dataset
         if dataset.stream:
             length = dataset.sequence_length
             windows = self._source.storage_reader._windows(ids * length, length)
-            return pack_windows(windows[dataset.field], eos_token=dataset.eos_token)
+            return pack_columns(windows[dataset.field], eos_token=dataset.eos_token)
         tokens, starts = self._document_windows(ids)
-        return pack_windows(tokens, starts=starts)
+        return pack_columns(tokens, starts=starts)
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset

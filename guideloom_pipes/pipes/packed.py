@@ -41,6 +41,8 @@ def _rows_of_one_read(samples: Sequence[Any]) -> tuple[dict[str, np.ndarray], An
 def _stack(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any], name: str) -> np.ndarray:
     if isinstance(samples, Mapping):
         column = samples[name]
+        if type(column) is np.ndarray and column.dtype == np.int64 and column.ndim == 2:
+            return column  # a column of a PackedDataset's Batch: taken as it is
         array = column.numpy() if isinstance(column, torch.Tensor) else np.asarray(column)
     else:
         array = np.stack([np.asarray(sample[name]) for sample in samples])
@@ -84,12 +86,12 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
         arrays, starts = found
     else:
         arrays = {name: _stack(samples, name) for name in _FIELDS}
-        starts = np.flatnonzero(arrays["position_ids"].reshape(-1) == 0)
+        starts = (arrays["position_ids"].reshape(-1) == 0).nonzero()[0]
     size = arrays["tokens"].size
     cu_seqlens = np.empty(len(starts) + 1, dtype=np.int32)
     cu_seqlens[:-1] = starts
     cu_seqlens[-1] = size
-    max_seqlen = int(np.diff(cu_seqlens).max()) if size else 0
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if size else 0
     out: dict[str, Any] = {name: torch.from_numpy(array) for name, array in arrays.items()}
     out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
     out["max_seqlen"] = max_seqlen
