@@ -25,9 +25,11 @@ import functools
 import hashlib
 import json
 import os
+import sys
 import tempfile
 import threading
 import warnings
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -93,8 +95,57 @@ def _eos_scalar(windows: np.ndarray, eos_token: int) -> Any:
     return windows.dtype.type(eos_token)
 
 
+#: Output memory a reader keeps for reuse (see ``_Slabs``), in bytes.
+_SLAB_BYTES = 64 << 20
+
+
+class _Slabs:
+    """A reader's recycled output memory: ``(4, B, L)`` int64 slabs, one per batch read.
+
+    A slab is handed out again only once no array of the batch it held is alive (its only
+    reference left is this pool's: the batch's columns, the samples' rows and the tensors
+    made from them all keep it referenced). Reused memory is already mapped, where a fresh
+    half-megabyte allocation per batch is often memory the allocator has just given back to
+    the kernel, faulted in again page by page (the cost that made packed windows slow in a
+    loader's background threads). Slabs are looked at oldest first, one per batch: a slab
+    still in use goes to the back of the line and a new one is allocated (kept while the
+    pool holds less than ``_SLAB_BYTES``). Thread-safe: a slab being checked is out of the
+    deque, and the thread that takes it holds a reference until its views exist.
+    """
+
+    def __init__(self) -> None:
+        self._slabs: deque[_I64] = deque()
+
+    def take(self, rows: int, length: int) -> _I64:
+        shape = (len(FIELDS), rows, length)
+        slabs = self._slabs
+        try:
+            slab = slabs.popleft()
+        except IndexError:
+            pass
+        else:
+            # references now: ``slab`` and getrefcount's argument, plus each live view
+            if sys.getrefcount(slab) == 2:
+                if slab.shape == shape:
+                    slabs.append(slab)
+                    return slab
+            else:
+                slabs.append(slab)  # in use: to the back of the line
+        new = np.empty(shape, dtype=np.int64)
+        if (len(slabs) + 1) * new.nbytes <= _SLAB_BYTES:
+            slabs.append(new)
+        return new
+
+    def clear(self) -> None:
+        self._slabs.clear()
+
+
 def pack_columns(
-    windows: np.ndarray, *, eos_token: int | None = None, starts: _I64 | None = None
+    windows: np.ndarray,
+    *,
+    eos_token: int | None = None,
+    starts: _I64 | None = None,
+    out: _I64 | None = None,
 ) -> tuple[dict[str, _I64], _I64]:
     """The four int64 ``(B, L)`` fields of ``(B, L)`` token windows, computed for the whole
     batch at once, and the flat starts of its sequences.
@@ -104,6 +155,8 @@ def pack_columns(
         eos_token: A document starts after each of these tokens (a stream).
         starts: Or: the flat indexes (into the ``B * L`` tokens) where a document starts
             inside a window, sorted (documents).
+        out: Where to write the four fields: a ``(4, B, L)`` int64 array (by default a new
+            one).
 
     Returns:
         ``(columns, segments)``: field -> ``(B, L)`` int64 array, and the sorted flat index
@@ -117,12 +170,14 @@ def pack_columns(
     """
     rows, length = windows.shape
     total = rows * length
-    tokens = np.empty((rows, length), dtype=np.int64)
-    np.copyto(tokens, windows, casting="unsafe")
-    if total == 0:
-        empty = {name: np.empty((0, length), dtype=np.int64) for name in FIELDS[1:]}
-        return {"tokens": tokens, **empty}, np.zeros(0, dtype=np.int64)
+    if out is None:
+        out = np.empty((len(FIELDS), rows, length), dtype=np.int64)
+    columns = dict(zip(FIELDS, out))
+    tokens, position_ids, document_ids, labels = (a.reshape(-1) for a in out)
     flat = windows.reshape(-1)  # a copy only for windows with odd strides
+    np.copyto(tokens, flat, casting="unsafe")
+    if total == 0:
+        return columns, np.zeros(0, dtype=np.int64)
     steps = _arange(total)
     # is_start[k]: a sequence starts at flat index k (k == total: the end of the last one)
     is_start = np.empty(total + 1, dtype=bool)
@@ -135,21 +190,15 @@ def pack_columns(
     bounds = is_start.nonzero()[0]
     segments = bounds[:-1]
     sizes = bounds[1:] - segments
-    position_ids = np.repeat(segments, sizes)
-    np.subtract(steps, position_ids, out=position_ids)
+    np.subtract(steps, np.repeat(segments, sizes), out=position_ids)
     # a sequence's number in its window: its rank minus the rank of the window's first one
+    # (repeated in a narrow dtype: fewer bytes, then widened by the copy)
     window = segments // length
     numbers = steps[: len(segments)] - window.searchsorted(steps[:rows])[window]
-    document_ids = np.repeat(numbers, sizes)
-    labels = np.empty(total, dtype=np.int64)
+    narrow = np.int16 if length <= np.iinfo(np.int16).max else np.int64
+    np.copyto(document_ids, np.repeat(numbers.astype(narrow), sizes))
     np.copyto(labels[:-1], flat[1:], casting="unsafe")
     labels[bounds[1:] - 1] = IGNORE_INDEX  # the last token of each document, window, batch
-    columns = {
-        "tokens": tokens,
-        "position_ids": position_ids.reshape(rows, length),
-        "document_ids": document_ids.reshape(rows, length),
-        "labels": labels.reshape(rows, length),
-    }
     return columns, segments
 
 
@@ -435,6 +484,7 @@ class PackedReader(_DatasetReaderBase):
         self._sums: _I64 | None = None  # prefix sums in the packing order (documents)
         self._permutation: FeistelPermutation | None = None
         self._lock = threading.Lock()
+        self._slabs = _Slabs()
 
     def fingerprint(self) -> dict[str, Any] | None:
         """The source's fingerprint (``None`` if it cannot tell)."""
@@ -474,6 +524,7 @@ class PackedReader(_DatasetReaderBase):
             source.close()
         self._sums = None
         self._permutation = None
+        self._slabs.clear()
         self._length = -1
 
     def _compute_length(self) -> int:
@@ -579,9 +630,10 @@ class PackedReader(_DatasetReaderBase):
         if dataset.stream:
             length = dataset.sequence_length
             windows = self._source.storage_reader._windows(ids * length, length)
-            return pack_columns(windows[dataset.field], eos_token=dataset.eos_token)
+            out = self._slabs.take(len(ids), length)
+            return pack_columns(windows[dataset.field], eos_token=dataset.eos_token, out=out)
         tokens, starts = self._document_windows(ids)
-        return pack_columns(tokens, starts=starts)
+        return pack_columns(tokens, starts=starts, out=self._slabs.take(*tokens.shape))
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset
