@@ -25,10 +25,10 @@ import functools
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import threading
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -95,49 +95,91 @@ def _eos_scalar(windows: np.ndarray, eos_token: int) -> Any:
     return windows.dtype.type(eos_token)
 
 
-#: Output memory a reader keeps for reuse (see ``_Slabs``), in bytes.
-_SLAB_BYTES = 64 << 20
+#: Released output memory a reader keeps for reuse (see ``_Slabs``), in bytes.
+_SLAB_BYTES = 32 << 20
+
+
+class _Lease:
+    """The owner of one batch's output slab: every array of the batch (columns, the rows of
+    its samples, tensors made from them) holds it through its base, so it dies with the
+    last of them and hands the slab back to its pool. It also keeps the sequence starts the
+    read found, for :func:`known_starts` (``collate_packed`` then needs no pass over the
+    positions)."""
+
+    __slots__ = ("__array_interface__", "_column", "_pool", "_slab", "_starts")
+
+    def __init__(self, slab: _I64, interface: dict[str, Any], pool: _Slabs) -> None:
+        self._slab = slab
+        self.__array_interface__ = interface
+        self._pool = pool
+        self._column: Any = None
+        self._starts: _I64 | None = None
+
+    def __del__(self) -> None:
+        self._pool.release(self._slab, self.__array_interface__)
+
+
+def _remember_starts(position_ids: _I64, starts: _I64) -> None:
+    """Record on the lease of ``position_ids`` (a column of a slab) its batch's starts."""
+    lease: Any = position_ids.base.base  # type: ignore[union-attr]
+    lease._column = weakref.ref(position_ids)
+    lease._starts = starts
+
+
+def known_starts(position_ids: np.ndarray) -> _I64 | None:
+    """The flat sequence starts of ``position_ids`` when it is, unchanged in shape, the
+    ``position_ids`` column of one :class:`PackedReader` read (as its read found them),
+    else None (then they are found from the positions)."""
+    whole = position_ids.base
+    if type(whole) is not np.ndarray:
+        return None
+    lease = whole.base
+    if type(lease) is not _Lease or lease._column is None or lease._column() is not position_ids:
+        return None
+    return lease._starts
 
 
 class _Slabs:
     """A reader's recycled output memory: ``(4, B, L)`` int64 slabs, one per batch read.
 
-    A slab is handed out again only once no array of the batch it held is alive (its only
-    reference left is this pool's: the batch's columns, the samples' rows and the tensors
-    made from them all keep it referenced). Reused memory is already mapped, where a fresh
-    half-megabyte allocation per batch is often memory the allocator has just given back to
-    the kernel, faulted in again page by page (the cost that made packed windows slow in a
-    loader's background threads). Slabs are looked at oldest first, one per batch: a slab
-    still in use goes to the back of the line and a new one is allocated (kept while the
-    pool holds less than ``_SLAB_BYTES``). Thread-safe: a slab being checked is out of the
-    deque, and the thread that takes it holds a reference until its views exist.
+    Each batch's arrays are views of a slab owned by a :class:`_Lease`; when the last of
+    them is gone, the slab comes back here, and the next read takes the one released last
+    (the most likely still in a cache). A fresh half-megabyte allocation per batch is often
+    memory the allocator has just given back to the kernel, faulted in again page by page,
+    and cold (the costs that made packed windows slow in a loader's background threads).
+    At most ``_SLAB_BYTES`` of released slabs are kept; ``clear`` drops them. Thread-safe
+    (a slab comes back in whichever thread drops the batch's last array).
     """
 
     def __init__(self) -> None:
-        self._slabs: deque[_I64] = deque()
+        self._free: deque[tuple[_I64, dict[str, Any]]] = deque()
+        self._open = True
 
     def take(self, rows: int, length: int) -> _I64:
+        """A ``(4, rows, length)`` int64 array that nothing else uses, owned by a lease."""
         shape = (len(FIELDS), rows, length)
-        slabs = self._slabs
+        self._open = True
         try:
-            slab = slabs.popleft()
+            slab, interface = self._free.pop()
         except IndexError:
-            pass
+            slab = np.empty(shape, dtype=np.int64)
+            interface = slab.__array_interface__
         else:
-            # references now: ``slab`` and getrefcount's argument, plus each live view
-            if sys.getrefcount(slab) == 2:
-                if slab.shape == shape:
-                    slabs.append(slab)
-                    return slab
-            else:
-                slabs.append(slab)  # in use: to the back of the line
-        new = np.empty(shape, dtype=np.int64)
-        if (len(slabs) + 1) * new.nbytes <= _SLAB_BYTES:
-            slabs.append(new)
-        return new
+            if slab.shape != shape:  # another batch size: drop the released ones
+                self._free.clear()
+                slab = np.empty(shape, dtype=np.int64)
+                interface = slab.__array_interface__
+        return np.asarray(_Lease(slab, interface, self))
+
+    def release(self, slab: _I64, interface: dict[str, Any]) -> None:
+        if self._open and (len(self._free) + 1) * slab.nbytes <= _SLAB_BYTES:
+            self._free.append((slab, interface))
 
     def clear(self) -> None:
-        self._slabs.clear()
+        """Drop the released slabs; batches still alive no longer come back (until the next
+        ``take``)."""
+        self._open = False
+        self._free.clear()
 
 
 def pack_columns(
@@ -631,9 +673,12 @@ class PackedReader(_DatasetReaderBase):
             length = dataset.sequence_length
             windows = self._source.storage_reader._windows(ids * length, length)
             out = self._slabs.take(len(ids), length)
-            return pack_columns(windows[dataset.field], eos_token=dataset.eos_token, out=out)
-        tokens, starts = self._document_windows(ids)
-        return pack_columns(tokens, starts=starts, out=self._slabs.take(*tokens.shape))
+            found = pack_columns(windows[dataset.field], eos_token=dataset.eos_token, out=out)
+        else:
+            tokens, starts = self._document_windows(ids)
+            found = pack_columns(tokens, starts=starts, out=self._slabs.take(*tokens.shape))
+        _remember_starts(found[0]["position_ids"], found[1])
+        return found
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset
