@@ -16,6 +16,12 @@ next token; ``-100`` across a document boundary and at the last position), all i
   ``DocumentStorage`` (or under ``cache_dir``), keyed to the storage's commit records and
   file sizes: a sidecar of a dataset that changed is refused and rebuilt. Listing,
   ``verify`` and the readers ignore these files (their names are not shard names).
+
+A reader computes a batch of windows at once (:func:`pack_columns`: a few numpy passes over
+the whole ``(B, L)`` batch) into one output block per read, reused once the read's last
+array is gone; ``read_arrays`` gives the batch as a :class:`~guideloom_pipes.batch.Batch`
+(the loader's path to ``collate_packed`` and ``collate_fn=None``),
+``read_batch`` as a list of samples (rows of the same arrays).
 """
 
 from __future__ import annotations
