@@ -160,6 +160,7 @@ class _Slabs:
     def __init__(self) -> None:
         self._free: deque[tuple[_I64, dict[str, Any]]] = deque()
         self._open = True
+        self._limit = _SLAB_BYTES  # read here: a lease may die at interpreter exit
 
     def take(self, rows: int, length: int) -> _I64:
         """A ``(4, rows, length)`` int64 array that nothing else uses, owned by a lease."""
@@ -178,7 +179,7 @@ class _Slabs:
         return np.asarray(_Lease(slab, interface, self))
 
     def release(self, slab: _I64, interface: dict[str, Any]) -> None:
-        if self._open and (len(self._free) + 1) * slab.nbytes <= _SLAB_BYTES:
+        if self._open and (len(self._free) + 1) * slab.nbytes <= self._limit:
             self._free.append((slab, interface))
 
     def clear(self) -> None:
