@@ -71,9 +71,10 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
         int64 tensors; ``cu_seqlens``, a 1-D int32 tensor of the sequence boundaries over the
         flattened ``B * L`` tokens (0, every document start and every window start, then
         ``B * L``), and ``max_seqlen``, the longest sequence as a Python int. An empty rank
-        batch (``drop_last=False``) stays ``[]``. Consecutive windows of one read (what the
-        loader's workers hand over) are batched without a copy: the tensors then share memory
-        with the other windows of that read.
+        batch (``drop_last=False``) stays ``[]``. The columns of a ``PackedDataset`` read's
+        ``Batch`` (what the loader's workers hand over), and consecutive samples of one read,
+        are batched without a copy (the tensors share memory with that read's arrays) and
+        their ``cu_seqlens`` come from the starts the read found.
 
     Raises:
         KeyError: A sample lacks one of the four fields.
