@@ -16,6 +16,12 @@ next token; ``-100`` across a document boundary and at the last position), all i
   ``DocumentStorage`` (or under ``cache_dir``), keyed to the storage's commit records and
   file sizes: a sidecar of a dataset that changed is refused and rebuilt. Listing,
   ``verify`` and the readers ignore these files (their names are not shard names).
+
+A reader computes a batch of windows at once (:func:`pack_columns`: a few numpy passes over
+the whole ``(B, L)`` batch) into one output block per read, reused once the read's last
+array is gone; ``read_arrays`` gives the batch as a :class:`~guideloom_pipes.batch.Batch`
+(the loader's path to ``collate_packed`` and ``collate_fn=None``),
+``read_batch`` as a list of samples (rows of the same arrays).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import os
 import tempfile
 import threading
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +43,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from guideloom_pipes.batch import Batch
 from guideloom_pipes.datasets import (
     DocumentDataset,
     StreamDataset,
@@ -49,7 +58,14 @@ from guideloom_pipes.datasets import (
 from guideloom_pipes.shuffle import FeistelPermutation
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
-__all__ = ["FIELDS", "IGNORE_INDEX", "PackedDataset", "PackedSample", "pack_windows"]
+__all__ = [
+    "FIELDS",
+    "IGNORE_INDEX",
+    "PackedDataset",
+    "PackedSample",
+    "pack_columns",
+    "pack_windows",
+]
 
 #: The label of positions that predict nothing (torch's ``cross_entropy`` ignore_index).
 IGNORE_INDEX = -100
@@ -65,9 +81,6 @@ _I64 = npt.NDArray[np.int64]
 
 #: The four fields of a packed sample.
 FIELDS = ("tokens", "position_ids", "document_ids", "labels")
-#: Tokens computed at a time: a block of windows whose arrays (512 KiB each) stay in the CPU's
-#: cache.
-_BLOCK_TOKENS = 1 << 16
 
 
 @functools.lru_cache(maxsize=8)
@@ -77,78 +90,174 @@ def _arange(count: int) -> _I64:
     return steps
 
 
-def _fill_block(
-    tokens: _I64, inner: _I64, position_ids: _I64, document_ids: _I64, labels: _I64
-) -> _I64:
-    """Fill the boundaries of ``(R, L)`` windows (C-contiguous rows of the outputs) whose
-    documents start inside a window at the flat indexes ``inner`` (sorted); return the flat
-    starts of all their sequences (each window start and each document start)."""
-    rows, length = tokens.shape
-    total = rows * length
-    segments = np.union1d(np.arange(0, total, length, dtype=np.int64), inner)
-    sizes = np.empty_like(segments)
-    np.subtract(segments[1:], segments[:-1], out=sizes[:-1])
-    sizes[-1:] = total - segments[-1:]
-    first_of_window = np.searchsorted(segments, segments - segments % length)
-    numbers = np.arange(len(segments), dtype=np.int64) - first_of_window
-    np.subtract(_arange(total), np.repeat(segments, sizes), out=position_ids.reshape(-1))
-    document_ids.reshape(-1)[:] = np.repeat(numbers, sizes)
-    flat, next_tokens = labels.reshape(-1), tokens.reshape(-1)
-    flat[:-1] = next_tokens[1:]
-    flat[segments[1:] - 1] = IGNORE_INDEX  # the last token of a document or of a window
-    flat[-1:] = IGNORE_INDEX
-    return segments
+def _eos_scalar(windows: np.ndarray, eos_token: int) -> Any:
+    """``eos_token`` as a scalar to compare ``windows`` with in their own dtype (fewer bytes
+    than int64), or as an int64 where that dtype cannot hold it (then never found)."""
+    if windows.dtype.kind not in "iu":
+        return eos_token
+    info = np.iinfo(windows.dtype)
+    if not info.min <= eos_token <= info.max:
+        return np.int64(eos_token)
+    return windows.dtype.type(eos_token)
 
 
-def pack_windows(
-    windows: np.ndarray, *, eos_token: int | None = None, starts: _I64 | None = None
-) -> list[PackedSample]:
-    """The samples of ``(B, L)`` token windows: their four int64 fields.
+#: Released output memory a reader keeps for reuse (see ``_Slabs``), in bytes.
+_SLAB_BYTES = 32 << 20
+
+
+class _Lease:
+    """The owner of one batch's output slab: every array of the batch (columns, the rows of
+    its samples, tensors made from them) holds it through its base, so it dies with the
+    last of them and hands the slab back to its pool. It also keeps the sequence starts the
+    read found, for :func:`known_starts` (``collate_packed`` then needs no pass over the
+    positions)."""
+
+    __slots__ = ("__array_interface__", "_column", "_pool", "_slab", "_starts")
+
+    def __init__(self, slab: _I64, interface: dict[str, Any], pool: _Slabs) -> None:
+        self._slab = slab
+        self.__array_interface__ = interface
+        self._pool = pool
+        self._column: Any = None
+        self._starts: _I64 | None = None
+
+    def __del__(self) -> None:
+        self._pool.release(self._slab, self.__array_interface__)
+
+
+def _remember_starts(position_ids: _I64, starts: _I64) -> None:
+    """Record on the lease of ``position_ids`` (a column of a slab) its batch's starts."""
+    lease: Any = position_ids.base.base  # type: ignore[union-attr]
+    lease._column = weakref.ref(position_ids)
+    lease._starts = starts
+
+
+def known_starts(position_ids: np.ndarray) -> _I64 | None:
+    """The flat sequence starts of ``position_ids`` when it is, unchanged in shape, the
+    ``position_ids`` column of one :class:`PackedReader` read (as its read found them),
+    else None (then they are found from the positions)."""
+    whole = position_ids.base
+    if type(whole) is not np.ndarray:
+        return None
+    lease = whole.base
+    if type(lease) is not _Lease or lease._column is None or lease._column() is not position_ids:
+        return None
+    return lease._starts
+
+
+class _Slabs:
+    """A reader's recycled output memory: ``(4, B, L)`` int64 slabs, one per batch read.
+
+    Each batch's arrays are views of a slab owned by a :class:`_Lease`; when the last of
+    them is gone, the slab comes back here, and the next read takes the one released last
+    (the most likely still in a cache). A fresh half-megabyte allocation per batch is often
+    memory the allocator has just given back to the kernel, faulted in again page by page,
+    and cold (the costs that made packed windows slow in a loader's background threads).
+    At most ``_SLAB_BYTES`` of released slabs are kept; ``clear`` drops them. Thread-safe
+    (a slab comes back in whichever thread drops the batch's last array).
+    """
+
+    def __init__(self) -> None:
+        self._free: deque[tuple[_I64, dict[str, Any]]] = deque()
+        self._open = True
+        self._limit = _SLAB_BYTES  # read here: a lease may die at interpreter exit
+
+    def take(self, rows: int, length: int) -> _I64:
+        """A ``(4, rows, length)`` int64 array that nothing else uses, owned by a lease."""
+        shape = (len(FIELDS), rows, length)
+        self._open = True
+        try:
+            slab, interface = self._free.pop()
+        except IndexError:
+            slab = np.empty(shape, dtype=np.int64)
+            interface = slab.__array_interface__
+        else:
+            if slab.shape != shape:  # another batch size: drop the released ones
+                self._free.clear()
+                slab = np.empty(shape, dtype=np.int64)
+                interface = slab.__array_interface__
+        return np.asarray(_Lease(slab, interface, self))
+
+    def release(self, slab: _I64, interface: dict[str, Any]) -> None:
+        if self._open and (len(self._free) + 1) * slab.nbytes <= self._limit:
+            self._free.append((slab, interface))
+
+    def clear(self) -> None:
+        """Drop the released slabs; batches still alive no longer come back (until the next
+        ``take``)."""
+        self._open = False
+        self._free.clear()
+
+
+def pack_columns(
+    windows: np.ndarray,
+    *,
+    eos_token: int | None = None,
+    starts: _I64 | None = None,
+    out: _I64 | None = None,
+) -> tuple[dict[str, _I64], _I64]:
+    """The four int64 ``(B, L)`` fields of ``(B, L)`` token windows, computed for the whole
+    batch at once, and the flat starts of its sequences.
 
     Args:
         windows: ``(B, L)`` integer tokens (any integer dtype, any strides).
         eos_token: A document starts after each of these tokens (a stream).
         starts: Or: the flat indexes (into the ``B * L`` tokens) where a document starts
             inside a window, sorted (documents).
+        out: Where to write the four fields: a ``(4, B, L)`` int64 array (by default a new
+            one).
 
     Returns:
-        One :class:`PackedSample` per window (see the module docstring for the fields), rows of
-        ``(B, L)`` arrays. They are computed a block of windows at a time (a block's arrays
-        stay in the CPU's cache): a few passes over each block plus work per document start.
+        ``(columns, segments)``: field -> ``(B, L)`` int64 array, and the sorted flat index
+        of every sequence start (each window start and each document start inside a
+        window). A few whole-batch passes and no loop per window or per document: the
+        tokens copied once; a mask of the starts (the EOS found in the source's own dtype)
+        and its nonzero indexes; ``position_ids`` as the flat index minus its sequence's
+        start, and ``document_ids`` as its sequence's number minus that of its window's
+        first sequence (each one ``repeat`` of a value per sequence and one subtraction);
+        ``labels`` as the tokens shifted by one, with ``-100`` before each start and last.
     """
     rows, length = windows.shape
-    eos: Any = eos_token or 0
-    if windows.dtype.kind in "iu" and not (
-        np.iinfo(windows.dtype).min <= eos <= np.iinfo(windows.dtype).max
-    ):
-        eos = np.int64(eos)  # cannot occur in this dtype: compared (and never found) as int64
-    elif windows.dtype.kind in "iu":
-        eos = windows.dtype.type(eos)
-    # One allocation for the four fields: a large one is backed by huge pages where the
-    # kernel offers them, far fewer page faults than four (fresh memory faults per page).
-    buffer = np.empty((len(FIELDS), rows, length), dtype=np.int64)
-    columns = dict(zip(FIELDS, buffer))
-    block = max(1, _BLOCK_TOKENS // length)
-    pieces = [np.zeros(0, dtype=np.int64)]
-    for top in range(0, rows, block):
-        bottom = min(rows, top + block)
-        tokens = columns["tokens"][top:bottom]
-        np.copyto(tokens, windows[top:bottom])
-        if starts is None:  # scanned in the source's dtype: fewer bytes
-            flat = windows[top:bottom].reshape(-1)
-            inner = np.flatnonzero(flat[:-1] == eos) + 1
-        else:
-            low, high = np.searchsorted(starts, (top * length, bottom * length))
-            inner = starts[low:high] - top * length
-        segments = _fill_block(
-            tokens,
-            inner,
-            columns["position_ids"][top:bottom],
-            columns["document_ids"][top:bottom],
-            columns["labels"][top:bottom],
-        )
-        pieces.append(segments + top * length)
-    return _samples(columns, np.concatenate(pieces))
+    total = rows * length
+    if out is None:
+        out = np.empty((len(FIELDS), rows, length), dtype=np.int64)
+    columns = dict(zip(FIELDS, out))
+    tokens, position_ids, document_ids, labels = (a.reshape(-1) for a in out)
+    flat = windows.reshape(-1)  # a copy only for windows with odd strides
+    np.copyto(tokens, flat, casting="unsafe")
+    if total == 0:
+        return columns, np.zeros(0, dtype=np.int64)
+    steps = _arange(total)
+    # is_start[k]: a sequence starts at flat index k (k == total: the end of the last one)
+    is_start = np.empty(total + 1, dtype=bool)
+    if starts is None:
+        np.equal(flat[:-1], _eos_scalar(windows, eos_token or 0), out=is_start[1:total])
+    else:
+        is_start[1:total] = False
+        is_start[starts] = True
+    is_start[::length] = True  # every window start (index 0 among them), and index total
+    bounds = is_start.nonzero()[0]
+    segments = bounds[:-1]
+    sizes = bounds[1:] - segments
+    np.subtract(steps, np.repeat(segments, sizes), out=position_ids)
+    # a sequence's number in its window: its rank minus the rank of the window's first one
+    # (repeated in a narrow dtype: fewer bytes, then widened by the copy)
+    window = segments // length
+    numbers = steps[: len(segments)] - window.searchsorted(steps[:rows])[window]
+    narrow = np.int16 if length <= np.iinfo(np.int16).max else np.int64
+    np.copyto(document_ids, np.repeat(numbers.astype(narrow), sizes))
+    np.copyto(labels[:-1], flat[1:], casting="unsafe")
+    labels[bounds[1:] - 1] = IGNORE_INDEX  # the last token of each document, window, batch
+    return columns, segments
+
+
+def pack_windows(
+    windows: np.ndarray, *, eos_token: int | None = None, starts: _I64 | None = None
+) -> list[PackedSample]:
+    """The samples of ``(B, L)`` token windows (see :func:`pack_columns` for the
+    arguments): one :class:`PackedSample` per window, rows of the ``(B, L)`` arrays."""
+    columns, segments = pack_columns(windows, eos_token=eos_token, starts=starts)
+    return _samples(columns, segments)
 
 
 class PackedSample(dict[str, Any]):
@@ -424,6 +533,7 @@ class PackedReader(_DatasetReaderBase):
         self._sums: _I64 | None = None  # prefix sums in the packing order (documents)
         self._permutation: FeistelPermutation | None = None
         self._lock = threading.Lock()
+        self._slabs = _Slabs()
 
     def fingerprint(self) -> dict[str, Any] | None:
         """The source's fingerprint (``None`` if it cannot tell)."""
@@ -463,6 +573,7 @@ class PackedReader(_DatasetReaderBase):
             source.close()
         self._sums = None
         self._permutation = None
+        self._slabs.clear()
         self._length = -1
 
     def _compute_length(self) -> int:
@@ -552,15 +663,29 @@ class PackedReader(_DatasetReaderBase):
             ids: An integer array or sequence of window numbers in ``[0, len)``; one out of
                 range raises ``IndexError`` naming it.
         """
+        return _samples(*self._columns(ids))
+
+    def read_arrays(self, ids: Sequence[int] | np.ndarray) -> Batch:
+        """The windows at ``ids`` as a :class:`~guideloom_pipes.batch.Batch` of four
+        ``(len(ids), sequence_length)`` int64 columns (the loader's path to
+        :func:`~guideloom_pipes.collate_packed` and ``collate_fn=None``); row ``i`` holds
+        the same arrays as ``read_batch(ids)[i]``."""
+        return Batch.of_columns(self._columns(ids)[0])
+
+    def _columns(self, ids: Sequence[int] | np.ndarray) -> tuple[dict[str, _I64], _I64]:
         self._check_open()
         ids = _as_ids(ids, self._length)
         dataset = self.dataset
         if dataset.stream:
             length = dataset.sequence_length
             windows = self._source.storage_reader._windows(ids * length, length)
-            return pack_windows(windows[dataset.field], eos_token=dataset.eos_token)
-        tokens, starts = self._document_windows(ids)
-        return pack_windows(tokens, starts=starts)
+            out = self._slabs.take(len(ids), length)
+            found = pack_columns(windows[dataset.field], eos_token=dataset.eos_token, out=out)
+        else:
+            tokens, starts = self._document_windows(ids)
+            found = pack_columns(tokens, starts=starts, out=self._slabs.take(*tokens.shape))
+        _remember_starts(found[0]["position_ids"], found[1])
+        return found
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from guideloom_pipes.batch import Batch, batch_arrays
-from guideloom_pipes.packing import FIELDS, PackedSample
+from guideloom_pipes.packing import FIELDS, PackedSample, known_starts
 
 __all__ = ["collate_packed"]
 
@@ -38,9 +38,13 @@ def _rows_of_one_read(samples: Sequence[Any]) -> tuple[dict[str, np.ndarray], An
     return arrays, segments[low:high] - row * length
 
 
-def _stack(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any], name: str) -> np.ndarray:
-    if isinstance(samples, Mapping):
+def _stack(samples: Any, name: str, stacked: bool) -> np.ndarray:
+    """Field ``name`` as a ``(B, L)`` int64 array: a column of ``samples`` (``stacked``: one
+    dict of ``(B, L)`` arrays), else the samples' arrays stacked."""
+    if stacked:
         column = samples[name]
+        if type(column) is np.ndarray and column.dtype == np.int64 and column.ndim == 2:
+            return column  # a column of a PackedDataset's Batch: taken as it is
         array = column.numpy() if isinstance(column, torch.Tensor) else np.asarray(column)
     else:
         array = np.stack([np.asarray(sample[name]) for sample in samples])
@@ -67,29 +71,35 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
         int64 tensors; ``cu_seqlens``, a 1-D int32 tensor of the sequence boundaries over the
         flattened ``B * L`` tokens (0, every document start and every window start, then
         ``B * L``), and ``max_seqlen``, the longest sequence as a Python int. An empty rank
-        batch (``drop_last=False``) stays ``[]``. Consecutive windows of one read (what the
-        loader's workers hand over) are batched without a copy: the tensors then share memory
-        with the other windows of that read.
+        batch (``drop_last=False``) stays ``[]``. The columns of a ``PackedDataset`` read's
+        ``Batch`` (what the loader's workers hand over), and consecutive samples of one read,
+        are batched without a copy (the tensors share memory with that read's arrays) and
+        their ``cu_seqlens`` come from the starts the read found.
 
     Raises:
         KeyError: A sample lacks one of the four fields.
         ValueError: The samples have different lengths.
     """
-    if not isinstance(samples, Mapping) and len(samples) == 0:
-        return []
-    if isinstance(samples, Batch):
+    if type(samples) is Batch:  # the loader's path: checked without the ABCs' costs
+        if len(samples) == 0:
+            return []
         samples = samples.columns if samples.columns is not None else samples.samples()
-    found = None if isinstance(samples, Mapping) else _rows_of_one_read(samples)
+    elif not isinstance(samples, Mapping) and len(samples) == 0:
+        return []
+    stacked = type(samples) is dict or isinstance(samples, Mapping)
+    found = None if stacked else _rows_of_one_read(samples)  # type: ignore[arg-type]
     if found is not None:
         arrays, starts = found
     else:
-        arrays = {name: _stack(samples, name) for name in _FIELDS}
-        starts = np.flatnonzero(arrays["position_ids"].reshape(-1) == 0)
+        arrays = {name: _stack(samples, name, stacked) for name in _FIELDS}
+        starts = known_starts(arrays["position_ids"])  # a PackedDataset read's columns
+        if starts is None:
+            starts = (arrays["position_ids"].reshape(-1) == 0).nonzero()[0]
     size = arrays["tokens"].size
     cu_seqlens = np.empty(len(starts) + 1, dtype=np.int32)
     cu_seqlens[:-1] = starts
     cu_seqlens[-1] = size
-    max_seqlen = int(np.diff(cu_seqlens).max()) if size else 0
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if size else 0
     out: dict[str, Any] = {name: torch.from_numpy(array) for name, array in arrays.items()}
     out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
     out["max_seqlen"] = max_seqlen
