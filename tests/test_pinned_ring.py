@@ -451,3 +451,22 @@ def test_where_the_ring_does_not_apply_the_pinning_copy_stays(tmp_path: Path) ->
         loader = _ring_loader(storage, (0, "thread", 0), False, pin_memory=True, device="cpu")
     with loader:
         assert not loader._ring_device() and loader._pinned_ring() is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", MODES, ids=["inline", "prefetch-thread", "threads"])
+def test_on_a_gpu_windows_are_read_into_pinned_buffers(
+    tmp_path: Path, mode: tuple[int, str, int]
+) -> None:
+    """The real thing (where a GPU is lent): pinned buffers, CUDA events, the same batches."""
+    storage = _stream(tmp_path)
+    expected = [describe(batch) for batch in _ring_loader(storage, mode, False)]
+    loader = _ring_loader(storage, mode, False, device="cuda", pin_memory=True)
+    held = list(loader)
+    torch.cuda.synchronize()
+    assert [describe({k: v.cpu() for k, v in batch.items()}) for batch in held] == expected
+    assert all(batch["tokens"].device.type == "cuda" for batch in held)
+    ring = loader._ring
+    assert ring is not None and ring.allocated >= 1
+    assert all(torch.from_numpy(slot.buffer).is_pinned() for slot in ring._slots)
+    loader.close()
