@@ -74,29 +74,45 @@ class _Lease:
 
     __slots__ = ("__array_interface__", "__weakref__", "buffer")
 
-    def __init__(self, buffer: np.ndarray, shape: tuple[int, ...], dtype: np.dtype[Any]):
+    def __init__(self, buffer: np.ndarray, interface: dict[str, Any]) -> None:
         self.buffer = buffer  # the memory stays alive while any array over it does
-        self.__array_interface__ = {
-            "data": (buffer.ctypes.data, False),
-            "shape": shape,
-            "typestr": dtype.str,
-            "descr": dtype.descr,
-            "version": 3,
-        }
+        self.__array_interface__ = interface  # (read by numpy, never changed)
 
 
 class _Slot:
     """One buffer of the ring and what the ring knows of it."""
 
-    __slots__ = ("buffer", "end", "event", "index", "lease", "start")
+    __slots__ = ("buffer", "end", "event", "index", "interfaces", "lease", "release", "start")
 
-    def __init__(self, index: int, buffer: np.ndarray) -> None:
+    def __init__(self, index: int, buffer: np.ndarray, returned: collections.deque[_Slot]) -> None:
         self.index = index
         self.buffer = buffer
         self.start = int(buffer.ctypes.data)
         self.end = self.start + buffer.nbytes
         self.event: CopyEvent | None = None  # recorded after its last device copy
         self.lease: weakref.ref[_Lease] | None = None  # set while handed out
+        # numpy's __array_interface__ of each (shape, dtype) lent so far
+        self.interfaces: dict[tuple[tuple[int, ...], np.dtype[Any]], dict[str, Any]] = {}
+
+        def release(_: Any) -> None:  # the lease's weak-reference callback
+            self.lease = None
+            returned.append(self)
+
+        #: Called when the lease dies: the buffer goes back to the ring (any thread).
+        self.release = release
+
+    def interface(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> dict[str, Any]:
+        key = (shape, dtype)
+        interface = self.interfaces.get(key)
+        if interface is None:
+            interface = self.interfaces[key] = {
+                "data": (self.start, False),
+                "shape": shape,
+                "typestr": dtype.str,
+                "descr": dtype.descr,
+                "version": 3,
+            }
+        return interface
 
 
 class PinnedRing:
@@ -152,7 +168,7 @@ class PinnedRing:
         ``buffers`` / ``out`` function of a read). A request larger than ``nbytes`` gets
         ordinary memory instead (never one of the ring's)."""
         dtype = np.dtype(dtype)
-        shape = tuple(int(n) for n in shape)
+        shape = tuple(map(int, shape))
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.nbytes:
             return np.empty(shape, dtype=dtype)
@@ -177,21 +193,12 @@ class PinnedRing:
                     if len(self._slots) >= self.size:
                         self.counts["grown"] += 1  # all held: more in flight than planned
                     slot = self._new_slot()
-            lease = _Lease(slot.buffer, shape, dtype)
-            slot.lease = weakref.ref(lease, self._releaser(slot))
+            lease = _Lease(slot.buffer, slot.interface(shape, dtype))
+            slot.lease = weakref.ref(lease, slot.release)
         if wait is not None:
             wait.synchronize()
         slot.event = None
         return np.asarray(lease)
-
-    def _releaser(self, slot: _Slot) -> Callable[[Any], None]:
-        returned = self._returned
-
-        def release(_: Any) -> None:
-            slot.lease = None
-            returned.append(slot)
-
-        return release
 
     def _new_slot(self) -> _Slot:
         buffer = self._allocate(self.nbytes)
@@ -205,7 +212,9 @@ class PinnedRing:
                 f"PinnedRing's allocate({self.nbytes}) must return a writable C-contiguous "
                 f"numpy array of at least {self.nbytes} bytes, got {buffer!r:.80}"
             )
-        slot = _Slot(len(self._slots), buffer.reshape(-1).view(np.uint8)[: self.nbytes])
+        slot = _Slot(
+            len(self._slots), buffer.reshape(-1).view(np.uint8)[: self.nbytes], self._returned
+        )
         self._slots.append(slot)
         bisect.insort(self._by_start, (slot.start, slot.index))
         return slot
