@@ -143,7 +143,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         shuffle: Shuffle with GuideLoom's per-epoch Feistel permutation.
         shuffle_seed: Seed of the shuffle; ``None`` draws one now (see ``state_dict()``).
         pin_memory: Pin batches before moving them to a CUDA device (ignored, with a
-            warning, for a CPU device).
+            warning, for a CPU device). With ``collate_fn=None`` over a stream of one
+            field, read inline or on threads, windows are read straight into pinned
+            buffers the loader reuses (a :class:`~guideloom_pipes.pipes.PinnedRing`):
+            no pinning copy.
         drop_last: Drop the incomplete final global batch (True) or pad it (False: final
             batches may be short, or ``[]`` on some ranks). Left out with torch's
             ``batch_size=``, a loader that drops samples warns once (torch pads).
