@@ -504,7 +504,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         if iterator is not None:
             iterator.close()
         self._stop_process_pool()
-        self._ring = None  # (buffers a batch still holds stay valid until it is dropped)
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()  # waits for copies still running out of its buffers
         if self._is_open:
             reader, self._reader = self._reader, None
             self._is_open = False
@@ -839,6 +841,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         size = self._batches_ahead() + 2
         ring = self._ring
         if ring is None or ring.nbytes != nbytes or ring.size != size:
+            if ring is not None:
+                ring.close()
             ring = self._ring = self._new_ring(nbytes, size)
         return ring
 

@@ -470,3 +470,31 @@ def test_on_a_gpu_windows_are_read_into_pinned_buffers(
     assert ring is not None and ring.allocated >= 1
     assert all(torch.from_numpy(slot.buffer).is_pinned() for slot in ring._slots)
     loader.close()
+
+
+def test_closing_the_ring_waits_for_the_copies_out_of_its_buffers() -> None:
+    """Its memory may go back to torch's pinned allocator: no copy may still read it."""
+    ring, events, buffers = _ring(size=3)
+    done, running, held = (ring.take((2, 2), np.int32) for _ in range(3))
+    _copy(ring, done)
+    _copy(ring, running)
+    _copy(ring, held)
+    events[0].done = True
+    del done, running
+    ring.close()
+    assert [event.waited for event in events] == [False, True, True]
+    assert ring.allocated == 0
+    del held  # a buffer lent before close() never comes back to the ring
+    fresh = ring.take((2, 2), np.int32)
+    assert np.shares_memory(fresh, buffers[3]) and ring.allocated == 1
+
+
+def test_closing_the_loader_closes_its_ring(tmp_path: Path) -> None:
+    loader = _ring_loader(_stream(tmp_path), (0, "thread", 0), True)
+    for _ in loader:
+        pass
+    ring = loader._ring
+    assert isinstance(ring, SpyRing) and ring.allocated == 2
+    loader.close()
+    assert loader._ring is None and ring.allocated == 0
+    assert all(event.done for event in ring.events)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import contextlib
 import math
 import threading
 import weakref
@@ -242,6 +243,26 @@ class PinnedRing:
             for index in slots:
                 self._slots[index].event = event
         return len(slots)
+
+    def close(self) -> None:
+        """Wait for every copy still running out of the ring's buffers, then let go of them
+        (a buffer an array still refers to lives on with that array). Its memory may then
+        go back to torch's pinned allocator and be handed out again: no device copy may
+        still be reading it. The ring can be used again (it allocates anew)."""
+        with self._lock:
+            slots, self._slots, self._by_start = self._slots, [], []
+            self._free = []
+            # buffers still lent go back to the old queue, never to this ring again
+            self._returned = collections.deque()
+        for event in {id(slot.event): slot.event for slot in slots if slot.event}.values():
+            if not event.query():
+                event.synchronize()
+        for slot in slots:
+            slot.event = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()
 
     def __repr__(self) -> str:
         return (
