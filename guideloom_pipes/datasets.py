@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.batch import Batch
+from guideloom_pipes.formats import StreamNumpyFormat
 from guideloom_pipes.storage.document import DocumentReader, DocumentStorage
 from guideloom_pipes.storage.stream import StreamReader, StreamStorage, as_indexes
 from guideloom_pipes.storage.stream_meta import StreamWithMetaReader, StreamWithMetaStorage
@@ -38,6 +39,9 @@ from guideloom_pipes.types import (
 
 #: Samples that iterating a reader decodes at a time (one ``read_batch`` each).
 _ITER_BATCH = 64
+#: ``(shape, dtype) -> empty array``: where a batch read puts its windows (see
+#: :meth:`StreamDatasetReader.read_arrays`).
+WindowBuffers = Callable[[tuple[int, int], np.dtype[Any]], np.ndarray]
 
 
 def open_reader(dataset: Any) -> tuple[Any, bool]:
@@ -54,16 +58,21 @@ def open_reader(dataset: Any) -> tuple[Any, bool]:
     return dataset, False
 
 
-def batch_read_fn(reader: Any, arrays: bool = False) -> Callable[[np.ndarray], Any]:
+def batch_read_fn(
+    reader: Any, arrays: bool = False, out: WindowBuffers | None = None
+) -> Callable[[np.ndarray], Any]:
     """The fastest way ``reader`` offers to turn an int64 id array into a list of samples:
     its ``read_batch``, else ``__getitems__``, else ``[i]`` for each id.
 
     With ``arrays=True``, a reader's ``read_arrays`` comes first: it may return a
-    :class:`~guideloom_pipes.batch.Batch` instead of the list (for a collate that takes one).
+    :class:`~guideloom_pipes.batch.Batch` instead of the list (for a collate that takes one);
+    ``out`` (see :meth:`StreamDatasetReader.read_arrays`) is then passed to it.
     """
     if arrays:
         read_arrays = getattr(reader, "read_arrays", None)
         if callable(read_arrays):
+            if out is not None:
+                return functools.partial(read_arrays, out=out)
             return read_arrays
     read_batch = getattr(reader, "read_batch", None)
     if callable(read_batch):
@@ -213,10 +222,17 @@ class StreamDatasetReader(_DatasetReaderBase):
         length = self.sequence_length
         return self._storage_reader.read(index * length, length)
 
-    def read_arrays(self, ids: Sequence[int] | np.ndarray) -> Batch | list[Any]:
+    def read_arrays(
+        self, ids: Sequence[int] | np.ndarray, out: WindowBuffers | None = None
+    ) -> Batch | list[Any]:
         """The windows at ``ids`` as a :class:`~guideloom_pipes.batch.Batch`: one
         ``(len(ids), sequence_length)`` array per field, each token copied once out of the
-        shards, when the format decodes columns (``StreamNumpyFormat``); else the list."""
+        shards, when the format decodes columns (``StreamNumpyFormat``); else the list.
+
+        ``out(shape, dtype)``, if given, returns the buffer the windows are copied into (an
+        empty C-contiguous array of that shape and opaque dtype, e.g. pinned host memory
+        from a loader's ring); where :meth:`reads_into_buffers` is True the columns are
+        views of it. Ignored where the list is returned."""
         self._check_open()
         reader = self._storage_reader
         unpack_columns = getattr(reader.storage.format, "unpack_columns", None)
@@ -224,7 +240,23 @@ class StreamDatasetReader(_DatasetReaderBase):
             return self.read_batch(ids)
         ids = _as_ids(ids, self._length)
         length = self.sequence_length
-        return Batch.of_columns(unpack_columns(reader._windows(ids * length, length)))
+        return Batch.of_columns(unpack_columns(reader._windows(ids * length, length, out)))
+
+    def reads_into_buffers(self) -> bool:
+        """Whether :meth:`read_arrays` with ``out`` returns columns that are views of the
+        buffer (no copy after it): a ``StreamNumpyFormat`` of one field, as wide as the
+        element. A loader then reads windows straight into pinned buffers."""
+        self._check_open()
+        reader = self._storage_reader
+        format = reader.storage.format
+        if isinstance(reader, StreamWithMetaReader) or not isinstance(format, StreamNumpyFormat):
+            return False
+        dtype = format.stream_dtype
+        fields = format.fields
+        if len(fields) != 1:
+            return False
+        field_dtype, offset = dtype.fields[fields[0]][:2]  # type: ignore[index]
+        return offset == 0 and field_dtype.itemsize == dtype.itemsize and not field_dtype.shape
 
     def read_batch(self, ids: Sequence[int] | np.ndarray) -> list[Any]:
         """The windows at ``ids``: one vectorised read, then the format decodes them."""

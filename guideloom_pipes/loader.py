@@ -29,6 +29,7 @@ from guideloom_pipes.loader_args import (
 from guideloom_pipes.pipes import (
     Collate,
     PinMemory,
+    PinnedRing,
     Prefetcher,
     RankPositions,
     ReadSamples,
@@ -141,7 +142,10 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         shuffle: Shuffle with GuideLoom's per-epoch Feistel permutation.
         shuffle_seed: Seed of the shuffle; ``None`` draws one now (see ``state_dict()``).
         pin_memory: Pin batches before moving them to a CUDA device (ignored, with a
-            warning, for a CPU device).
+            warning, for a CPU device). With ``collate_fn=None`` over a stream of one
+            field, read inline or on threads, windows are read straight into pinned
+            buffers the loader reuses (a :class:`~guideloom_pipes.pipes.PinnedRing`):
+            no pinning copy.
         drop_last: Drop the incomplete final global batch (True) or pad it (False: final
             batches may be short, or ``[]`` on some ranks). Left out with torch's
             ``batch_size=``, a loader that drops samples warns once (torch pads).
@@ -291,6 +295,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._reader: Any = None
         self._owns_reader = False
         self._is_open = False
+        # The pinned buffers batches are read into (pin_memory on a CUDA device), made by
+        # the first iterator that uses them and kept by the loader until close().
+        self._ring: PinnedRing | None = None
         self._iterator: weakref.ref[_LoaderIterator] | None = None
         # (epoch, global position) an iterator was closed early at, until state_dict() warns
         self._closed_early: tuple[int, int] | None = None
@@ -496,6 +503,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         if iterator is not None:
             iterator.close()
         self._stop_process_pool()
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()  # waits for copies still running out of its buffers
         if self._is_open:
             reader, self._reader = self._reader, None
             self._is_open = False
@@ -736,11 +746,18 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         collate = self.collate_fn
         inline = self.num_workers == 0 and self.prefetch == 0
         seeds = self._batch_seeds(epoch, offset)
+        ring = self._pinned_ring()
+        buffers = ring.take if ring is not None else None
         if inline and not self.timeout:
             # Everything inline in the training thread: the fewest steps per batch, the
             # collate inside the read (under the batch's seed when batches are seeded).
             node = ReadSamples(
-                node, self.dataset, reader=self._reader, collate_fn=collate, batch_seeds=seeds
+                node,
+                self.dataset,
+                reader=self._reader,
+                collate_fn=collate,
+                batch_seeds=seeds,
+                buffers=buffers,
             )
         else:
             # Workers read and collate whole batches; finished batches wait in this stage
@@ -766,11 +783,18 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 base_seed=self.base_seed if self.num_workers else None,
                 worker_init_fn=self.worker_init_fn if self.num_workers else None,
                 process_pool=self._worker_processes() if process else None,
+                buffers=buffers,
             )
-        return self._finish_pipeline(node)
+        return self._finish_pipeline(node, ring)
 
-    def _finish_pipeline(self, node: BaseNode[Any]) -> BaseNode[Any]:
-        """The stages after the batches: pinning, prefetching, the device."""
+    def _finish_pipeline(
+        self, node: BaseNode[Any], ring: PinnedRing | None = None
+    ) -> BaseNode[Any]:
+        """The stages after the batches: pinning, prefetching, the device. Batches read
+        into ``ring``'s pinned buffers go to the device at once: they are pinned already,
+        and the read stage holds the prefetched ones."""
+        if ring is not None:
+            return ToDevice(node, self.device, ring=ring)
         if self.pin_memory:
             node = PinMemory(node)
             if self.prefetch > 0:
@@ -778,6 +802,44 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         if self.device.type != "cpu":
             node = ToDevice(node, self.device)
         return node
+
+    def _ring_device(self) -> bool:
+        """Whether batches go to a CUDA device from pinned memory (what the ring is for)."""
+        return self.pin_memory and self.device.type == "cuda"
+
+    def _new_ring(self, nbytes: int, size: int) -> PinnedRing:
+        """A ring of ``size`` pinned buffers of ``nbytes`` with CUDA events."""
+        return PinnedRing(nbytes, size)
+
+    def _pinned_ring(self) -> PinnedRing | None:
+        """The ring of pinned buffers this iterator reads its windows into, or None where
+        the path does not apply: batches pinned for a CUDA device, in GuideLoom's global
+        order, collated by ``default_collate`` (whose tensors are the windows' own memory;
+        a user's ``collate_fn`` could keep or hand on the host buffers), read in this
+        process (inline or threads), from a stream whose columns are views of the windows
+        read (a ``StreamNumpyFormat`` of one field). Elsewhere batches are pinned by a copy
+        (``PinMemory``), as before.
+
+        Its size is what is in flight: the batches read ahead, the one being copied to the
+        device and the one whose copy may still run."""
+        if not self._ring_device() or self.order != "global":
+            return None
+        if self.collate_fn is not default_collate:
+            return None
+        if self.num_workers > 0 and self.parallel_method == "process":
+            return None
+        reads_into = getattr(self._reader, "reads_into_buffers", None)
+        if not callable(reads_into) or not reads_into():
+            return None
+        itemsize = self._reader.storage_reader.dtype.itemsize
+        nbytes = self.local_batch_size * self._reader.sequence_length * itemsize
+        size = self._batches_ahead() + 2
+        ring = self._ring
+        if ring is None or ring.nbytes != nbytes or ring.size != size:
+            if ring is not None:
+                ring.close()
+            ring = self._ring = self._new_ring(nbytes, size)
+        return ring
 
     def _batches_ahead(self) -> int:
         """The most batches read ahead of the training loop: ``2 * num_workers`` (or one

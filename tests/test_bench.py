@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("torch")  # the benchmark's baselines use torch's DataLoader
 
 import numpy as np
+import torch
 
 from guideloom_pipes import bench
 
@@ -114,6 +115,27 @@ def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> 
         assert _positive(row["first_batch_s"]), row
         if scenario != "shuffle":  # the shuffle produces ids, not tokens
             assert _positive(row["tokens_per_s"]), row
+
+
+@pytest.mark.timeout(300)
+def test_the_pinned_ring_scenario_measures_on_a_gpu_and_says_how_elsewhere(
+    report: dict[str, Any],
+) -> None:
+    from guideloom_pipes.bench import pinned
+
+    entry = report["scenarios"]["pinned-ring"]
+    if not torch.cuda.is_available():
+        assert entry == {"skipped": pinned.SKIPPED}
+        assert "--only pinned-ring" in entry["skipped"]
+        return
+    rows = {row["contender"]: row for row in entry["rows"]}
+    assert entry["baseline"] == pinned.BARE_COPY
+    for row in rows.values():
+        assert _positive(row["samples_per_s"]) and _positive(row["tokens_per_s"]), row
+    rings = entry["rings"]
+    for name in (pinned.RING_0, pinned.RING_2, pinned.RING_INLINE):
+        assert rings[name] is not None and rings[name]["allocated"] >= 1, name  # it ran
+    assert rings[pinned.PIN_COPY_0] is None  # the pinning copy, for comparison
 
 
 @pytest.mark.timeout(300)

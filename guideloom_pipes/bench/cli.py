@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("remote-range", bench.remote_range_scenario),
             ("remote-s3", bench.remote_s3_scenario),
             ("shard-order", bench.shard_order_scenario),
+            ("pinned-ring", bench.pinned_ring_scenario),
         ]
         for name, step in steps:
             if name in only or (name == "scale" and "resume" in only):

@@ -86,6 +86,7 @@ SCENARIOS = (
     "remote-range",
     "remote-s3",
     "shard-order",
+    "pinned-ring",
 )
 #: The end-of-document token of the packed scenario's stream.
 PACKED_EOS = 0
@@ -484,6 +485,13 @@ class Bench:
         self.rows += remote_range_rows(
             self.root, self.sizes, self.log, self.extra, self.sizes.remote_bytes
         )
+
+    def pinned_ring_scenario(self) -> None:
+        """Batches to a CUDA device through our ring of pinned buffers, against a bare
+        pinned ``copy_`` of the same bytes (skipped without CUDA). See ``bench/pinned.py``."""
+        from guideloom_pipes.bench.pinned import pinned_ring_rows
+
+        self.rows += pinned_ring_rows(self.tokens, self.sizes, self.log, self.extra)
 
     def remote_s3_scenario(self) -> None:
         """Range reads from S3 (moto's server), 1 thread worker against 8, with the CPU per

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from guideloom_pipes.pipes.packed import collate_packed
     from guideloom_pipes.pipes.positions import Positions, RankPositions, num_steps
     from guideloom_pipes.pipes.read import ReadSamples
+    from guideloom_pipes.pipes.ring import PinnedRing
     from guideloom_pipes.pipes.shards import (
         BatchSamples,
         ListShards,
@@ -61,6 +62,7 @@ _STAGES = {
     "RankPositions": "positions",
     "num_steps": "positions",
     "ReadSamples": "read",
+    "PinnedRing": "ring",
     "BatchSamples": "shards",
     "ListShards": "shards",
     "RankShards": "shards",
@@ -97,6 +99,7 @@ __all__ = [
     "Collate",
     "DataLoaderTimeoutError",
     "PinMemory",
+    "PinnedRing",
     "Positions",
     "Prefetcher",
     "RankPositions",

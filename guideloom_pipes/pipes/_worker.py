@@ -26,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch, accepts_batch_arrays, batch_arrays
-from guideloom_pipes.datasets import batch_read_fn, open_reader
+from guideloom_pipes.datasets import WindowBuffers, batch_read_fn, open_reader
 from guideloom_pipes.pipes._transport import ResultRing, dump_result
 
 _Ids = npt.NDArray[np.int64]
@@ -178,10 +178,13 @@ def keep_batch_arrays(samples: Any) -> Any:
     return samples
 
 
-def read_fn_for(reader: Any, collate_fn: Callable[..., Any] | None) -> Callable[[_Ids], Any]:
+def read_fn_for(
+    reader: Any, collate_fn: Callable[..., Any] | None, out: WindowBuffers | None = None
+) -> Callable[[_Ids], Any]:
     """``reader``'s batch read for ``collate_fn``: arrays (``read_arrays``) when it takes
-    a :class:`~guideloom_pipes.batch.Batch`, else the list of samples."""
-    return batch_read_fn(reader, arrays=accepts_batch_arrays(collate_fn))
+    a :class:`~guideloom_pipes.batch.Batch`, else the list of samples. ``out``: where the
+    arrays read their windows (a loader's pinned ring), for arrays only."""
+    return batch_read_fn(reader, arrays=accepts_batch_arrays(collate_fn), out=out)
 
 
 class _ReadTask:

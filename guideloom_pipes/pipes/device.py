@@ -15,6 +15,7 @@ from torchdata.nodes import BaseNode
 
 from guideloom_pipes.pipes._errors import is_batch_failure
 from guideloom_pipes.pipes._pool import WAKE_SECONDS
+from guideloom_pipes.pipes.ring import PinnedRing
 
 __all__ = ["PinMemory", "Prefetcher", "ToDevice", "apply_to_tensors"]
 
@@ -92,10 +93,17 @@ class PinMemory(BaseNode[Any]):
 class ToDevice(BaseNode[Any]):
     """Moves every tensor of each batch to ``device``, in the calling (training) thread.
 
+    With ``ring``, the batches' host tensors live in the buffers of a
+    :class:`~guideloom_pipes.pipes.PinnedRing` (their windows were read into them): every
+    tensor is copied (also to the CPU, so nothing delivered shares a buffer), an event is
+    recorded after the copies and given to the ring, and the buffers go back to it once the
+    batch is dropped; a buffer is handed out again only after that event has completed.
+
     Args:
         source: Emits batches (tensors nested in containers, see :func:`apply_to_tensors`).
         device: Target device.
         non_blocking: Asynchronous copies; by default on for CUDA (useful with pinned batches).
+        ring: The ring the batches' host buffers come from, if any.
     """
 
     SOURCE_KEY = "source"
@@ -105,11 +113,13 @@ class ToDevice(BaseNode[Any]):
         source: BaseNode[Any],
         device: torch.device | str | int,
         non_blocking: bool | None = None,
+        ring: PinnedRing | None = None,
     ) -> None:
         super().__init__()
         self.source = source
         self.device = torch.device(device)
         self.non_blocking = self.device.type == "cuda" if non_blocking is None else non_blocking
+        self.ring = ring
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -117,9 +127,23 @@ class ToDevice(BaseNode[Any]):
 
     def next(self) -> Any:
         device, non_blocking = self.device, self.non_blocking
-        return apply_to_tensors(
-            next(self.source), lambda t: t.to(device, non_blocking=non_blocking)
-        )
+        if self.ring is None:
+            return apply_to_tensors(
+                next(self.source), lambda t: t.to(device, non_blocking=non_blocking)
+            )
+        batch = next(self.source)
+        addresses: list[int] = []
+
+        def move(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.device.type == "cpu":
+                addresses.append(tensor.data_ptr())
+            return tensor.to(device, non_blocking=non_blocking, copy=True)
+
+        try:
+            return apply_to_tensors(batch, move)
+        finally:
+            # (also after a failed copy: those issued before it are covered by the event)
+            self.ring.copied(addresses)
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict()}

@@ -17,7 +17,7 @@ import numpy.typing as npt
 import torch.utils.data._utils.worker as _torch_worker
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.datasets import open_reader
+from guideloom_pipes.datasets import WindowBuffers, open_reader
 from guideloom_pipes.pipes._errors import mark_batch_failure
 from guideloom_pipes.pipes._pool import (
     DataLoaderTimeoutError,
@@ -247,6 +247,10 @@ class ReadSamples(BaseNode[Any]):
             the built-in formats), for a collate further on that takes it; else the list.
             A ``collate_fn`` gets a ``Batch`` when it takes one (``accepts_batch_arrays``,
             as our collates do), whatever this says; any other gets the list of samples.
+        buffers: ``(shape, dtype) -> empty array``: where a read of arrays puts each batch's
+            windows (:meth:`StreamDatasetReader.read_arrays`'s ``out``), e.g. the pinned
+            buffers of a :class:`~guideloom_pipes.pipes.PinnedRing`. Reading in this process
+            only (inline or thread workers): a worker process cannot fill them.
     """
 
     SOURCE_KEY = "source"
@@ -270,6 +274,7 @@ class ReadSamples(BaseNode[Any]):
         worker_init_fn: Callable[[int], Any] | None = None,
         process_pool: _ProcessPool | None = None,
         arrays: bool = False,
+        buffers: WindowBuffers | None = None,
     ) -> None:
         super().__init__()
         self.source = source
@@ -282,6 +287,14 @@ class ReadSamples(BaseNode[Any]):
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
         self.method = method
+        if buffers is not None and not callable(buffers):
+            raise TypeError(f"buffers must be callable or None, got {buffers!r}")
+        if buffers is not None and method == "process" and self.num_workers:
+            raise ValueError(
+                "buffers= fill memory of this process: they apply to reading inline or on "
+                "worker threads, not to method='process' (drop buffers= or use threads)"
+            )
+        self.buffers = buffers
         self._mp = _mp_context(multiprocessing_context) if method == "process" else None
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
@@ -351,7 +364,7 @@ class ReadSamples(BaseNode[Any]):
             collate = self._worker_collate
             reader = self._reader
             self._task = _ReadTask(
-                read_fn_for(reader, collate),
+                read_fn_for(reader, collate, out=self.buffers),
                 collate,
                 read_is_ours=callable(getattr(reader, "read_batch", None)),
                 seeding="globals" if self.num_workers == 0 else "local",

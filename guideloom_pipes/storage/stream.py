@@ -137,6 +137,30 @@ def check_packed(array: Any, dtype: np.dtype[Any], what: str) -> np.ndarray:
     return np.ascontiguousarray(array)
 
 
+def _checked_out(out: Any, shape: tuple[int, int], dtype: np.dtype[Any]) -> np.ndarray:
+    """The buffer a window read was given, checked: a writable C-contiguous array of
+    ``shape`` and ``dtype``."""
+    if (
+        not isinstance(out, np.ndarray)
+        or out.shape != shape
+        or out.dtype != dtype
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        got = (
+            f"shape {out.shape}, dtype {out.dtype}, contiguous {out.flags.c_contiguous}, "
+            f"writeable {out.flags.writeable}"
+            if isinstance(out, np.ndarray)
+            else type(out).__name__
+        )
+        raise ValueError(
+            f"the out buffer of a window read must be a writable C-contiguous array of shape "
+            f"{shape} and dtype {dtype}, got {got}: return np.empty(shape, dtype) or a view "
+            "of that size"
+        )
+    return out
+
+
 def check_stream_format(format: Any, needs: tuple[str, ...]) -> np.dtype[Any]:
     """The format's ``stream_dtype``, after checking it has the protocol's methods."""
     missing = [name for name in needs if not callable(getattr(format, name, None))]
@@ -434,9 +458,24 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         )
         return self._windows(starts, length)
 
-    def _windows(self, starts: np.ndarray, length: int) -> np.ndarray:
-        """:meth:`read_windows` of int64 ``starts`` already checked to lie inside the stream."""
-        out = np.empty((len(starts), length), dtype=self._raw)
+    def _windows(
+        self,
+        starts: np.ndarray,
+        length: int,
+        buffers: Callable[[tuple[int, int], np.dtype[Any]], np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """:meth:`read_windows` of int64 ``starts`` already checked to lie inside the stream.
+
+        ``buffers(shape, dtype)``, if given, returns the array the windows are copied into
+        (a C-contiguous ``(len(starts), length)`` array of the element's opaque ``dtype``,
+        e.g. a pinned host buffer); the result is then a view of it. By default a fresh
+        array."""
+        shape = (len(starts), length)
+        given = buffers is not None
+        if buffers is None:
+            out = np.empty(shape, dtype=self._raw)
+        else:
+            out = _checked_out(buffers(shape, self._raw), shape, self._raw)
         if len(starts) == 0:
             return out.view(self.dtype)
         if len(starts) < _GATHER_ROWS and self._copy_few(out, starts, length):
@@ -451,7 +490,11 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             # all in one shard (one shard, or a small batch): one gather, one copy per token
             view = self._window_view(int(first[0]), length)
             if view is not None:
-                return view[local].view(self.dtype)
+                if not given:
+                    return view[local].view(self.dtype)
+                rows_out = out.view(self._gather) if self._gather is not None else out
+                np.take(view, local, axis=0, out=rows_out)
+                return out.view(self.dtype)
         if len(starts) >= _GATHER_ROWS:
             self._gather_rows(out, starts, first, last, local, length)
             return out.view(self.dtype)
