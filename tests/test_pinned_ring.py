@@ -274,8 +274,10 @@ def test_bad_ring_arguments_say_what_to_pass() -> None:
 
 def _filled_buffer(given: list[np.ndarray], shape: tuple[int, int], dtype: Any) -> np.ndarray:
     """A buffer for a read, full of 0xff bytes (so a row left unwritten shows)."""
-    given.append(np.full(shape, b"\xff" * dtype.itemsize, dtype=dtype))
-    return given[-1]
+    buffer = np.empty(shape, dtype=dtype)
+    buffer.view(np.uint8).fill(0xFF)
+    given.append(buffer)
+    return buffer
 
 
 @pytest.mark.parametrize("backend", [None, PosixPreadIO()], ids=["mmap", "pread"])
@@ -305,7 +307,7 @@ def test_a_wrong_buffer_says_what_it_must_be(tmp_path: Path) -> None:
     reader = StreamDataset(_stream(tmp_path), LENGTH).sync_reader()
     with (
         reader,
-        pytest.raises(ValueError, match=r"shape \(2, 16\) and dtype \|V4, got shape \(2, 8\)"),
+        pytest.raises(ValueError, match=r"shape \(2, 16\) and dtype uint32, got shape \(2, 8\)"),
     ):
         reader.read_arrays(np.array([1, 2]), out=lambda shape, dtype: np.empty((2, 8), dtype))
 

@@ -42,11 +42,11 @@ def _stages_closed_whatever_happens(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 class FakeClock:
     """Stands in for ``time`` in the stage. It stands still except when a read advances it
-    by ``read`` seconds, or the test by :meth:`advance` (the caller's own work); the
+    by ``read`` seconds a batch, or the test by :meth:`advance` (the caller's own work); the
     thread's CPU clock moves with the reads unless ``waiting``."""
 
     def __init__(self) -> None:
-        self.read = 1e-3
+        self.read = 0.45e-3  # chunks of 2 ms: 4 batches
         self.waiting = False
         self.now = 0.0
         self.cpu = 0.0
@@ -57,10 +57,10 @@ class FakeClock:
     def thread_time(self) -> float:
         return self.cpu
 
-    def reading(self) -> None:
-        self.now += self.read
+    def reading(self, batches: int) -> None:
+        self.now += self.read * batches
         if not self.waiting:
-            self.cpu += self.read
+            self.cpu += self.read * batches
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -70,12 +70,12 @@ class FakeClock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
     monkeypatch.setattr(read_module, "time", fake)
-    # and the workers' jobs teach 1 ms batches that compute, however loaded the machine is
+    # and the workers' jobs teach 0.45 ms batches that compute, however loaded the machine is
     result = _ThreadPool.result
 
     def taught(self: _ThreadPool, job: Any, timeout: float | None) -> Any:
         outcomes, _, _ = result(self, job, timeout)
-        return outcomes, 1e-3 * len(outcomes), 1.0
+        return outcomes, 0.45e-3 * len(outcomes), 1.0
 
     monkeypatch.setattr(_ThreadPool, "result", taught)
     return fake
@@ -94,6 +94,7 @@ class Readers:
         self.dataset = StreamDataset(storage, LENGTH)
         self.reader, _ = open_reader(self.dataset)
         self.threads: list[str] = []
+        self.reads: list[tuple[str, int]] = []  # (thread, ids) of each read call
         self.fail_on: int | None = None
         self.interrupt_on: int | None = None
         for name in ("read_batch", "read_arrays"):
@@ -102,8 +103,9 @@ class Readers:
     def _noting(self, read: Any) -> Any:
         def noted(ids: Any) -> Any:
             self.threads.extend([threading.current_thread().name] * (len(ids) // BATCH))
+            self.reads.append((threading.current_thread().name, len(ids)))
             if self.clock is not None and threading.current_thread() is threading.main_thread():
-                self.clock.reading()
+                self.clock.reading(len(ids) // BATCH)
             if self.fail_on is not None and self.fail_on in ids.tolist():
                 raise ValueError(f"sample {self.fail_on} cannot be read")
             if self.interrupt_on is not None and self.interrupt_on in ids.tolist():
@@ -148,10 +150,21 @@ def _tokens(batch: Any) -> list[list[int]]:
     return [sample["tokens"].tolist() for sample in batch]
 
 
+def _first_id(batch: Any) -> int:
+    return _tokens(batch)[0][0] // LENGTH
+
+
+#: Collates of the tests below: ours (batches of columns, read one at a time by the calling
+#: thread) and a user's (lists of samples, read a chunk at a time with one read).
+COLLATES = pytest.mark.parametrize(
+    "collate", [default_collate, lambda samples: samples], ids=["ours", "user chunks"]
+)
+
+
 def _taught_quick(node: ReadSamples) -> None:
-    """What the workers' first job would teach of batches that compute (1 ms each, as the
-    fake clock's reads take), and a caller that waits for them."""
-    node._batch_seconds, node._cpu_share, node._gap = 1e-3, 1.0, 0.0
+    """What the workers' first job would teach of batches that compute (0.45 ms each, as
+    the fake clock's reads take), and a caller that waits for them."""
+    node._batch_seconds, node._cpu_share, node._gap = 0.45e-3, 1.0, 0.0
 
 
 def test_quick_batches_of_our_code_are_read_by_the_calling_thread(
@@ -212,7 +225,10 @@ def test_a_user_collate_is_read_inline_where_workers_are_not_told_who_they_are(
     got += list(node)
     node.close()
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
-    assert threads[-300:] == [threading.current_thread().name] * 300
+    main = threading.current_thread().name
+    assert threads[-300:] == [main] * 300
+    # read a chunk at a time (the fake clock's 0.45 ms batches: chunks of 2 ms of them)
+    assert {ids for name, ids in readers.reads[-50:-1]} == {4 * BATCH}  # (-1: the epoch's end)
 
 
 @pytest.mark.parametrize("change", ["the caller slows", "the reads wait"])
@@ -248,18 +264,19 @@ def test_a_caller_that_slows_or_reads_that_wait_go_back_to_the_workers(
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
 
 
+@COLLATES
 def test_a_failed_inline_batch_counts_as_delivered_and_the_next_follows(
-    readers: Readers, clock: FakeClock
+    readers: Readers, clock: FakeClock, collate: Any
 ) -> None:
-    expected = _reference(readers)
-    node = _stage(readers)
+    expected = _reference(readers, collate)
+    node = _stage(readers, collate)
     node.reset()
     got = [next(node)]
     _taught_quick(node)
     while node._pending or node._job is not None:
         got.append(next(node))
     failing = len(got) + 3
-    readers.fail_on = int(expected[failing]["tokens"][0, 0]) // LENGTH
+    readers.fail_on = _first_id(expected[failing])
     while True:
         try:
             got.append(next(node))
@@ -272,47 +289,52 @@ def test_a_failed_inline_batch_counts_as_delivered_and_the_next_follows(
     assert _tokens(got[-1]) == _tokens(expected[failing + 1])
 
 
+@COLLATES
 def test_ctrl_c_inside_an_inline_batch_delivers_nothing_and_a_resume_reads_it(
-    readers: Readers, clock: FakeClock
+    readers: Readers, clock: FakeClock, collate: Any
 ) -> None:
-    expected = _reference(readers)
-    node = _stage(readers)
+    expected = _reference(readers, collate)
+    node = _stage(readers, collate)
     node.reset()
     got = [next(node)]
     _taught_quick(node)
     while node._pending or node._job is not None:
         got.append(next(node))
     state = node.state_dict()
-    readers.interrupt_on = int(expected[len(got)]["tokens"][0, 0]) // LENGTH
+    readers.interrupt_on = _first_id(expected[len(got)])
     with pytest.raises(KeyboardInterrupt):
         next(node)
     assert node.state_dict() == state
     readers.interrupt_on = None
     node.close()
 
-    resumed = _stage(readers)
+    resumed = _stage(readers, collate)
     resumed.reset(state)
     got += list(resumed)
     resumed.close()
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
 
 
+@COLLATES
 def test_a_state_taken_between_inline_batches_resumes_there(
-    readers: Readers, clock: FakeClock
+    readers: Readers, clock: FakeClock, collate: Any
 ) -> None:
-    expected = _reference(readers)
-    node = _stage(readers)
+    expected = _reference(readers, collate)
+    node = _stage(readers, collate)
     node.reset()
     got = [next(node)]
     _taught_quick(node)
     while len(got) < 300:
         got.append(next(node))
     assert node._quick_to_inline() and not node._pending
+    if collate is not default_collate:
+        while not node._ready:  # a state between two batches of one chunk
+            got.append(next(node))
     state = node.state_dict()
     node.reset()  # no state: the epoch restarts where the delivered batches leave it
     again = next(node)
     node.close()
-    resumed = _stage(readers)
+    resumed = _stage(readers, collate)
     resumed.reset(state)
     rest = list(resumed)
     resumed.close()

@@ -181,7 +181,9 @@ class ReadSamples(BaseNode[Any]):
     While the caller waits for the batches (it comes back for the next one within half a
     batch's read time) and they compute rather than wait on I/O, the calling thread reads
     them itself: thread workers run computing jobs one at a time anyway, and a thread reading
-    ahead under the same GIL only adds a handoff and colder memory to each batch. A caller
+    ahead under the same GIL only adds a handoff and colder memory to each batch. It reads
+    them as a worker would: batches of columns one at a time, others a chunk at a time with
+    one read (a mixture's routing, for one, costs the same for 8 ids as for 500). A caller
     with work of its own between batches (a training step) keeps the workers reading ahead.
     Only where user code cannot tell: the batches run only this library's code (one of our
     datasets, no ``collate_fn`` or one of ours), or the workers are not told who they are
@@ -344,6 +346,9 @@ class ReadSamples(BaseNode[Any]):
         self._probing = False  # the first job runs alone (threads), see _side_by_side
         self._may_inline = False  # batches may be read by the calling thread (_quick_to_inline)
         self._gap = -1.0  # the caller's time between next() calls (moving average; -1: unknown)
+        # batches the calling thread read as a chunk, not delivered yet: (result, source
+        # state after it), oldest first
+        self._ready: collections.deque[tuple[Any, Any]] = collections.deque()
         self._returned = 0.0  # when next() last returned (0: not since reset)
         self._delivered = 0  # batches delivered since reset
         self._snapshot: Any = None  # the source's state after the last delivered batch
@@ -515,6 +520,8 @@ class ReadSamples(BaseNode[Any]):
             gap = now - self._returned
             self._gap = gap if self._gap < 0 else 0.75 * self._gap + 0.25 * gap
         try:
+            if self._ready:
+                return self._deliver_ready()
             if self._quick_to_inline() and not self._pending:
                 return self._next_inline()
             return self._next_from_workers()
@@ -598,7 +605,14 @@ class ReadSamples(BaseNode[Any]):
         )
 
     def _next_inline(self) -> Any:
-        """The next batch, read by the calling thread (see :meth:`_quick_to_inline`)."""
+        """The next batch, read by the calling thread (see :meth:`_quick_to_inline`): one at
+        a time where a read gives batches of columns (each read into memory the allocator
+        just freed, see :meth:`_ReadTask.run`), else a chunk of them with one read, as a
+        worker would, delivered one by one."""
+        task = self._task
+        assert task is not None
+        if task._columns is False and self._chunk_size() > 1:
+            return self._read_chunk_inline()
         source = self.source
         try:
             ids = _to_ids(next(source))
@@ -611,8 +625,6 @@ class ReadSamples(BaseNode[Any]):
             self._source_error = error
             return self._next_from_workers()  # raises it
         snapshot = source.state_dict()
-        task = self._task
-        assert task is not None
         seeds = self.batch_seeds
         # The CPU share is sampled (a thread's CPU clock is a system call); the time is not.
         sample = self._delivered % _INLINE_SAMPLE == 0
@@ -638,6 +650,58 @@ class ReadSamples(BaseNode[Any]):
                 self._batch_seconds = 0.75 * self._batch_seconds + 0.25 * elapsed
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
+        return result
+
+    def _read_chunk_inline(self) -> Any:
+        """Read a chunk of batches in the calling thread (``_ReadTask.run``, one read for
+        them all), keep them in ``_ready`` and deliver the first."""
+        task = self._task
+        assert task is not None
+        source, batch_seeds = self.source, self.batch_seeds
+        batches: list[_I64] = []
+        ready = self._ready
+        seeds: list[int] = []
+        size = self._chunk_size()
+        while len(batches) < size:
+            try:
+                ids = _to_ids(next(source))
+            except StopIteration:
+                self._source_done = True
+                self._end_snapshot = source.state_dict()
+                break
+            except Exception as error:  # raised once the batches before it are delivered
+                self._source_done = True
+                self._source_error = error
+                break
+            batches.append(ids)
+            ready.append((None, source.state_dict()))
+            if batch_seeds is not None:
+                seeds.append(batch_seeds(self._taken))
+                self._taken += 1
+        if not batches:
+            return self._next_from_workers()
+        cpu = time.thread_time()
+        started = time.perf_counter()
+        try:
+            outcomes = task.run((batches, seeds) if batch_seeds is not None else batches)
+        except BaseException:  # (Ctrl-C: nothing of the chunk is delivered)
+            ready.clear()
+            raise
+        elapsed = time.perf_counter() - started
+        share = min(1.0, (time.thread_time() - cpu) / elapsed) if elapsed > 0 else None
+        self._learn(elapsed / len(outcomes), share)
+        for index, outcome in enumerate(outcomes):
+            ready[index] = (outcome, ready[index][1])
+        return self._deliver_ready()
+
+    def _deliver_ready(self) -> Any:
+        """The next batch of a chunk read by the calling thread (a failed one raises)."""
+        result, snapshot = self._ready.popleft()
+        self._previous, self._snapshot = self._snapshot, snapshot
+        self._delivered += 1
+        if type(result) is _Failed:
+            mark_batch_failure(result.error)
+            raise result.error
         return result
 
     def _timeout_message(self, together: int) -> str:
@@ -784,6 +848,7 @@ class ReadSamples(BaseNode[Any]):
     def _stop_workers(self) -> None:
         pool, self._pool = self._pool, None
         self._pending.clear()
+        self._ready.clear()
         self._jobs = 0
         self._probing = False
         self._job, self._outcomes = None, []
