@@ -51,7 +51,8 @@ _CHUNK_SECONDS = 0.002
 #: ahead under the same GIL only adds a handoff (and colder memory) to every batch (8 windows
 #: of 2048 tokens: 16 us of CPU read by the calling thread, 24 us through a worker thread).
 _GAP_SHARE = 0.5
-#: One in this many batches read by the calling thread also measures its CPU share.
+#: One in this many batches read one at a time by the calling thread is timed (its time and
+#: CPU share, the caller's time before it) and decides whether the calling thread goes on.
 _INLINE_SAMPLE = 16
 
 
@@ -346,6 +347,7 @@ class ReadSamples(BaseNode[Any]):
         self._probing = False  # the first job runs alone (threads), see _side_by_side
         self._may_inline = False  # batches may be read by the calling thread (_quick_to_inline)
         self._gap = -1.0  # the caller's time between next() calls (moving average; -1: unknown)
+        self._inline_left = 0  # calls the calling thread reads without a clock (_next_inline)
         # batches the calling thread read as a chunk, not delivered yet: (result, source
         # state after it), oldest first
         self._ready: collections.deque[tuple[Any, Any]] = collections.deque()
@@ -515,6 +517,18 @@ class ReadSamples(BaseNode[Any]):
                 raise
         if not self._may_inline:
             return self._next_from_workers()
+        left = self._inline_left
+        if left:
+            # The calling thread reads, as decided at the last measured call: one call in
+            # _INLINE_SAMPLE is timed and decides again (the clocks cost as much as the rest
+            # of the bookkeeping of a quick batch).
+            self._inline_left = left - 1
+            if left > 1:
+                return self._next_inline(timed=False)
+            try:
+                return self._next_inline(timed=False)
+            finally:
+                self._returned = time.perf_counter()  # the next call measures the gap
         now = time.perf_counter()
         if self._returned:
             gap = now - self._returned
@@ -523,7 +537,7 @@ class ReadSamples(BaseNode[Any]):
             if self._ready:
                 return self._deliver_ready()
             if self._quick_to_inline() and not self._pending:
-                return self._next_inline()
+                return self._next_inline(timed=True)
             return self._next_from_workers()
         finally:
             self._returned = time.perf_counter()
@@ -604,11 +618,12 @@ class ReadSamples(BaseNode[Any]):
             and 0 <= self._gap < _GAP_SHARE * self._batch_seconds
         )
 
-    def _next_inline(self) -> Any:
+    def _next_inline(self, timed: bool) -> Any:
         """The next batch, read by the calling thread (see :meth:`_quick_to_inline`): one at
         a time where a read gives batches of columns (each read into memory the allocator
         just freed, see :meth:`_ReadTask.run`), else a chunk of them with one read, as a
-        worker would, delivered one by one."""
+        worker would, delivered one by one. ``timed``: measure the batch (its time and CPU
+        share) and read the next ``_INLINE_SAMPLE - 1`` batches without a clock."""
         task = self._task
         assert task is not None
         if task._columns is False and self._chunk_size() > 1:
@@ -617,37 +632,44 @@ class ReadSamples(BaseNode[Any]):
         try:
             ids = _to_ids(next(source))
         except StopIteration:
+            self._inline_left = 0
             self._source_done = True
             self._end_snapshot = source.state_dict()
             return self._next_from_workers()  # delivers the end
         except Exception as error:
+            self._inline_left = 0
             self._source_done = True
             self._source_error = error
             return self._next_from_workers()  # raises it
         snapshot = source.state_dict()
-        seeds = self.batch_seeds
-        # The CPU share is sampled (a thread's CPU clock is a system call); the time is not.
-        sample = self._delivered % _INLINE_SAMPLE == 0
-        cpu = time.thread_time() if sample else 0.0
+        if not timed:
+            return self._read_inline(task, ids, snapshot)
+        cpu = time.thread_time()
         started = time.perf_counter()
+        try:
+            return self._read_inline(task, ids, snapshot)
+        finally:
+            elapsed = time.perf_counter() - started
+            share = min(1.0, (time.thread_time() - cpu) / elapsed) if elapsed > 0 else None
+            self._learn(elapsed, share)
+            if self._quick_to_inline():
+                self._inline_left = _INLINE_SAMPLE - 1
+
+    def _read_inline(self, task: _ReadTask, ids: _I64, snapshot: Any) -> Any:
+        """One batch read by the calling thread; it counts as delivered, also when it fails
+        (the next call reads the next one; a ``KeyboardInterrupt`` delivers nothing)."""
+        seeds = self.batch_seeds
         try:
             if seeds is None:
                 result = task._plain(ids)
             else:
                 self._taken += 1
                 result = task(ids, seeds(self._taken - 1))
-        except Exception as error:  # (a KeyboardInterrupt propagates, nothing delivered)
-            # The batch failed alone: it counts as delivered, the next call reads the next.
+        except Exception as error:
             self._previous, self._snapshot = self._snapshot, snapshot
             self._delivered += 1
             mark_batch_failure(error)
             raise
-        finally:
-            elapsed = time.perf_counter() - started
-            if sample and elapsed > 0:
-                self._learn(elapsed, min(1.0, (time.thread_time() - cpu) / elapsed))
-            else:
-                self._batch_seconds = 0.75 * self._batch_seconds + 0.25 * elapsed
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
         return result
@@ -849,6 +871,7 @@ class ReadSamples(BaseNode[Any]):
         pool, self._pool = self._pool, None
         self._pending.clear()
         self._ready.clear()
+        self._inline_left = 0
         self._jobs = 0
         self._probing = False
         self._job, self._outcomes = None, []
