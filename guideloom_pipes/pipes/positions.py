@@ -27,6 +27,11 @@ class Positions(NamedTuple):
     stride: int
 
 
+#: Steps whose positions :class:`RankPositions` computes at once.
+_BLOCK_STEPS = 256
+_NO_BLOCK = np.zeros((0, 0), dtype=np.int64)
+
+
 def num_steps(num_samples: int, offset: int, global_batch_size: int, drop_last: bool) -> int:
     """How many global batches an epoch has left from global position ``offset`` (SPEC §5).
 
@@ -125,6 +130,10 @@ class RankPositions(BaseNode[Positions]):
         self._epoch = epoch
         self._start = offset
         self._step = 0
+        # the positions of steps _block_step.. as rows of one read-only array (a row is a
+        # view: cheaper than an addition per step)
+        self._block_step = 0
+        self._block = _NO_BLOCK
         self._steps = num_steps(self.num_samples, offset, self.global_batch_size, self.drop_last)
         self._exhausted = False  # next() found the epoch's end
 
@@ -162,10 +171,18 @@ class RankPositions(BaseNode[Positions]):
         self._started = True
         n = self.num_samples
         base = self._start + step * self.global_batch_size + self.rank
-        positions = self._lane + base
         if base + self._last_lane >= n:
             count = 0 if base >= n else (n - 1 - base) // self.world_size + 1
-            positions = positions[:count]
+            positions = (self._lane + base)[:count]
+        else:
+            row = step - self._block_step
+            if row >= len(self._block):
+                ahead = min(_BLOCK_STEPS, self._steps - step)
+                bases = base + self.global_batch_size * np.arange(ahead, dtype=np.int64)
+                self._block = bases[:, None] + self._lane
+                self._block.flags.writeable = False
+                self._block_step, row = step, 0
+            positions = self._block[row]
         return Positions(self._epoch, n, positions, self.world_size)
 
     def get_state(self) -> dict[str, Any]:
