@@ -679,41 +679,18 @@ class ReadSamples(BaseNode[Any]):
         them all), keep them in ``_ready`` and deliver the first."""
         task = self._task
         assert task is not None
-        source, batch_seeds = self.source, self.batch_seeds
-        batches: list[_I64] = []
-        ready = self._ready
-        seeds: list[int] = []
-        size = self._chunk_size()
-        while len(batches) < size:
-            try:
-                ids = _to_ids(next(source))
-            except StopIteration:
-                self._source_done = True
-                self._end_snapshot = source.state_dict()
-                break
-            except Exception as error:  # raised once the batches before it are delivered
-                self._source_done = True
-                self._source_error = error
-                break
-            batches.append(ids)
-            ready.append((None, source.state_dict()))
-            if batch_seeds is not None:
-                seeds.append(batch_seeds(self._taken))
-                self._taken += 1
+        batch_seeds = self.batch_seeds
+        batches, snapshots, seeds = self._take(self._chunk_size())
         if not batches:
             return self._next_from_workers()
         cpu = time.thread_time()
         started = time.perf_counter()
-        try:
-            outcomes = task.run((batches, seeds) if batch_seeds is not None else batches)
-        except BaseException:  # (Ctrl-C: nothing of the chunk is delivered)
-            ready.clear()
-            raise
+        # (Ctrl-C inside the read propagates: nothing of the chunk is delivered)
+        outcomes = task.run((batches, seeds) if batch_seeds is not None else batches)
         elapsed = time.perf_counter() - started
         share = min(1.0, (time.thread_time() - cpu) / elapsed) if elapsed > 0 else None
         self._learn(elapsed / len(outcomes), share)
-        for index, outcome in enumerate(outcomes):
-            ready[index] = (outcome, ready[index][1])
+        self._ready.extend(zip(outcomes, snapshots))
         return self._deliver_ready()
 
     def _deliver_ready(self) -> Any:
@@ -820,7 +797,6 @@ class ReadSamples(BaseNode[Any]):
         if pool is None or self._source_done or self._quick_to_inline():
             return
         pending = self._pending
-        source = self.source
         side_by_side = self._side_by_side()
         least = self.num_workers + 1 if side_by_side else 2
         if isinstance(pool, _ThreadPool):
@@ -838,27 +814,8 @@ class ReadSamples(BaseNode[Any]):
                     return
             elif self._jobs >= max(least, -(-self.max_in_flight // size)):
                 return
-            batches: list[_I64] = []
-            snapshots: list[Any] = []
-            seeds: list[int] = []
             batch_seeds = self.batch_seeds
-            while len(batches) < size:
-                try:
-                    ids = _to_ids(next(source))
-                except StopIteration:
-                    self._source_done = True
-                    self._end_snapshot = source.state_dict()
-                    break
-                except Exception as error:
-                    # Raised once the batches before it are delivered.
-                    self._source_done = True
-                    self._source_error = error
-                    break
-                batches.append(ids)
-                snapshots.append(source.state_dict())
-                if batch_seeds is not None:
-                    seeds.append(batch_seeds(self._taken))
-                    self._taken += 1
+            batches, snapshots, seeds = self._take(size)
             if not batches:
                 return
             job = pool.submit((batches, seeds) if batch_seeds is not None else batches)
@@ -866,6 +823,32 @@ class ReadSamples(BaseNode[Any]):
             for index, snapshot in enumerate(snapshots):
                 pending.append((job, index, index == last, snapshot))
             self._jobs += 1
+
+    def _take(self, size: int) -> tuple[list[_I64], list[Any], list[int]]:
+        """Up to ``size`` batches of ids from the source, each with the source's state after
+        it and (with ``batch_seeds``) its seed. The source's end or error is kept, to be
+        raised once the batches before it are delivered."""
+        source, batch_seeds = self.source, self.batch_seeds
+        batches: list[_I64] = []
+        snapshots: list[Any] = []
+        seeds: list[int] = []
+        while len(batches) < size:
+            try:
+                ids = _to_ids(next(source))
+            except StopIteration:
+                self._source_done = True
+                self._end_snapshot = source.state_dict()
+                break
+            except Exception as error:
+                self._source_done = True
+                self._source_error = error
+                break
+            batches.append(ids)
+            snapshots.append(source.state_dict())
+            if batch_seeds is not None:
+                seeds.append(batch_seeds(self._taken))
+                self._taken += 1
+        return batches, snapshots, seeds
 
     def _stop_workers(self) -> None:
         pool, self._pool = self._pool, None
