@@ -214,9 +214,25 @@ class StreamDatasetReader(_DatasetReaderBase):
     def __init__(self, dataset: StreamDataset) -> None:
         super().__init__(dataset.storage.sync_reader())
         self.sequence_length = dataset.sequence_length
+        self._one_field: tuple[str, np.dtype[Any]] | None = None
 
     def _compute_length(self) -> int:
         return self._storage_reader.total_length // self.sequence_length
+
+    def open(self) -> None:
+        super().open()
+        self._one_field = self._column_of_windows()
+
+    def _column_of_windows(self) -> tuple[str, np.dtype[Any]] | None:
+        """``(name, dtype)`` of the one field of a plain ``StreamNumpyFormat`` whose column
+        is the windows' own bytes (see :meth:`reads_into_buffers`): its batches are the
+        copied windows viewed as that dtype. None for any other format."""
+        reader = self._storage_reader
+        format = reader.storage.format
+        if type(format) is not StreamNumpyFormat or not self.reads_into_buffers():
+            return None
+        name = format.fields[0]
+        return name, format.stream_dtype.fields[name][0]  # type: ignore[index]
 
     def _read_one(self, index: int) -> Any:
         length = self.sequence_length
@@ -233,6 +249,21 @@ class StreamDatasetReader(_DatasetReaderBase):
         empty C-contiguous array of that shape and opaque dtype, e.g. pinned host memory
         from a loader's ring); where :meth:`reads_into_buffers` is True the columns are
         views of it. Ignored where the list is returned."""
+        one = self._one_field
+        if one is not None and out is None and type(ids) is np.ndarray and ids.ndim == 1:
+            # a loader's batch of a one-field stream: its few windows copied row by row
+            # into the batch's array, which is the column (nothing else per batch)
+            listed = ids.tolist()
+            if (
+                listed
+                and ids.dtype.kind in "iu"
+                and min(listed) >= 0
+                and max(listed) < self._length
+            ):
+                length = self.sequence_length
+                windows = self._storage_reader._few_windows([i * length for i in listed], length)
+                if windows is not None:
+                    return Batch.of_columns({one[0]: windows.view(one[1])})
         self._check_open()
         reader = self._storage_reader
         unpack_columns = getattr(reader.storage.format, "unpack_columns", None)

@@ -245,6 +245,54 @@ def test_read_arrays_is_read_batch_as_columns(tmp_path: Path, backend: Any, coun
         assert column.dtype == TWO_FIELDS[name]
 
 
+@pytest.mark.parametrize("backend", [None, PosixPreadIO()], ids=["mmap", "pread"])
+@pytest.mark.parametrize("element", ["<i4", ">i4", "<u2", "<i8", ">f8"])
+def test_few_windows_of_a_one_field_stream_are_the_samples_whatever_the_ids_dtype(
+    tmp_path: Path, backend: Any, element: str
+) -> None:
+    """A loader's batch of a one-field stream takes the row-copy path (the column is the
+    copied windows, viewed as the field); it must give what the per-sample reads give, for
+    windows across shard boundaries and the last one, and for ids of any integer dtype."""
+    dtype = np.dtype([("tokens", element)])
+    dataset = StreamDataset(_stream(tmp_path, dtype, backend), LENGTH)
+    with dataset.sync_reader() as reader:
+        assert reader._one_field == ("tokens", dtype["tokens"])
+        starts = np.arange(len(reader)) * LENGTH
+        crossing = np.flatnonzero(
+            np.searchsorted(np.cumsum(SHARDS), starts, side="right")
+            != np.searchsorted(np.cumsum(SHARDS), starts + LENGTH - 1, side="right")
+        )
+        assert len(crossing) >= 2
+        ids = [int(crossing[0]), len(reader) - 1, 0, int(crossing[-1]), 5, 5]
+        for kind in (np.int64, np.int32, np.uint64, np.uint16):
+            batch = reader.read_arrays(np.array(ids, dtype=kind))
+            column = batch.columns["tokens"]  # type: ignore[index]
+            assert column.dtype == dtype["tokens"] and column.flags.c_contiguous
+            expected = np.stack([reader[i]["tokens"] for i in ids])
+            assert np.array_equal(column, expected)
+            assert column.tolist() == [list(range(i * LENGTH, (i + 1) * LENGTH)) for i in ids]
+        column[0, 0] = 7  # the batch owns its memory: the storage is untouched
+        assert int(reader[ids[0]]["tokens"][0]) == ids[0] * LENGTH
+        with pytest.raises(IndexError, match=f"sample index {len(reader)} out of range"):
+            reader.read_arrays(np.array([0, len(reader)], dtype=np.uint32))
+        with pytest.raises(TypeError, match="sample ids must be integers"):
+            reader.read_arrays(np.array([0.0, 1.0]))
+
+
+def test_a_format_of_our_own_with_its_own_columns_is_asked_for_them(tmp_path: Path) -> None:
+    class Doubled(StreamNumpyFormat):
+        def unpack_columns(self, windows: np.ndarray) -> dict[str, np.ndarray]:
+            return {"tokens": np.ascontiguousarray(windows["tokens"]) * 2}
+
+    storage = StreamStorage(tmp_path, Doubled(TOKENS))
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(100)})
+    with StreamDataset(storage, 10).sync_reader() as reader:
+        assert reader._one_field is None
+        batch = reader.read_arrays(np.array([3, 1], dtype=np.int64))
+        assert batch.columns["tokens"][:, 0].tolist() == [60, 20]  # type: ignore[index]
+
+
 def test_read_arrays_of_windows_inside_one_shard_gathers_them_in_one_copy(tmp_path: Path) -> None:
     storage = StreamStorage(tmp_path, StreamNumpyFormat(TOKENS))
     with storage.sync_writer() as writer:

@@ -237,12 +237,15 @@ class _ReadTask:
             samples: Any = []
         else:
             samples = self._read(ids)
-            if self._columns is None:
-                self._columns = type(samples) is Batch and samples.columns is not None
-            samples = self._input(samples)
-        if self._collate is None:
-            return samples
-        return self._collate(samples)
+            if type(samples) is Batch:
+                if self._columns is None:
+                    self._columns = samples.columns is not None
+                if not self._arrays:
+                    samples = samples.samples()
+            elif self._columns is None:
+                self._columns = False
+        collate = self._collate
+        return samples if collate is None else collate(samples)
 
     def _one(self, ids: _Ids, seed: int | None = None) -> Any:
         try:

@@ -46,13 +46,18 @@ def default_collate(samples: Sequence[Any] | Batch) -> Any:
             of them: its columns become the tensors (``torch.from_numpy``, no copy), the
             same dict of ``(B, ...)`` tensors torch's function stacks from the samples.
     """
+    if type(samples) is Batch:
+        columns = samples.columns
+        if columns is not None:
+            tensors = {}
+            for name, column in columns.items():
+                if not len(column):
+                    return []
+                tensors[name] = _as_tensor(column)
+            return tensors
+        samples = samples.samples()
     if len(samples) == 0:
         return []
-    if type(samples) is Batch:
-        if samples.columns is None:
-            samples = samples.samples()
-        else:
-            return {name: _as_tensor(column) for name, column in samples.columns.items()}
     samples = samples if isinstance(samples, list) else list(samples)
     return _torch_collate(samples, collate_fn_map=_COLLATE_FN_MAP)
 

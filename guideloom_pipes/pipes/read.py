@@ -509,7 +509,7 @@ class ReadSamples(BaseNode[Any]):
             try:
                 seeds = self.batch_seeds
                 if seeds is None:
-                    return task(ids)
+                    return task._plain(ids)
                 self._taken += 1
                 return task(ids, seeds(self._taken - 1))
             except Exception as failed:
