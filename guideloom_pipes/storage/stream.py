@@ -22,6 +22,7 @@ from guideloom_pipes.storage.commit import ShardWriterBase
 from guideloom_pipes.storage.errors import CorruptShardError
 from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import IN_BAND, shard_name
+from guideloom_pipes.storage.recycle import BufferPool
 from guideloom_pipes.types import (
     InDataT,
     OutDataT,
@@ -337,6 +338,8 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         # a few windows: a memoryview slice assignment costs a third of numpy's per row)
         self._bytes: list[memoryview | None] = [None] * listing.num_shards
         self._views: dict[tuple[int, int], np.ndarray] = {}
+        # the arrays of the windows read, reused once no batch refers to them (see recycle)
+        self._pool = BufferPool()
 
     def _seal_args(self, shard: int) -> dict[str, Any]:
         return {"count": int(self._lengths[shard]), "dtype": self._record_dtype()}
@@ -375,6 +378,9 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         self._arrays = []
         self._bytes = []
         self._views = {}
+        pool = getattr(self, "_pool", None)  # (None: never opened)
+        if pool is not None:
+            pool.clear()
         super().close()
 
     def _copy(self, shard: int, local: int, count: int, out: np.ndarray) -> None:
@@ -476,9 +482,8 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         e.g. a pinned host buffer); the result is then a view of it. By default a fresh
         array."""
         shape = (len(starts), length)
-        given = buffers is not None
         if buffers is None:
-            out = np.empty(shape, dtype=self._raw)
+            out = self._pool.take(shape, self._raw)
         else:
             out = _checked_out(buffers(shape, self._raw), shape, self._raw)
         if len(starts) == 0:
@@ -495,8 +500,6 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             # all in one shard (one shard, or a small batch): one gather, one copy per token
             view = self._window_view(int(first[0]), length)
             if view is not None:
-                if not given:
-                    return view[local].view(self.dtype)
                 rows_out = out.view(self._gather) if self._gather is not None else out
                 np.take(view, local, axis=0, out=rows_out)
                 return out.view(self.dtype)
@@ -529,7 +532,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         few and their shards mapped; else None (then :meth:`_windows` reads them)."""
         if len(starts) >= _GATHER_ROWS:
             return None
-        out = np.empty((len(starts), length), dtype=self._raw)
+        out = self._pool.take((len(starts), length), self._raw)
         return out if self._copy_rows(out, starts, length) else None
 
     def _copy_rows(self, out: np.ndarray, starts: list[int], length: int) -> bool:

@@ -1,0 +1,134 @@
+"""The recycled output buffers of the readers (``storage/recycle.py``): a buffer is lent
+again only once nothing refers to it, whatever refers to it."""
+
+from __future__ import annotations
+
+import gc
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
+from guideloom_pipes.storage.recycle import BufferPool, Lease
+
+U4 = np.dtype(np.uint32)
+
+
+def _address(array: np.ndarray) -> int:
+    return int(array.__array_interface__["data"][0])
+
+
+def test_a_buffer_comes_back_only_when_its_last_view_is_gone() -> None:
+    pool = BufferPool()
+    first = pool.take((4, 8), U4)
+    address = _address(first)
+    row, column, flat = first[1], first[:, 2], first.reshape(-1)[3:]
+    del first
+    held = pool.take((4, 8), U4)  # views of the first are alive: another buffer
+    assert _address(held) != address
+    del row, column
+    assert _address(pool.take((4, 8), U4)) != address  # flat still holds it
+    del flat
+    again = pool.take((4, 8), U4)
+    assert _address(again) == address
+    assert again.shape == (4, 8) and again.dtype == U4 and again.flags.c_contiguous
+
+
+def test_a_tensor_over_the_buffer_keeps_it() -> None:
+    torch = pytest.importorskip("torch")
+    pool = BufferPool()
+    array = pool.take((2, 3), np.dtype(np.int32))
+    array[:] = 7
+    address = _address(array)
+    tensor = torch.from_numpy(array)
+    del array
+    other = pool.take((2, 3), np.dtype(np.int32))
+    other[:] = 1
+    assert _address(other) != address and tensor.tolist() == [[7, 7, 7], [7, 7, 7]]
+    del tensor
+    assert _address(pool.take((2, 3), np.dtype(np.int32))) == address
+
+
+def test_each_shape_and_dtype_has_its_own_shelf_and_keeps_at_most_the_limit() -> None:
+    pool = BufferPool(limit=3 * 4 * 8 * 4)  # three (4, 8) uint32 buffers
+    lent = [pool.take((4, 8), U4) for _ in range(5)]
+    addresses = {_address(a) for a in lent}
+    del lent
+    assert pool.kept_bytes == 3 * 4 * 8 * 4
+    reused = [pool.take((4, 8), U4) for _ in range(3)]
+    assert {_address(a) for a in reused} <= addresses
+    assert pool.take((4, 8), np.dtype(np.int64)).dtype == np.int64  # not a uint32 buffer
+    assert pool.take((2, 8), U4).shape == (2, 8)
+
+
+def test_after_clear_buffers_lent_before_are_freed_not_lent_again() -> None:
+    pool = BufferPool()
+    before = pool.take((4, 4), U4)
+    address = _address(before)
+    pool.clear()
+    del before
+    assert pool.kept_bytes == 0  # the closed shelf did not take it back
+    fresh = pool.take((4, 4), U4)
+    assert fresh.shape == (4, 4)
+    del fresh
+    assert pool.kept_bytes == 4 * 4 * 4  # the pool's new shelf does
+    assert address > 0
+
+
+def test_a_buffer_dropped_in_another_thread_comes_back() -> None:
+    pool = BufferPool()
+    lent = [pool.take((8,), U4)]
+    address = _address(lent[0])
+    worker = threading.Thread(target=lent.clear)
+    worker.start()
+    worker.join()
+    assert _address(pool.take((8,), U4)) == address
+
+
+def test_a_batch_in_a_reference_cycle_comes_back_after_a_collection() -> None:
+    pool = BufferPool()
+
+    class Holder:
+        pass
+
+    holder = Holder()
+    holder.array = pool.take((3,), U4)  # type: ignore[attr-defined]
+    holder.me = holder  # type: ignore[attr-defined]
+    address = _address(holder.array)  # type: ignore[attr-defined]
+    del holder
+    gc.collect()
+    assert _address(pool.take((3,), U4)) == address
+
+
+def test_a_lease_subclass_carries_what_a_reader_remembers() -> None:
+    class Noted(Lease):
+        __slots__ = ("note",)
+
+    pool = BufferPool()
+    array = pool.take((2,), U4, Noted)
+    lease = array.base
+    assert type(lease) is Noted
+    lease.note = "starts"
+    view = array[1:]
+    assert view.base is array and array.base is lease
+
+
+def test_windows_read_again_reuse_the_memory_of_dropped_batches_only(tmp_path: Path) -> None:
+    storage = StreamStorage(tmp_path, StreamNumpyFormat(np.dtype([("tokens", "<i4")])))
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(1000)})
+        writer.append(1, {"tokens": np.arange(1000, 2000)})
+    with StreamDataset(storage, 10).sync_reader() as reader:
+        ids = np.array([3, 150, 99, 100], dtype=np.int64)  # both shards, the boundary
+        held = [reader.read_arrays(ids).columns["tokens"] for _ in range(3)]  # type: ignore[index]
+        assert len({_address(a) for a in held}) == 3
+        assert all(a[:, 0].tolist() == [30, 1500, 990, 1000] for a in held)
+        address = _address(held[-1])
+        held[-1][:] = -1
+        del held[-1]
+        again = reader.read_arrays(ids).columns["tokens"]  # type: ignore[index]
+        assert _address(again) == address
+        assert again[:, 0].tolist() == [30, 1500, 990, 1000]  # rewritten, not the old rows
+        assert all(a[:, 0].tolist() == [30, 1500, 990, 1000] for a in held)
