@@ -271,7 +271,9 @@ class StreamDatasetReader(_DatasetReaderBase):
             return self.read_batch(ids)
         ids = _as_ids(ids, self._length)
         length = self.sequence_length
-        return Batch.of_columns(unpack_columns(reader._windows(ids * length, length, out)))
+        return Batch.of_columns(
+            unpack_columns(reader._windows(ids * length, length, out, recycle=True))
+        )
 
     def reads_into_buffers(self) -> bool:
         """Whether :meth:`read_arrays` with ``out`` returns columns that are views of the

@@ -51,16 +51,33 @@ def test_a_tensor_over_the_buffer_keeps_it() -> None:
     assert _address(pool.take((2, 3), np.dtype(np.int32))) == address
 
 
-def test_each_shape_and_dtype_has_its_own_shelf_and_keeps_at_most_the_limit() -> None:
-    pool = BufferPool(limit=3 * 4 * 8 * 4)  # three (4, 8) uint32 buffers
+def test_each_shape_and_dtype_has_its_own_shelf_and_keeps_at_most_its_share() -> None:
+    size = 4 * 8 * 4  # a (4, 8) uint32 buffer
+    pool = BufferPool(limit=3 * size * 2, shelves=2)  # three of them per shelf
     lent = [pool.take((4, 8), U4) for _ in range(5)]
     addresses = {_address(a) for a in lent}
     del lent
-    assert pool.kept_bytes == 3 * 4 * 8 * 4
+    assert pool.kept_bytes == 3 * size
     reused = [pool.take((4, 8), U4) for _ in range(3)]
     assert {_address(a) for a in reused} <= addresses
     assert pool.take((4, 8), np.dtype(np.int64)).dtype == np.int64  # not a uint32 buffer
-    assert pool.take((2, 8), U4).shape == (2, 8)
+    del reused
+    assert pool.kept_bytes == 3 * size + 4 * 8 * 8
+
+
+def test_a_new_shape_past_the_most_shelves_frees_the_oldest_shelf() -> None:
+    pool = BufferPool(shelves=2)
+    for length in (4, 8):
+        del_me = pool.take((length,), U4)
+        del del_me
+    assert pool.kept_bytes == (4 + 8) * 4
+    third = pool.take((16,), U4)  # a third shape: the (4,) shelf goes
+    assert pool.kept_bytes == 8 * 4
+    del third
+    assert pool.kept_bytes == (8 + 16) * 4
+    lent = pool.take((4,), U4)  # back again: a new shelf, the (8,) one goes
+    del lent
+    assert pool.kept_bytes == (16 + 4) * 4
 
 
 def test_after_clear_buffers_lent_before_are_freed_not_lent_again() -> None:

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-#: Released memory a pool keeps for reuse, in bytes (beyond it, released buffers are freed).
+#: Released memory a pool keeps for reuse, in bytes, all shapes together (beyond it,
+#: released buffers are freed).
 POOL_BYTES = 32 << 20
 
 
@@ -54,16 +55,20 @@ class _Shelf(deque[tuple[np.ndarray, Any]]):
 
 class BufferPool:
     """Arrays of a shape and dtype, recycled once nothing refers to them (see the module
-    docstring). The last one released is lent first (the most likely still in a cache). Of
-    each shape and dtype, at most ``limit`` bytes of released buffers are kept (at least
-    one); :meth:`clear` drops them, and buffers lent before no longer come back.
+    docstring). The last one released is lent first (the most likely still in a cache).
+
+    Released buffers wait on one *shelf* per shape and dtype; a pool has at most ``shelves``
+    of them (a new shape closes the oldest shelf: its buffers are freed), and each keeps at
+    most ``limit / shelves`` bytes (at least one buffer), so at most about ``limit`` bytes
+    wait in all. :meth:`clear` drops them, and buffers lent before no longer come back.
     Thread-safe: a buffer comes back in whichever thread drops the batch's last array (a
     shelf's ``append`` and ``pop`` are atomic).
     """
 
-    def __init__(self, limit: int = POOL_BYTES) -> None:
+    def __init__(self, limit: int = POOL_BYTES, shelves: int = 8) -> None:
         self._shelves: dict[tuple[tuple[int, ...], np.dtype[Any]], _Shelf] = {}
         self._limit = limit
+        self._most = shelves
 
     def take(
         self, shape: tuple[int, ...], dtype: np.dtype[Any], lease: type[Lease] = Lease
@@ -72,16 +77,25 @@ class BufferPool:
         else uses, owned by a new ``lease``."""
         shelf = self._shelves.get((shape, dtype))
         if shelf is None:
-            size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-            shelf = self._shelves.setdefault(
-                (shape, dtype), _Shelf(max(1, self._limit // max(size, 1)))
-            )
+            shelf = self._new_shelf(shape, dtype)
         try:
             buffer, interface = shelf.pop()
         except IndexError:
             buffer = np.empty(shape, dtype=dtype)
             interface = buffer.__array_interface__
         return np.asarray(lease(buffer, interface, shelf))
+
+    def _new_shelf(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> _Shelf:
+        shelves = self._shelves
+        while len(shelves) >= self._most:
+            oldest = next(iter(shelves))
+            closed = shelves.pop(oldest, None)
+            if closed is not None:
+                closed.open = False
+                closed.clear()
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        keep = max(1, self._limit // self._most // max(size, 1))
+        return shelves.setdefault((shape, dtype), _Shelf(keep))
 
     def clear(self) -> None:
         """Drop the released buffers; buffers lent before are freed when they die."""

@@ -474,16 +474,18 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         starts: np.ndarray,
         length: int,
         buffers: Callable[[tuple[int, int], np.dtype[Any]], np.ndarray] | None = None,
+        recycle: bool = False,
     ) -> np.ndarray:
         """:meth:`read_windows` of int64 ``starts`` already checked to lie inside the stream.
 
         ``buffers(shape, dtype)``, if given, returns the array the windows are copied into
         (a C-contiguous ``(len(starts), length)`` array of the element's opaque ``dtype``,
         e.g. a pinned host buffer); the result is then a view of it. By default a fresh
-        array."""
+        array; with ``recycle``, one of the reader's :class:`BufferPool` (for batches of one
+        shape read again and again: a loader's batches of columns)."""
         shape = (len(starts), length)
         if buffers is None:
-            out = self._pool.take(shape, self._raw)
+            out = self._pool.take(shape, self._raw) if recycle else np.empty(shape, self._raw)
         else:
             out = _checked_out(buffers(shape, self._raw), shape, self._raw)
         if len(starts) == 0:
