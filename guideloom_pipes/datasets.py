@@ -260,8 +260,7 @@ class StreamDatasetReader(_DatasetReaderBase):
                 and min(listed) >= 0
                 and max(listed) < self._length
             ):
-                length = self.sequence_length
-                windows = self._storage_reader._few_windows([i * length for i in listed], length)
+                windows = self._storage_reader._few_windows(listed, self.sequence_length)
                 if windows is not None:
                     return Batch.of_columns({one[0]: windows.view(one[1])})
         self._check_open()

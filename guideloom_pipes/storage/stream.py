@@ -528,26 +528,28 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         """:meth:`_copy_rows` of an array of starts."""
         return self._copy_rows(out, starts.tolist(), length)
 
-    def _few_windows(self, starts: list[int], length: int) -> np.ndarray | None:
-        """The windows at ``starts`` (Python ints, checked to lie inside the stream) as a
-        fresh ``(len(starts), length)`` ``_raw`` array, copied row by row, where they are
-        few and their shards mapped; else None (then :meth:`_windows` reads them)."""
-        if len(starts) >= _GATHER_ROWS:
+    def _few_windows(self, numbers: list[int], length: int) -> np.ndarray | None:
+        """Windows ``[n * length, (n + 1) * length)`` for the ``numbers`` (Python ints, checked
+        to lie inside the stream) as a recycled ``(len(numbers), length)`` ``_raw`` array,
+        copied row by row, where they are few and their shards mapped; else None (then
+        :meth:`_windows` reads them)."""
+        if len(numbers) >= _GATHER_ROWS:
             return None
-        out = self._pool.take((len(starts), length), self._raw)
-        return out if self._copy_rows(out, starts, length) else None
+        out = self._pool.take((len(numbers), length), self._raw)
+        return out if self._copy_rows(out, numbers, length, length) else None
 
-    def _copy_rows(self, out: np.ndarray, starts: list[int], length: int) -> bool:
-        """Windows of mapped shards, each copied into its row of ``out`` (C-contiguous) by a
-        ``memoryview`` slice assignment, shards found with ``bisect`` on Python ints: for a
-        handful of windows, numpy's calls cost more than the copies. False where a shard is
-        not mapped (rows before it may be written)."""
+    def _copy_rows(self, out: np.ndarray, starts: list[int], length: int, scale: int = 1) -> bool:
+        """Windows of mapped shards starting at ``starts[r] * scale``, each copied into row
+        ``r`` of ``out`` (C-contiguous) by a ``memoryview`` slice assignment, shards found
+        with ``bisect`` on Python ints: for a handful of windows, numpy's calls cost more
+        than the copies. False where a shard is not mapped (rows before it may be written)."""
         bounds, views, find = self._bounds, self._bytes, bisect.bisect_right
         size = self.dtype.itemsize
         width = length * size
         rows = out.data.cast("B")
         begin = 0
         for start in starts:
+            start *= scale
             shard = find(bounds, start) - 1
             view = views[shard]
             if view is None:
