@@ -100,6 +100,27 @@ def test_arrays_come_back_writable_owning_their_memory():
     parent.close()
 
 
+def test_the_parent_reuses_the_memory_of_results_that_are_gone_and_only_those() -> None:
+    parent, worker = _rings(8 << 20)
+    first = np.arange(300_000, dtype=np.int32)
+    kept = load_result(*dump_result(first, worker), parent)
+    address = kept.__array_interface__["data"][0]
+    view = kept[10:]
+    del kept
+    # the same size, and one a little larger (padded documents): the first is still held
+    second = load_result(*dump_result(first + 1, worker), parent)
+    other = second.__array_interface__["data"][0]
+    assert other != address
+    assert np.array_equal(view, first[10:])
+    del view, second
+    # 1,200,400 bytes: rounded up to the same 64 KiB multiple as 1,200,000
+    third = load_result(*dump_result(np.arange(300_100, dtype=np.int32), worker), parent)
+    assert third.__array_interface__["data"][0] in (address, other)
+    assert np.array_equal(third, np.arange(300_100, dtype=np.int32))
+    worker.close()
+    parent.close()
+
+
 def test_a_result_that_cannot_be_pickled_gives_its_ring_space_back():
     parent, worker = _rings(1 << 20)
     with pytest.raises(TypeError):

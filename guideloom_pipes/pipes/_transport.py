@@ -33,10 +33,17 @@ from typing import Any
 
 import numpy as np
 
+from guideloom_pipes.storage.recycle import BufferPool
+
 _HEADER = 64  # bytes before the data: the int64 count of bytes the parent has taken
 _ALIGN = 64
 #: Buffers smaller than this stay inside the pickle (the ring's bookkeeping costs more).
 MIN_RING_BUFFER = 16 * 1024
+#: Buffers taken out of a ring come from a pool of sizes rounded up to this many bytes...
+_TAKE_ROUNDING = 64 * 1024
+#: ... that keeps at most this many bytes of released buffers (per ring, parent side).
+TAKE_POOL_BYTES = 64 * 1024 * 1024
+_BYTES = np.dtype(np.uint8)
 #: Default ring size per worker. Address space only: the pages touched follow the results
 #: in flight (see the module docstring).
 RING_BYTES = 256 * 1024 * 1024
@@ -95,6 +102,8 @@ class ResultRing:
         self._placed: collections.deque[tuple[int, int, int]] = collections.deque()
         self._count = 0
         self._peak = 0
+        # Parent side: the memory buffers are copied out into, recycled (see take)
+        self._pool = BufferPool(limit=TAKE_POOL_BYTES)
 
     @classmethod
     def create(cls, size: int = RING_BYTES) -> ResultRing:
@@ -131,6 +140,7 @@ class ResultRing:
 
     def close(self) -> None:
         """Unmap and close (the memory is freed once every process has closed it)."""
+        self._pool.clear()
         self._header = self._data = None  # type: ignore[assignment]
         if not self._map.closed:
             # A view still alive (pragma: no cover) keeps the mapping until it is freed.
@@ -194,8 +204,15 @@ class ResultRing:
     # -- parent side ------------------------------------------------------------------------
 
     def take(self, position: int, size: int) -> np.ndarray:
-        """Copy the next buffer out (into a fresh array) and give its space back."""
-        out = np.empty(size, dtype=np.uint8)
+        """Copy the next buffer out (into memory of the parent's own) and give its space
+        back. The memory is recycled once the batch made of it is gone (a
+        :class:`~guideloom_pipes.storage.recycle.BufferPool` of sizes rounded up to
+        ``_TAKE_ROUNDING``: batches of padded documents differ a little in size), rather
+        than fresh pages faulted in for each batch."""
+        rounded = -(-size // _TAKE_ROUNDING) * _TAKE_ROUNDING
+        out = self._pool.take((rounded,), _BYTES)
+        if rounded != size:
+            out = out[:size]
         out[:] = self._data[position : position + size]
         self._header[0] += 1
         return out
