@@ -340,3 +340,33 @@ def test_a_state_taken_between_inline_batches_resumes_there(
     resumed.close()
     assert list(map(_tokens, got + rest)) == list(map(_tokens, expected))
     assert _tokens(again) == _tokens(expected[0])  # a partly read epoch restarts (SPEC)
+
+
+def test_a_chunk_read_inline_is_delivered_whole_when_untimed_calls_follow(
+    readers: Readers, clock: FakeClock
+) -> None:
+    # Batches that were slow (one per read, timed: the next _INLINE_SAMPLE - 1 calls read
+    # without a clock) and then turn quick (a chunk per read): the chunk's batches are
+    # delivered before another chunk is read, and none is left behind at the epoch's end.
+    expected = _reference(readers, user_collate)
+    node = _stage(readers, user_collate)
+    clock.read = 3e-3  # more than chunk_seconds (2 ms): one batch per read
+    node.reset()
+    got = [next(node)]
+    node._batch_seconds, node._cpu_share, node._gap = clock.read, 1.0, 0.0
+    while node._pending or node._job is not None:  # the jobs already submitted
+        got.append(next(node))
+    got.append(next(node))  # read by this thread, timed: the next calls are not
+    assert node._inline_left == read_module._INLINE_SAMPLE - 1
+    clock.read = 0.45e-3  # quick from now on: chunks of 4 batches
+    node._batch_seconds = clock.read
+    most_waiting = 0
+    while True:
+        try:
+            got.append(next(node))
+        except StopIteration:
+            break
+        most_waiting = max(most_waiting, len(node._ready))
+    node.close()
+    assert 0 < most_waiting < 4  # at most the rest of one chunk waits
+    assert list(map(_tokens, got)) == list(map(_tokens, expected))

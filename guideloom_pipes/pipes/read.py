@@ -624,6 +624,10 @@ class ReadSamples(BaseNode[Any]):
         just freed, see :meth:`_ReadTask.run`), else a chunk of them with one read, as a
         worker would, delivered one by one. ``timed``: measure the batch (its time and CPU
         share) and read the next ``_INLINE_SAMPLE - 1`` batches without a clock."""
+        if self._ready:
+            # the rest of a chunk this thread read comes first (a chunk read now would only
+            # pile up behind it, and at the source's end the batches left in it were lost)
+            return self._deliver_ready()
         task = self._task
         assert task is not None
         if task._columns is False and self._chunk_size() > 1:
