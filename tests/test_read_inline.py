@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 import numpy as np
 from loader_helpers import closed_at_the_end
 
-from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
+from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle
 from guideloom_pipes.pipes import read as read_module
@@ -370,3 +370,73 @@ def test_a_chunk_read_inline_is_delivered_whole_when_untimed_calls_follow(
     node.close()
     assert 0 < most_waiting < 4  # at most the rest of one chunk waits
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
+
+
+class _CountingMeta:
+    """A stream-with-metadata format (a payload per 3 elements) that counts its unpacks."""
+
+    stream_dtype = np.dtype("<i4")
+
+    def __init__(self) -> None:
+        self.unpacked = 0
+
+    def size(self, data: np.ndarray) -> int:
+        return len(data)
+
+    def pack(self, data: np.ndarray) -> Any:
+        for position in range(len(data)):
+            yield position // 3, (b"%d" % (position // 3) if position % 3 == 0 else None)
+        return np.asarray(data, dtype=self.stream_dtype)
+
+    def unpack(self, stream: Any, shards: Any, index: Any, data: Any) -> dict[str, Any]:
+        self.unpacked += 1
+        return {"tokens": np.array(stream), "payloads": data}
+
+
+def test_a_chunk_of_payload_windows_read_inline_makes_each_batch_when_delivered(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    # Windows of a stream with metadata read a chunk at a time by the calling thread: the
+    # chunk's read is done at once, but each batch's samples (their payload memoryviews,
+    # unpack) are made only when the batch is delivered, so the batches waiting hold no
+    # sample of their own; delivered, they are the samples a plain read gives.
+    format = _CountingMeta()
+    storage = StreamWithMetaStorage(tmp_path / "meta", format)
+    with storage.sync_writer() as writer:
+        writer.append(0, np.arange(WINDOWS * LENGTH, dtype="<i4"))
+    dataset = StreamDataset(storage, LENGTH)
+    reader, _ = open_reader(dataset)
+    read_rows = reader.read_rows
+
+    def timed_rows(ids: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            clock.reading(len(ids) // BATCH)
+        return read_rows(ids)
+
+    reader.read_rows = timed_rows
+    expected = ReadSamples(_ids(), dataset, reader=reader, collate_fn=user_collate)
+    expected.reset()
+    reference = list(expected)
+    expected.close()
+    node = ReadSamples(_ids(), dataset, num_workers=2, reader=reader, collate_fn=user_collate)
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    while node._pending or node._job is not None:
+        got.append(next(node))
+    format.unpacked = 0
+    got.append(next(node))  # reads a chunk of 4 batches, delivers the first
+    assert len(node._ready) == 3
+    assert format.unpacked == BATCH  # only the delivered batch's windows are decoded
+    got.append(next(node))
+    assert format.unpacked == 2 * BATCH
+    got += list(node)
+    node.close()
+    reader.close()
+    assert len(got) == len(reference)
+    for mine, theirs in zip(got, reference, strict=True):
+        assert [s["tokens"].tolist() for s in mine] == [s["tokens"].tolist() for s in theirs]
+        assert [[bytes(p) for p in s["payloads"]] for s in mine] == [
+            [bytes(p) for p in s["payloads"]] for s in theirs
+        ]
+        assert all(type(p) is memoryview for s in mine for p in s["payloads"])

@@ -27,6 +27,7 @@ from guideloom_pipes.pipes._pool import (
     seconds_text,
 )
 from guideloom_pipes.pipes._worker import (
+    _Deferred,
     _Failed,
     _ReadTask,
     _RemoteTraceback,
@@ -689,8 +690,12 @@ class ReadSamples(BaseNode[Any]):
             return self._next_from_workers()
         cpu = time.thread_time()
         started = time.perf_counter()
-        # (Ctrl-C inside the read propagates: nothing of the chunk is delivered)
-        outcomes = task.run((batches, seeds) if batch_seeds is not None else batches)
+        # (Ctrl-C inside the read propagates: nothing of the chunk is delivered). Batches
+        # whose samples the read leaves to slices (LazyRows) are made and collated as each
+        # is delivered: only the batch being delivered holds objects the garbage collector
+        # tracks, not the chunk (_Deferred; this thread would run their collates anyway).
+        job = (batches, seeds) if batch_seeds is not None else batches
+        outcomes = task.run(job, defer=True)
         elapsed = time.perf_counter() - started
         share = min(1.0, (time.thread_time() - cpu) / elapsed) if elapsed > 0 else None
         self._learn(elapsed / len(outcomes), share)
@@ -698,10 +703,17 @@ class ReadSamples(BaseNode[Any]):
         return self._deliver_ready()
 
     def _deliver_ready(self) -> Any:
-        """The next batch of a chunk read by the calling thread (a failed one raises)."""
+        """The next batch of a chunk read by the calling thread (a failed one raises; a
+        deferred one is made and collated now)."""
         result, snapshot = self._ready.popleft()
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
+        if type(result) is _Deferred:
+            try:
+                return result.finish()
+            except Exception as error:
+                mark_batch_failure(error)
+                raise
         if type(result) is _Failed:
             mark_batch_failure(result.error)
             raise result.error
