@@ -393,50 +393,140 @@ class _CountingMeta:
         return {"tokens": np.array(stream), "payloads": data}
 
 
-def test_a_chunk_of_payload_windows_read_inline_makes_each_batch_when_delivered(
-    tmp_path: Path, clock: FakeClock
-) -> None:
-    # Windows of a stream with metadata read a chunk at a time by the calling thread: the
-    # chunk's read is done at once, but each batch's samples (their payload memoryviews,
-    # unpack) are made only when the batch is delivered, so the batches waiting hold no
-    # sample of their own; delivered, they are the samples a plain read gives.
-    format = _CountingMeta()
-    storage = StreamWithMetaStorage(tmp_path / "meta", format)
-    with storage.sync_writer() as writer:
-        writer.append(0, np.arange(WINDOWS * LENGTH, dtype="<i4"))
-    dataset = StreamDataset(storage, LENGTH)
-    reader, _ = open_reader(dataset)
-    read_rows = reader.read_rows
+class _MetaReaders:
+    """A stream with metadata of WINDOWS windows (a payload per 3 elements), its dataset and
+    an open reader whose reads advance the fake clock."""
 
-    def timed_rows(ids: Any) -> Any:
-        if threading.current_thread() is threading.main_thread():
-            clock.reading(len(ids) // BATCH)
-        return read_rows(ids)
+    def __init__(self, root: Path, clock: FakeClock) -> None:
+        self.format = _CountingMeta()
+        storage = StreamWithMetaStorage(root, self.format)
+        with storage.sync_writer() as writer:
+            writer.append(0, np.arange(WINDOWS * LENGTH, dtype="<i4"))
+        self.dataset = StreamDataset(storage, LENGTH)
+        self.reader, _ = open_reader(self.dataset)
+        read_rows = self.reader.read_rows
 
-    reader.read_rows = timed_rows
-    expected = ReadSamples(_ids(), dataset, reader=reader, collate_fn=user_collate)
-    expected.reset()
-    reference = list(expected)
-    expected.close()
-    node = ReadSamples(_ids(), dataset, num_workers=2, reader=reader, collate_fn=user_collate)
-    node.reset()
-    got = [next(node)]
-    _taught_quick(node)
-    while node._pending or node._job is not None:
-        got.append(next(node))
-    format.unpacked = 0
-    got.append(next(node))  # reads a chunk of 4 batches, delivers the first
-    assert len(node._ready) == 3
-    assert format.unpacked == BATCH  # only the delivered batch's windows are decoded
-    got.append(next(node))
-    assert format.unpacked == 2 * BATCH
-    got += list(node)
-    node.close()
-    reader.close()
-    assert len(got) == len(reference)
-    for mine, theirs in zip(got, reference, strict=True):
+        def timed_rows(ids: Any) -> Any:
+            if threading.current_thread() is threading.main_thread():
+                clock.reading(len(ids) // BATCH)
+            return read_rows(ids)
+
+        self.reader.read_rows = timed_rows
+
+    def stage(self, collate_fn: Any = user_collate, workers: int = 2) -> ReadSamples:
+        return ReadSamples(
+            _ids(), self.dataset, num_workers=workers, reader=self.reader, collate_fn=collate_fn
+        )
+
+    def reference(self) -> list[Any]:
+        node = self.stage(workers=0)
+        node.reset()
+        out = list(node)
+        node.close()
+        return out
+
+
+@pytest.fixture
+def meta(tmp_path: Path, clock: FakeClock) -> Any:
+    made = _MetaReaders(tmp_path / "meta", clock)
+    yield made
+    made.reader.close()
+
+
+def _same_meta_batches(got: list[Any], expected: list[Any]) -> None:
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected, strict=True):
         assert [s["tokens"].tolist() for s in mine] == [s["tokens"].tolist() for s in theirs]
         assert [[bytes(p) for p in s["payloads"]] for s in mine] == [
             [bytes(p) for p in s["payloads"]] for s in theirs
         ]
         assert all(type(p) is memoryview for s in mine for p in s["payloads"])
+
+
+def test_a_chunk_of_payload_windows_read_inline_makes_each_batch_when_delivered(
+    meta: _MetaReaders, clock: FakeClock
+) -> None:
+    # Windows of a stream with metadata read a chunk at a time by the calling thread: the
+    # chunk's read is done at once, but each batch's samples (their payload memoryviews,
+    # unpack) are made only when the batch is delivered, so the batches waiting hold no
+    # sample of their own; delivered, they are the samples a plain read gives.
+    expected = meta.reference()
+    node = meta.stage()
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    while node._pending or node._job is not None:
+        got.append(next(node))
+    meta.format.unpacked = 0
+    got.append(next(node))  # reads a chunk of 4 batches, delivers the first
+    assert len(node._ready) == 3
+    assert meta.format.unpacked == BATCH  # only the delivered batch's windows are decoded
+    got.append(next(node))
+    assert meta.format.unpacked == 2 * BATCH
+    got += list(node)
+    node.close()
+    _same_meta_batches(got, expected)
+
+
+def test_ctrl_c_in_the_collate_of_a_batch_made_at_delivery_delivers_nothing(
+    meta: _MetaReaders, clock: FakeClock
+) -> None:
+    interrupt_on: list[int] = []
+
+    def collate(samples: list[Any]) -> list[Any]:
+        if int(samples[0]["tokens"][0]) in interrupt_on:
+            raise KeyboardInterrupt
+        return samples
+
+    expected = meta.reference()
+    node = meta.stage(collate)
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    while node._pending or node._job is not None:
+        got.append(next(node))
+    got.append(next(node))  # a chunk read: the rest of it waits, made at delivery
+    assert len(node._ready) == 3
+    state = node.state_dict()
+    interrupt_on.append(int(expected[len(got)][0]["tokens"][0]))
+    with pytest.raises(KeyboardInterrupt):
+        next(node)
+    assert node.state_dict() == state and len(node._ready) == 3
+    interrupt_on.clear()
+    got.append(next(node))  # the same batch, now made
+    node.close()
+    resumed = meta.stage(collate)
+    resumed.reset(state)
+    rest = list(resumed)
+    resumed.close()
+    _same_meta_batches(got + rest[1:], expected)
+    _same_meta_batches(rest[:1], got[-1:])
+
+
+def test_a_batch_made_at_delivery_that_fails_counts_as_delivered_and_the_next_follows(
+    meta: _MetaReaders, clock: FakeClock
+) -> None:
+    fail_on: list[int] = []
+
+    def collate(samples: list[Any]) -> list[Any]:
+        if int(samples[0]["tokens"][0]) in fail_on:
+            raise ValueError("this batch cannot be collated")
+        return samples
+
+    expected = meta.reference()
+    node = meta.stage(collate)
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    while node._pending or node._job is not None:
+        got.append(next(node))
+    got.append(next(node))
+    assert len(node._ready) == 3
+    failing = len(got)
+    fail_on.append(int(expected[failing][0]["tokens"][0]))
+    with pytest.raises(ValueError, match="cannot be collated"):
+        next(node)
+    assert len(node._ready) == 2
+    got += list(node)
+    node.close()
+    _same_meta_batches(got, expected[:failing] + expected[failing + 1 :])

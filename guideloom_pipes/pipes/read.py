@@ -704,16 +704,19 @@ class ReadSamples(BaseNode[Any]):
 
     def _deliver_ready(self) -> Any:
         """The next batch of a chunk read by the calling thread (a failed one raises; a
-        deferred one is made and collated now)."""
-        result, snapshot = self._ready.popleft()
-        self._previous, self._snapshot = self._snapshot, snapshot
-        self._delivered += 1
+        deferred one is made and collated now: if that raises an ``Exception`` the batch
+        has failed, and counts as delivered; a ``KeyboardInterrupt`` delivers nothing, the
+        batch stays next)."""
+        ready = self._ready
+        result, snapshot = ready[0]
         if type(result) is _Deferred:
             try:
-                return result.finish()
+                result = result.finish()
             except Exception as error:
-                mark_batch_failure(error)
-                raise
+                result = _Failed(error)
+        ready.popleft()
+        self._previous, self._snapshot = self._snapshot, snapshot
+        self._delivered += 1
         if type(result) is _Failed:
             mark_batch_failure(result.error)
             raise result.error
