@@ -284,7 +284,9 @@ class StreamDatasetReader(_DatasetReaderBase):
         part: windows of a stream with metadata come back as
         :class:`~guideloom_pipes.batch.LazyRows` whose slices make the windows' payload
         memoryviews and call ``unpack`` (the read itself, the run finding and the payload
-        bytes' copy, done now for all of them: :meth:`StreamWithMetaReader.prepare_windows`)."""
+        bytes' copy, done now for all of them: :meth:`StreamWithMetaReader.prepare_windows`).
+        Slice it while the reader is open: a window that crosses a shard boundary (or whose
+        payload numbers jump) reads its payloads when its slice is made."""
         reader = self._storage_reader
         if not isinstance(reader, StreamWithMetaReader):
             return self.read_batch(ids)
