@@ -67,8 +67,9 @@ def batch_read_fn(
     With ``arrays=True``, a reader's ``read_arrays`` comes first: it may return a
     :class:`~guideloom_pipes.batch.Batch` instead of the list (for a collate that takes one);
     ``out`` (see :meth:`StreamDatasetReader.read_arrays`) is then passed to it. Else, with
-    ``rows=True``, a reader's ``read_rows`` comes first: it may return
-    :class:`~guideloom_pipes.batch.LazyRows` (for a caller that slices it).
+    ``rows=True``, one of our readers' ``read_rows`` comes first: it may return
+    :class:`~guideloom_pipes.batch.LazyRows` (for a caller that slices it; a user's reader
+    with a method of that name is not asked).
     """
     if arrays:
         read_arrays = getattr(reader, "read_arrays", None)
@@ -76,10 +77,8 @@ def batch_read_fn(
             if out is not None:
                 return functools.partial(read_arrays, out=out)
             return read_arrays
-    elif rows:
-        read_rows = getattr(reader, "read_rows", None)
-        if callable(read_rows):
-            return read_rows
+    elif rows and isinstance(reader, _DatasetReaderBase):
+        return reader.read_rows
     read_batch = getattr(reader, "read_batch", None)
     if callable(read_batch):
         return read_batch

@@ -514,3 +514,24 @@ def test_a_chunk_of_lazy_rows_is_decoded_batch_by_batch_or_at_delivery() -> None
     assert decoded == [(2, 4)]
     with pytest.raises(ValueError, match="sample 5"):
         deferred[2].finish()
+
+
+def test_only_our_readers_are_asked_for_lazy_rows(tmp_path: Path) -> None:
+    from guideloom_pipes.datasets import batch_read_fn
+
+    class UsersReader:
+        def read_batch(self, ids: np.ndarray) -> list[int]:
+            return ids.tolist()
+
+        def read_rows(self, ids: np.ndarray) -> str:  # a method of the user's own
+            return "not samples"
+
+    assert batch_read_fn(UsersReader(), rows=True)(np.arange(3)) == [0, 1, 2]
+    storage = StreamWithMetaStorage(tmp_path, ChunkMetaFormat())
+    with storage.sync_writer() as writer:
+        writer.append(0, {"doc": 0, "tokens": list(range(12)), "chunk_ids": [0] * 6 + [1] * 6})
+    with StreamDataset(storage, 4).sync_reader() as reader:
+        rows = batch_read_fn(reader, rows=True)(np.array([2, 0]))
+        assert type(rows) is LazyRows
+        assert [s["stream"] for s in rows[:]] == [[8, 9, 10, 11], [0, 1, 2, 3]]
+        assert type(batch_read_fn(reader)(np.array([0]))) is list
