@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["Batch", "accepts_batch_arrays", "batch_arrays"]
+__all__ = ["Batch", "LazyRows", "accepts_batch_arrays", "batch_arrays"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -154,6 +154,50 @@ class Batch:
             )
             return f"Batch({{{shapes}}})"
         return f"Batch(rows of {len(self)})"
+
+
+class LazyRows:
+    """The samples of one read, made a slice at a time: ``rows[a:b]`` decodes samples
+    ``a .. b - 1`` and returns them as a list.
+
+    A reader returns it (``read_rows``) where its read splits into work shared by the whole
+    read, done at once, and a per-sample part whose objects (sample dicts, ``memoryview``
+    payloads) the garbage collector tracks: a loader that reads a chunk of batches with one
+    read then makes each batch's samples only when the batch is collated, so only the
+    batches being delivered hold tracked objects. Each slice decodes again (nothing is
+    kept). It pickles as its samples.
+
+    Args:
+        length: the number of samples.
+        decode: ``(begin, end) -> list`` of samples ``begin .. end - 1``.
+    """
+
+    __slots__ = ("_decode", "_length")
+
+    def __init__(self, length: int, decode: Callable[[int, int], list[Any]]) -> None:
+        self._length = length
+        self._decode = decode
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            begin, end, step = index.indices(self._length)
+            if step != 1:
+                raise ValueError(f"LazyRows slices go one row at a time, got step {step}")
+            return self._decode(begin, max(begin, end))
+        position = range(self._length)[index]  # an IndexError names the range
+        return self._decode(position, position + 1)[0]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._decode(0, self._length))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (self._decode(0, self._length),))
+
+    def __repr__(self) -> str:
+        return f"LazyRows(of {self._length})"
 
 
 def _rebuild(columns: dict[str, np.ndarray] | None, rows: list[Any] | None) -> Batch:

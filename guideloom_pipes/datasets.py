@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.batch import Batch
+from guideloom_pipes.batch import Batch, LazyRows
 from guideloom_pipes.formats import StreamNumpyFormat
 from guideloom_pipes.storage.document import DocumentReader, DocumentStorage
 from guideloom_pipes.storage.stream import StreamReader, StreamStorage, as_indexes
@@ -59,14 +59,17 @@ def open_reader(dataset: Any) -> tuple[Any, bool]:
 
 
 def batch_read_fn(
-    reader: Any, arrays: bool = False, out: WindowBuffers | None = None
+    reader: Any, arrays: bool = False, out: WindowBuffers | None = None, rows: bool = False
 ) -> Callable[[np.ndarray], Any]:
     """The fastest way ``reader`` offers to turn an int64 id array into a list of samples:
     its ``read_batch``, else ``__getitems__``, else ``[i]`` for each id.
 
     With ``arrays=True``, a reader's ``read_arrays`` comes first: it may return a
     :class:`~guideloom_pipes.batch.Batch` instead of the list (for a collate that takes one);
-    ``out`` (see :meth:`StreamDatasetReader.read_arrays`) is then passed to it.
+    ``out`` (see :meth:`StreamDatasetReader.read_arrays`) is then passed to it. Else, with
+    ``rows=True``, one of our readers' ``read_rows`` comes first: it may return
+    :class:`~guideloom_pipes.batch.LazyRows` (for a caller that slices it; a user's reader
+    with a method of that name is not asked).
     """
     if arrays:
         read_arrays = getattr(reader, "read_arrays", None)
@@ -74,6 +77,8 @@ def batch_read_fn(
             if out is not None:
                 return functools.partial(read_arrays, out=out)
             return read_arrays
+    elif rows and isinstance(reader, _DatasetReaderBase):
+        return reader.read_rows
     read_batch = getattr(reader, "read_batch", None)
     if callable(read_batch):
         return read_batch
@@ -205,6 +210,12 @@ class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
         reader can make one, else as :meth:`read_batch`'s list (the same samples)."""
         return self.read_batch(ids)
 
+    def read_rows(self, ids: Sequence[int] | np.ndarray) -> LazyRows | list[Any]:
+        """The samples at ``ids`` as :class:`~guideloom_pipes.batch.LazyRows` where this
+        reader's read has a shared part and a per-sample part (its slices make the
+        samples), else as :meth:`read_batch`'s list (the same samples)."""
+        return self.read_batch(ids)
+
 
 class StreamDatasetReader(_DatasetReaderBase):
     """Reader of a :class:`StreamDataset` (windows of ``sequence_length`` elements)."""
@@ -298,6 +309,24 @@ class StreamDatasetReader(_DatasetReaderBase):
         starts = ids * length
         windows = self._storage_reader._windows(starts, length)  # checked: inside the stream
         return self._decode(windows, starts)
+
+    def read_rows(self, ids: Sequence[int] | np.ndarray) -> LazyRows | list[Any]:
+        """:meth:`read_batch` with the decode left to the slices where it has a per-window
+        part: windows of a stream with metadata come back as
+        :class:`~guideloom_pipes.batch.LazyRows` whose slices make the windows' payload
+        memoryviews and call ``unpack`` (the read itself, the run finding and the payload
+        bytes' copy, done now for all of them: :meth:`StreamWithMetaReader.prepare_windows`).
+        Slice it while the reader is open: a window that crosses a shard boundary (or whose
+        payload numbers jump) reads its payloads when its slice is made."""
+        reader = self._storage_reader
+        if not isinstance(reader, StreamWithMetaReader):
+            return self.read_batch(ids)
+        self._check_open()
+        ids = _as_ids(ids, self._length)
+        length = self.sequence_length
+        starts = ids * length
+        prepared = reader.prepare_windows(reader._windows(starts, length), starts)
+        return LazyRows(len(prepared), prepared.decode)
 
     def read_range(self, first: int, count: int) -> list[Any]:
         """Windows ``first .. first + count - 1`` read as one span (one read per shard it

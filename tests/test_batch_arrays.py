@@ -32,7 +32,7 @@ from guideloom_pipes import (
     collate_packed,
     pad_collate,
 )
-from guideloom_pipes.batch import accepts_batch_arrays, batch_arrays
+from guideloom_pipes.batch import LazyRows, accepts_batch_arrays, batch_arrays
 from guideloom_pipes.io import PosixPreadIO
 from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle
 from guideloom_pipes.pipes._pool import _ThreadPool
@@ -513,3 +513,74 @@ def test_batches_of_columns_are_read_one_by_one_and_lists_a_chunk_at_a_time() ->
     calls.clear()
     _ReadTask(rows, list_collate).run(chunk)
     assert calls == [6]  # a user collate: the list path, a chunk at a time, as before
+
+
+def _lazy(decoded: list[tuple[int, int]], count: int = 10, fail_at: int | None = None) -> LazyRows:
+    """LazyRows of the samples ``{"i": k}`` for k < count, noting each slice it decodes."""
+
+    def decode(begin: int, end: int) -> list[Any]:
+        decoded.append((begin, end))
+        if fail_at is not None and begin <= fail_at < end:
+            raise ValueError(f"sample {fail_at} cannot be decoded")
+        return [{"i": k} for k in range(begin, end)]
+
+    return LazyRows(count, decode)
+
+
+def test_lazy_rows_decode_each_slice_when_asked_and_pickle_as_their_samples() -> None:
+    decoded: list[tuple[int, int]] = []
+    rows = _lazy(decoded)
+    assert len(rows) == 10 and decoded == []
+    assert rows[2:5] == [{"i": 2}, {"i": 3}, {"i": 4}] and decoded == [(2, 5)]
+    assert rows[-1] == {"i": 9} and rows[8:3] == [] and rows[:] == [{"i": k} for k in range(10)]
+    assert [s["i"] for s in rows] == list(range(10))
+    assert pickle.loads(pickle.dumps(rows)) == [{"i": k} for k in range(10)]
+    with pytest.raises(IndexError):
+        rows[10]
+    with pytest.raises(ValueError, match="step 2"):
+        rows[::2]
+
+
+def test_a_chunk_of_lazy_rows_is_decoded_batch_by_batch_or_at_delivery() -> None:
+    from guideloom_pipes.pipes._worker import _Deferred, _Failed, _ReadTask
+
+    decoded: list[tuple[int, int]] = []
+    chunk = [np.arange(k, k + 2, dtype=np.int64) for k in (0, 2, 4, 6)]
+    task = _ReadTask(lambda ids: _lazy(decoded, len(ids), fail_at=5), list_collate)
+    outcomes = task.run(chunk)
+    # one slice per batch; the batch whose slice raises fails alone
+    assert decoded == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert type(outcomes[2]) is _Failed and "sample 5" in str(outcomes[2].error)
+    assert [o for k, o in enumerate(outcomes) if k != 2] == [
+        list_collate([{"i": 0}, {"i": 1}]),
+        list_collate([{"i": 2}, {"i": 3}]),
+        list_collate([{"i": 6}, {"i": 7}]),
+    ]
+    decoded.clear()
+    deferred = task.run(chunk, defer=True)
+    assert decoded == [] and all(type(o) is _Deferred for o in deferred)
+    assert deferred[1].finish() == list_collate([{"i": 2}, {"i": 3}])
+    assert decoded == [(2, 4)]
+    with pytest.raises(ValueError, match="sample 5"):
+        deferred[2].finish()
+
+
+def test_only_our_readers_are_asked_for_lazy_rows(tmp_path: Path) -> None:
+    from guideloom_pipes.datasets import batch_read_fn
+
+    class UsersReader:
+        def read_batch(self, ids: np.ndarray) -> list[int]:
+            return ids.tolist()
+
+        def read_rows(self, ids: np.ndarray) -> str:  # a method of the user's own
+            return "not samples"
+
+    assert batch_read_fn(UsersReader(), rows=True)(np.arange(3)) == [0, 1, 2]
+    storage = StreamWithMetaStorage(tmp_path, ChunkMetaFormat())
+    with storage.sync_writer() as writer:
+        writer.append(0, {"doc": 0, "tokens": list(range(12)), "chunk_ids": [0] * 6 + [1] * 6})
+    with StreamDataset(storage, 4).sync_reader() as reader:
+        rows = batch_read_fn(reader, rows=True)(np.array([2, 0]))
+        assert type(rows) is LazyRows
+        assert [s["stream"] for s in rows[:]] == [[8, 9, 10, 11], [0, 1, 2, 3]]
+        assert type(batch_read_fn(reader)(np.array([0]))) is list

@@ -20,7 +20,7 @@ pytest.importorskip("torch")
 import numpy as np
 from loader_helpers import closed_at_the_end
 
-from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
+from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle
 from guideloom_pipes.pipes import read as read_module
@@ -340,3 +340,193 @@ def test_a_state_taken_between_inline_batches_resumes_there(
     resumed.close()
     assert list(map(_tokens, got + rest)) == list(map(_tokens, expected))
     assert _tokens(again) == _tokens(expected[0])  # a partly read epoch restarts (SPEC)
+
+
+def test_a_chunk_read_inline_is_delivered_whole_when_untimed_calls_follow(
+    readers: Readers, clock: FakeClock
+) -> None:
+    # Batches that were slow (one per read, timed: the next _INLINE_SAMPLE - 1 calls read
+    # without a clock) and then turn quick (a chunk per read): the chunk's batches are
+    # delivered before another chunk is read, and none is left behind at the epoch's end.
+    expected = _reference(readers, user_collate)
+    node = _stage(readers, user_collate)
+    clock.read = 3e-3  # more than chunk_seconds (2 ms): one batch per read
+    node.reset()
+    got = [next(node)]
+    node._batch_seconds, node._cpu_share, node._gap = clock.read, 1.0, 0.0
+    while node._pending or node._job is not None:  # the jobs already submitted
+        got.append(next(node))
+    got.append(next(node))  # read by this thread, timed: the next calls are not
+    assert node._inline_left == read_module._INLINE_SAMPLE - 1
+    clock.read = 0.45e-3  # quick from now on: chunks of 4 batches
+    node._batch_seconds = clock.read
+    most_waiting = 0
+    while True:
+        try:
+            got.append(next(node))
+        except StopIteration:
+            break
+        most_waiting = max(most_waiting, len(node._ready))
+    node.close()
+    assert 0 < most_waiting < 4  # at most the rest of one chunk waits
+    assert list(map(_tokens, got)) == list(map(_tokens, expected))
+
+
+class _CountingMeta:
+    """A stream-with-metadata format (a payload per 3 elements) that counts its unpacks."""
+
+    stream_dtype = np.dtype("<i4")
+
+    def __init__(self) -> None:
+        self.unpacked = 0
+
+    def size(self, data: np.ndarray) -> int:
+        return len(data)
+
+    def pack(self, data: np.ndarray) -> Any:
+        for position in range(len(data)):
+            yield position // 3, (b"%d" % (position // 3) if position % 3 == 0 else None)
+        return np.asarray(data, dtype=self.stream_dtype)
+
+    def unpack(self, stream: Any, shards: Any, index: Any, data: Any) -> dict[str, Any]:
+        self.unpacked += 1
+        return {"tokens": np.array(stream), "payloads": data}
+
+
+class _MetaReaders:
+    """A stream with metadata of WINDOWS windows (a payload per 3 elements), its dataset and
+    an open reader whose reads advance the fake clock."""
+
+    def __init__(self, root: Path, clock: FakeClock) -> None:
+        self.format = _CountingMeta()
+        storage = StreamWithMetaStorage(root, self.format)
+        with storage.sync_writer() as writer:
+            writer.append(0, np.arange(WINDOWS * LENGTH, dtype="<i4"))
+        self.dataset = StreamDataset(storage, LENGTH)
+        self.reader, _ = open_reader(self.dataset)
+        read_rows = self.reader.read_rows
+
+        def timed_rows(ids: Any) -> Any:
+            if threading.current_thread() is threading.main_thread():
+                clock.reading(len(ids) // BATCH)
+            return read_rows(ids)
+
+        self.reader.read_rows = timed_rows
+
+    def stage(self, collate_fn: Any = user_collate, workers: int = 2) -> ReadSamples:
+        return ReadSamples(
+            _ids(), self.dataset, num_workers=workers, reader=self.reader, collate_fn=collate_fn
+        )
+
+    def reference(self) -> list[Any]:
+        node = self.stage(workers=0)
+        node.reset()
+        out = list(node)
+        node.close()
+        return out
+
+
+@pytest.fixture
+def meta(tmp_path: Path, clock: FakeClock) -> Any:
+    made = _MetaReaders(tmp_path / "meta", clock)
+    yield made
+    made.reader.close()
+
+
+def _same_meta_batches(got: list[Any], expected: list[Any]) -> None:
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected, strict=True):
+        assert [s["tokens"].tolist() for s in mine] == [s["tokens"].tolist() for s in theirs]
+        assert [[bytes(p) for p in s["payloads"]] for s in mine] == [
+            [bytes(p) for p in s["payloads"]] for s in theirs
+        ]
+        assert all(type(p) is memoryview for s in mine for p in s["payloads"])
+
+
+def test_a_chunk_of_payload_windows_read_inline_makes_each_batch_when_delivered(
+    meta: _MetaReaders, clock: FakeClock
+) -> None:
+    # Windows of a stream with metadata read a chunk at a time by the calling thread: the
+    # chunk's read is done at once, but each batch's samples (their payload memoryviews,
+    # unpack) are made only when the batch is delivered, so the batches waiting hold no
+    # sample of their own; delivered, they are the samples a plain read gives.
+    expected = meta.reference()
+    node = meta.stage()
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    while node._pending or node._job is not None:
+        got.append(next(node))
+    meta.format.unpacked = 0
+    got.append(next(node))  # reads a chunk of 4 batches, delivers the first
+    assert len(node._ready) == 3
+    assert meta.format.unpacked == BATCH  # only the delivered batch's windows are decoded
+    got.append(next(node))
+    assert meta.format.unpacked == 2 * BATCH
+    got += list(node)
+    node.close()
+    _same_meta_batches(got, expected)
+
+
+def test_ctrl_c_in_the_collate_of_a_batch_made_at_delivery_delivers_nothing(
+    meta: _MetaReaders, clock: FakeClock
+) -> None:
+    interrupt_on: list[int] = []
+
+    def collate(samples: list[Any]) -> list[Any]:
+        if int(samples[0]["tokens"][0]) in interrupt_on:
+            raise KeyboardInterrupt
+        return samples
+
+    expected = meta.reference()
+    node = meta.stage(collate)
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    while node._pending or node._job is not None:
+        got.append(next(node))
+    got.append(next(node))  # a chunk read: the rest of it waits, made at delivery
+    assert len(node._ready) == 3
+    state = node.state_dict()
+    interrupt_on.append(int(expected[len(got)][0]["tokens"][0]))
+    with pytest.raises(KeyboardInterrupt):
+        next(node)
+    assert node.state_dict() == state and len(node._ready) == 3
+    interrupt_on.clear()
+    got.append(next(node))  # the same batch, now made
+    node.close()
+    resumed = meta.stage(collate)
+    resumed.reset(state)
+    rest = list(resumed)
+    resumed.close()
+    _same_meta_batches(got + rest[1:], expected)
+    _same_meta_batches(rest[:1], got[-1:])
+
+
+def test_a_batch_made_at_delivery_that_fails_counts_as_delivered_and_the_next_follows(
+    meta: _MetaReaders, clock: FakeClock
+) -> None:
+    fail_on: list[int] = []
+
+    def collate(samples: list[Any]) -> list[Any]:
+        if int(samples[0]["tokens"][0]) in fail_on:
+            raise ValueError("this batch cannot be collated")
+        return samples
+
+    expected = meta.reference()
+    node = meta.stage(collate)
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    while node._pending or node._job is not None:
+        got.append(next(node))
+    got.append(next(node))
+    assert len(node._ready) == 3
+    failing = len(got)
+    fail_on.append(int(expected[failing][0]["tokens"][0]))
+    with pytest.raises(ValueError, match="cannot be collated"):
+        next(node)
+    assert len(node._ready) == 2
+    got += list(node)
+    node.close()
+    _same_meta_batches(got, expected[:failing] + expected[failing + 1 :])

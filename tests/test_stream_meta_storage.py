@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from storage_formats import ChunkMetaFormat, ScriptedMetaFormat
 
-from guideloom_pipes import StreamDataset, StreamWithMetaStorage
+from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage, StreamWithMetaStorage
+from guideloom_pipes.batch import LazyRows
 from guideloom_pipes.io import MmapIO, PosixPreadIO
 from guideloom_pipes.storage import stream_meta
 from guideloom_pipes.storage.errors import CorruptShardError
@@ -611,3 +612,67 @@ def test_an_append_of_no_elements_writes_an_empty_shard(tmp_path: Path) -> None:
     with scripted(tmp_path).sync_reader() as reader:
         assert [reader.length(k) for k in range(3)] == [2, 0, 1]
         assert reader.read(1, 3)["document_data"] == [b"x", b"y"]
+
+
+# a read prepared at once, decoded a slice at a time (read_rows) ------------------------------
+
+
+class Counting(ScriptedMetaFormat):
+    """Notes the first stream value of each window it decodes; fails on payload ``fail``."""
+
+    def __init__(self, fail: bytes | None = None) -> None:
+        self.decoded: list[int] = []
+        self.fail = fail
+
+    def unpack(self, stream_data: Any, shards: Any, index: Any, data: Any) -> Any:
+        self.decoded.append(int(stream_data[0]))
+        if self.fail is not None and any(bytes(p) == self.fail for p in data):
+            raise ValueError("bad payload")
+        return super().unpack(stream_data, shards, index, data)
+
+
+@pytest.mark.parametrize("copies", [1, 6], ids=["few-rows", "many-rows"])
+def test_read_rows_decodes_only_the_rows_of_each_slice(
+    written: tuple[Path, Reference], copies: int
+) -> None:
+    """``read_rows`` does the read's shared work at once and calls ``unpack`` only for the
+    rows a slice asks for; the slices hold what ``read_batch`` gives (rows inside a shard,
+    rows crossing shards, ids repeated)."""
+    directory, _ = written
+    counting = Counting()
+    storage = StreamWithMetaStorage(directory, counting)
+    with StreamDataset(storage, 3).sync_reader() as reader:
+        ids = np.tile(np.arange(len(reader)), copies)  # windows 2 and 3 cross shards
+        expected = [as_plain(s) for s in reader.read_batch(ids)]
+        counting.decoded.clear()
+        rows = reader.read_rows(ids)
+        assert type(rows) is LazyRows and len(rows) == len(ids)
+        assert counting.decoded == []
+        got = []
+        for begin in range(0, len(ids), 4):
+            got += [as_plain(s) for s in rows[begin : begin + 4]]
+            assert len(counting.decoded) == min(begin + 4, len(ids))
+    assert got == expected
+
+
+def test_a_failing_unpack_fails_only_the_slice_of_its_row(
+    written: tuple[Path, Reference],
+) -> None:
+    directory, _ = written
+    storage = StreamWithMetaStorage(directory, Counting(fail=b"p1"))
+    with StreamDataset(storage, 2).sync_reader() as reader:
+        rows = reader.read_rows(np.tile([0, 1, 4], 8))  # window 1: elements 2, 3 (payload 1)
+        assert [s["document_data"] for s in rows[0:1]] == [[b"p0"]]
+        with pytest.raises(CorruptShardError, match=r"payload 1 of .*0000000\.out_of_band"):
+            rows[0:2]
+        assert [s["document_data"] for s in rows[2:3]] == [[b"q0"]]
+
+
+def test_read_rows_of_a_stream_without_metadata_is_read_batch(tmp_path: Path) -> None:
+    storage = StreamStorage(tmp_path, StreamNumpyFormat(np.dtype([("tokens", "<i4")])))
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(12)})
+    with StreamDataset(storage, 3).sync_reader() as reader:
+        rows = reader.read_rows(np.array([2, 0]))
+        assert type(rows) is list
+        assert [s["tokens"].tolist() for s in rows] == [[6, 7, 8], [0, 1, 2]]

@@ -25,7 +25,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from guideloom_pipes.batch import Batch, accepts_batch_arrays, batch_arrays
+from guideloom_pipes.batch import Batch, LazyRows, accepts_batch_arrays, batch_arrays
 from guideloom_pipes.datasets import WindowBuffers, batch_read_fn, open_reader
 from guideloom_pipes.pipes._transport import ResultRing, dump_result
 
@@ -182,9 +182,35 @@ def read_fn_for(
     reader: Any, collate_fn: Callable[..., Any] | None, out: WindowBuffers | None = None
 ) -> Callable[[_Ids], Any]:
     """``reader``'s batch read for ``collate_fn``: arrays (``read_arrays``) when it takes
-    a :class:`~guideloom_pipes.batch.Batch`, else the list of samples. ``out``: where the
-    arrays read their windows (a loader's pinned ring), for arrays only."""
-    return batch_read_fn(reader, arrays=accepts_batch_arrays(collate_fn), out=out)
+    a :class:`~guideloom_pipes.batch.Batch`, else the samples (``read_rows``: possibly
+    :class:`~guideloom_pipes.batch.LazyRows`, which :class:`_ReadTask` slices per batch).
+    ``out``: where the arrays read their windows (a loader's pinned ring), for arrays only."""
+    return batch_read_fn(reader, arrays=accepts_batch_arrays(collate_fn), out=out, rows=True)
+
+
+class _Deferred:
+    """A batch of a chunk read whose samples are made, and collated, only when the batch
+    is delivered (:meth:`_ReadTask.run` with ``defer=True``): rows ``begin .. end - 1`` of
+    the chunk's :class:`~guideloom_pipes.batch.LazyRows`, under the batch's seed if any."""
+
+    __slots__ = ("begin", "end", "rows", "seed", "task")
+
+    def __init__(
+        self, task: _ReadTask, rows: LazyRows, begin: int, end: int, seed: int | None
+    ) -> None:
+        self.task = task
+        self.rows = rows
+        self.begin = begin
+        self.end = end
+        self.seed = seed
+
+    def finish(self) -> Any:
+        """The batch's result (raises what its decode or collate raises)."""
+        task = self.task
+        if self.seed is None:
+            return task._collated(self.rows[self.begin : self.end])
+        with seeded(self.seed, task.seeding):
+            return task._collated(self.rows[self.begin : self.end])
 
 
 class _ReadTask:
@@ -224,7 +250,12 @@ class _ReadTask:
     def _input(self, samples: Any) -> Any:
         if type(samples) is Batch and not self._arrays:
             return samples.samples()
+        if type(samples) is LazyRows:
+            return samples[:]
         return samples
+
+    def _collated(self, samples: list[Any]) -> Any:
+        return samples if self._collate is None else self._collate(samples)
 
     def __call__(self, ids: _Ids, seed: int | None = None) -> Any:
         if seed is not None:
@@ -242,8 +273,11 @@ class _ReadTask:
                     self._columns = samples.columns is not None
                 if not self._arrays:
                     samples = samples.samples()
-            elif self._columns is None:
-                self._columns = False
+            else:
+                if self._columns is None:
+                    self._columns = False
+                if type(samples) is LazyRows:
+                    samples = samples[:]
         collate = self._collate
         return samples if collate is None else collate(samples)
 
@@ -253,7 +287,9 @@ class _ReadTask:
         except Exception as error:
             return _Failed(error)
 
-    def run(self, job: list[_Ids] | tuple[list[_Ids], list[int] | None]) -> list[Any]:
+    def run(
+        self, job: list[_Ids] | tuple[list[_Ids], list[int] | None], defer: bool = False
+    ) -> list[Any]:
         """Each batch's result, or a :class:`_Failed` for a batch whose read or collate raised.
 
         ``job`` is the list of the batches' id arrays, or ``(batches, seeds)`` with a seed
@@ -267,6 +303,13 @@ class _ReadTask:
         ``np.empty`` alone, more than 35 reads of one batch cost). Until the first read
         tells, batches are read one by one. Other reads (packed windows: one large
         allocation per chunk, backed by huge pages) stay one per chunk.
+
+        A read that gives :class:`~guideloom_pipes.batch.LazyRows` (windows of a stream
+        with metadata) makes each batch's samples from its slice, just before its collate;
+        with ``defer=True`` not even then: the batch is a :class:`_Deferred`, made and
+        collated by its :meth:`_Deferred.finish` when the caller delivers it (for the
+        calling thread's own chunks: the batches held waiting then keep only the read's
+        arrays and bytes, no objects that the garbage collector tracks).
         """
         batches, seeds = job if isinstance(job, tuple) else (job, None)
         if (
@@ -290,9 +333,18 @@ class _ReadTask:
         collate = self._collate
         out: list[Any] = []
         start = 0
+        lazy = samples if type(samples) is LazyRows and defer else None
         for index, size in enumerate(sizes):
-            part = samples[start : start + size]
-            start += size
+            begin, start = start, start + size
+            if lazy is not None:
+                seed = None if seeds is None else seeds[index]
+                out.append(_Deferred(self, lazy, begin, start, seed))
+                continue
+            try:
+                part = samples[begin:start]  # (rows of LazyRows are decoded here)
+            except Exception as error:
+                out.append(_Failed(error))
+                continue
             if type(part) is Batch:
                 part = self._input(part)
             elif not isinstance(part, list):

@@ -27,6 +27,7 @@ from guideloom_pipes.pipes._pool import (
     seconds_text,
 )
 from guideloom_pipes.pipes._worker import (
+    _Deferred,
     _Failed,
     _ReadTask,
     _RemoteTraceback,
@@ -624,6 +625,10 @@ class ReadSamples(BaseNode[Any]):
         just freed, see :meth:`_ReadTask.run`), else a chunk of them with one read, as a
         worker would, delivered one by one. ``timed``: measure the batch (its time and CPU
         share) and read the next ``_INLINE_SAMPLE - 1`` batches without a clock."""
+        if self._ready:
+            # the rest of a chunk this thread read comes first (a chunk read now would only
+            # pile up behind it, and at the source's end the batches left in it were lost)
+            return self._deliver_ready()
         task = self._task
         assert task is not None
         if task._columns is False and self._chunk_size() > 1:
@@ -685,8 +690,12 @@ class ReadSamples(BaseNode[Any]):
             return self._next_from_workers()
         cpu = time.thread_time()
         started = time.perf_counter()
-        # (Ctrl-C inside the read propagates: nothing of the chunk is delivered)
-        outcomes = task.run((batches, seeds) if batch_seeds is not None else batches)
+        # (Ctrl-C inside the read propagates: nothing of the chunk is delivered). Batches
+        # whose samples the read leaves to slices (LazyRows) are made and collated as each
+        # is delivered: only the batch being delivered holds objects the garbage collector
+        # tracks, not the chunk (_Deferred; this thread would run their collates anyway).
+        job = (batches, seeds) if batch_seeds is not None else batches
+        outcomes = task.run(job, defer=True)
         elapsed = time.perf_counter() - started
         share = min(1.0, (time.thread_time() - cpu) / elapsed) if elapsed > 0 else None
         self._learn(elapsed / len(outcomes), share)
@@ -694,8 +703,18 @@ class ReadSamples(BaseNode[Any]):
         return self._deliver_ready()
 
     def _deliver_ready(self) -> Any:
-        """The next batch of a chunk read by the calling thread (a failed one raises)."""
-        result, snapshot = self._ready.popleft()
+        """The next batch of a chunk read by the calling thread (a failed one raises; a
+        deferred one is made and collated now: if that raises an ``Exception`` the batch
+        has failed, and counts as delivered; a ``KeyboardInterrupt`` delivers nothing, the
+        batch stays next)."""
+        ready = self._ready
+        result, snapshot = ready[0]
+        if type(result) is _Deferred:
+            try:
+                result = result.finish()
+            except Exception as error:
+                result = _Failed(error)
+        ready.popleft()
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
         if type(result) is _Failed:

@@ -199,11 +199,22 @@ class OffsetIndex:
         their offsets per shard, one check of them, the bytes copied with one ``join``
         (a piece per run), one slice per payload. Otherwise :meth:`payload_views` per run.
         """
+        runs = self.run_payloads(shards, firsts, counts)
+        return runs.views(0, len(runs))
+
+    def run_payloads(
+        self, shards: np.ndarray, firsts: np.ndarray, counts: np.ndarray
+    ) -> RunPayloads:
+        """:meth:`run_views` without the slices: the runs' bytes read, checked and copied,
+        each payload's ``memoryview`` made only when :meth:`RunPayloads.views` asks for it
+        (a memoryview is an object the garbage collector tracks; bytes and offsets are
+        not, so a large read held for a while costs the collector nothing until sliced).
+        """
         shards = np.asarray(shards, dtype=np.int64)
         firsts = np.asarray(firsts, dtype=np.int64)
         counts = np.asarray(counts, dtype=np.int64)
         if len(shards) == 0:
-            return []
+            return RunPayloads(views=[])
         one = bool(shards[0] == shards[-1]) and bool((shards == shards[0]).all())
         distinct: list[int] = [int(shards[0])] if one else np.unique(shards).tolist()
         files = [self._mapped(shard) for shard in distinct]
@@ -211,10 +222,10 @@ class OffsetIndex:
             out: list[memoryview] = []
             for shard, first, count in zip(shards.tolist(), firsts.tolist(), counts.tolist()):
                 out += self.payload_views(shard, np.arange(first, first + count, dtype=np.int64))
-            return out
+            return RunPayloads(views=out)
         mapped = cast("list[tuple[np.ndarray, np.ndarray]]", files)
         if len(shards) <= _FEW_RUNS:
-            return self._few_run_views(shards, firsts, counts, distinct, mapped)
+            return RunPayloads(views=self._few_run_views(shards, firsts, counts, distinct, mapped))
         available = self._counts[shards]
         outside = (firsts < 0) | (firsts + counts > available)
         if outside.any():
@@ -254,10 +265,9 @@ class OffsetIndex:
         not_last[ends - 1] = False
         not_first = np.ones(len(relative), dtype=bool)
         not_first[begins] = False
-        whole = memoryview(block)
-        return [
-            whole[a:b] for a, b in zip(relative[not_last].tolist(), relative[not_first].tolist())
-        ]
+        return RunPayloads(
+            block=block, starts=relative[not_last].tolist(), ends=relative[not_first].tolist()
+        )
 
     def _few_run_views(
         self,
@@ -289,6 +299,41 @@ class OffsetIndex:
             for local in range(first, first + count):
                 self.payload(shard, local)  # raises for a bad entry
         raise AssertionError("bad offsets that payload() accepts")  # pragma: no cover
+
+
+class RunPayloads:
+    """The payloads of one :meth:`OffsetIndex.run_payloads` read, sliced on demand.
+
+    Either the views themselves (small reads, files that are not mapped), or one copy of
+    the runs' bytes with each payload's start and end in it: payload ``j`` is
+    ``block[starts[j]:ends[j]]``, a ``memoryview`` made by :meth:`views`.
+    """
+
+    __slots__ = ("_block", "_ends", "_starts", "_views")
+
+    def __init__(
+        self,
+        *,
+        views: list[memoryview] | None = None,
+        block: bytearray | None = None,
+        starts: list[int] | None = None,
+        ends: list[int] | None = None,
+    ) -> None:
+        self._views = views
+        self._block = memoryview(block) if block is not None else None
+        self._starts = starts if starts is not None else []
+        self._ends = ends if ends is not None else []
+
+    def __len__(self) -> int:
+        return len(self._views) if self._views is not None else len(self._starts)
+
+    def views(self, begin: int, end: int) -> list[memoryview]:
+        """Payloads ``begin .. end - 1`` as memoryviews of the copy."""
+        if self._views is not None:
+            return self._views[begin:end]
+        block = self._block
+        assert block is not None
+        return [block[a:b] for a, b in zip(self._starts[begin:end], self._ends[begin:end])]
 
 
 def index_counts(reader: ReaderBase, sizes: list[dict[str, int]]) -> np.ndarray:

@@ -19,6 +19,7 @@ from guideloom_pipes.storage.document import (
     INDEX_DTYPE,
     OffsetIndex,
     PayloadLog,
+    RunPayloads,
     index_counts,
 )
 from guideloom_pipes.storage.errors import (
@@ -333,62 +334,56 @@ class StreamWithMetaReader(StreamReader):
     def decode_windows(self, windows: np.ndarray, starts: np.ndarray) -> list[Any]:
         """:meth:`decode` of each row of ``windows`` (the records of equal-length spans at
         ``starts``, all inside the stream, as :meth:`read_windows` returns them), with the
-        work done for the whole batch at once.
+        work done for the whole batch at once: :meth:`prepare_windows`, then all its rows."""
+        prepared = self.prepare_windows(windows, starts)
+        return prepared.decode(0, len(prepared))
+
+    def prepare_windows(self, windows: np.ndarray, starts: np.ndarray) -> MetaWindows:
+        """The shared work of decoding the rows of ``windows`` (see :meth:`decode_windows`),
+        done for all rows at once; :meth:`MetaWindows.decode` then decodes any range of
+        rows (the payloads' memoryviews, ``unpack`` per row).
 
         A row inside one shard whose payload number goes up by 0 or 1 from each element to
         the next (what our writers and GuideLoom's write: a shard's payloads are numbered
         in stream order) touches payloads ``first .. last`` of its shard, whose bytes
         follow each other: for all such rows together, ``document_index`` is one
         subtraction, the payloads one gather of offsets and one copy of bytes
-        (:meth:`OffsetIndex.run_views`). Only ``unpack`` is called per row. Other rows (a
-        shard boundary, payload numbers that jump or go back) go through :meth:`decode`.
+        (:meth:`OffsetIndex.run_payloads`). Other rows (a shard boundary, payload numbers
+        that jump or go back) go through :meth:`decode` when they are decoded. What this
+        keeps is arrays and one byte copy, none of it tracked by the garbage collector: a
+        loader can hold a chunk of batches prepared and make each batch's objects only
+        when it is delivered.
         """
         rows, length = windows.shape
-        if rows == 0 or length == 0:
-            return [self.decode(windows[row], *self.window_pieces(0, 0)) for row in range(rows)]
         starts = np.asarray(starts, dtype=np.int64)
+        if rows == 0 or length == 0:
+            return MetaWindows(self, windows, starts, np.zeros(rows, dtype=bool))
         first = np.searchsorted(self._starts, starts, side="right") - 1
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
         index = np.ascontiguousarray(windows["index"])  # the ops below run on it contiguous
         steps = np.subtract(index[:, 1:], index[:, :-1])
         # steps of 0 or 1 (a negative step is a large unsigned number)
         simple = (first == last) & (steps.view(np.uint32) <= 1).all(axis=1)
-        out: list[Any] = [None] * rows
-        for row in np.flatnonzero(~simple).tolist():
-            out[row] = self.decode(windows[row], *self.window_pieces(int(starts[row]), length))
         good = np.flatnonzero(simple)
+        prepared = MetaWindows(self, windows, starts, simple)
         if len(good) == 0:
-            return out
+            return prepared
         every = len(good) == rows  # the usual case: no row picked out (no fancy copies)
         if not every:
             index, first = index[good], first[good]
         low = index[:, 0].astype(np.int64)
         runs = index[:, -1] - low + 1
-        document_index = np.subtract(index, index[:, :1])  # int32: payload number - first
-        fetched = self._payloads.run_views(first, low, runs)
-        payload_shards = np.repeat(first, runs)
         # one copy of the rows' own fields (picking rows out copies them already)
         user = windows["user"]
-        stream = np.array(user, copy=True) if every else user[good]
-        unpack = self.storage.format.unpack
-        ends = np.cumsum(runs).tolist()
-        begin = end = 0
-        try:
-            for row, end, data, element_index in zip(good.tolist(), ends, stream, document_index):
-                out[row] = unpack(
-                    data, payload_shards[begin:end], element_index, fetched[begin:end]
-                )
-                begin = end
-        except StorageError:
-            raise
-        except Exception as error:
-            locals_ = np.arange(len(payload_shards), dtype=np.int64) - np.repeat(
-                np.cumsum(runs) - runs - low, runs
-            )
-            raise self._decode_failed(
-                error, payload_shards[begin:end], locals_[begin:end]
-            ) from error
-        return out
+        prepared.fill(
+            stream=np.array(user, copy=True) if every else user[good],
+            document_index=np.subtract(index, index[:, :1]),  # int32: payload number - first
+            payloads=self._payloads.run_payloads(first, low, runs),
+            payload_shards=np.repeat(first, runs),
+            low=low,
+            runs=runs,
+        )
+        return prepared
 
     def _fetch(self, shards: np.ndarray, locals_: np.ndarray) -> list[memoryview]:
         """Payloads ``locals_[j]`` of shards ``shards[j]``, as memoryviews of fresh copies."""
@@ -416,6 +411,126 @@ class StreamWithMetaReader(StreamReader):
         return self.decode(records, shard_lengths, shards)
 
 
+class MetaWindows:
+    """A read of stream-with-metadata windows, prepared for the whole read at once
+    (:meth:`StreamWithMetaReader.prepare_windows`) and decoded a range of rows at a time.
+
+    It holds arrays and one copy of the payloads' bytes; :meth:`decode` makes the samples
+    of rows ``begin .. end - 1``: their payloads' memoryviews and one ``unpack`` per row.
+    """
+
+    __slots__ = (
+        "_document_index",
+        "_ends",
+        "_low",
+        "_payload_shards",
+        "_payloads",
+        "_position",
+        "_reader",
+        "_runs",
+        "_starts",
+        "_stream",
+        "_windows",
+    )
+
+    def __init__(
+        self,
+        reader: StreamWithMetaReader,
+        windows: np.ndarray,
+        starts: np.ndarray,
+        simple: np.ndarray,
+    ) -> None:
+        self._reader = reader
+        self._windows = windows
+        self._starts = starts
+        # row -> its place among the rows decoded together (-1: decoded alone, by decode())
+        position = np.full(len(simple), -1, dtype=np.int64)
+        position[simple] = np.arange(int(np.count_nonzero(simple)), dtype=np.int64)
+        self._position = position
+        self._stream: np.ndarray | None = None
+        self._document_index: np.ndarray | None = None
+        self._payloads: RunPayloads | None = None
+        self._payload_shards: np.ndarray | None = None
+        self._low: np.ndarray | None = None
+        self._runs: np.ndarray | None = None
+        self._ends: list[int] = []
+
+    def fill(
+        self,
+        *,
+        stream: np.ndarray,
+        document_index: np.ndarray,
+        payloads: RunPayloads,
+        payload_shards: np.ndarray,
+        low: np.ndarray,
+        runs: np.ndarray,
+    ) -> None:
+        """The shared work for the rows decoded together, in their order."""
+        self._stream = stream
+        self._document_index = document_index
+        self._payloads = payloads
+        self._payload_shards = payload_shards
+        self._low = low
+        self._runs = runs
+        self._ends = [0, *np.cumsum(runs).tolist()]  # row k's payloads: ends[k] .. ends[k + 1]
+
+    def __len__(self) -> int:
+        return len(self._position)
+
+    def decode(self, begin: int, end: int) -> list[Any]:
+        """The samples of rows ``begin .. end - 1``, in order."""
+        reader = self._reader
+        positions = self._position[begin:end]
+        if len(positions) == 0:
+            return []
+        out: list[Any] = []
+        together = positions >= 0
+        if not together.all():
+            length = self._windows.shape[1]
+            windows, starts = self._windows, self._starts
+            for row, position in zip(range(begin, end), positions.tolist()):
+                if position < 0:  # (an empty window's pieces: those of (0, 0))
+                    pieces = reader.window_pieces(int(starts[row]) if length else 0, length)
+                    out.append(reader.decode(windows[row], *pieces))
+                else:
+                    out += self._together(position, position + 1)
+            return out
+        return self._together(int(positions[0]), int(positions[-1]) + 1)
+
+    def _together(self, first: int, stop: int) -> list[Any]:
+        """``unpack`` of rows ``first .. stop - 1`` of those decoded together."""
+        stream, document_index = self._stream, self._document_index
+        payloads, shards = self._payloads, self._payload_shards
+        assert stream is not None and document_index is not None
+        assert payloads is not None and shards is not None
+        ends = self._ends
+        offset = ends[first]
+        fetched = payloads.views(offset, ends[stop])
+        unpack = self._reader.storage.format.unpack
+        out: list[Any] = []
+        begin = end = offset
+        try:
+            for k in range(first, stop):
+                end = ends[k + 1]
+                out.append(
+                    unpack(
+                        stream[k],
+                        shards[begin:end],
+                        document_index[k],
+                        fetched[begin - offset : end - offset],
+                    )
+                )
+                begin = end
+        except StorageError:
+            raise
+        except Exception as error:
+            assert self._low is not None and self._runs is not None
+            row = len(out) + first
+            locals_ = np.arange(int(self._low[row]), int(self._low[row] + self._runs[row]))
+            raise self._reader._decode_failed(error, shards[begin:end], locals_) from error
+        return out
+
+
 class AsyncStreamWithMetaReader(AsyncReaderBase, StreamStorageAsyncReaderAbstract[Any]):
     """``async`` reader: ``await reader.read(global_index, global_length)``."""
 
@@ -424,4 +539,4 @@ class AsyncStreamWithMetaReader(AsyncReaderBase, StreamStorageAsyncReaderAbstrac
         return await asyncio.to_thread(self._sync.read, global_index, global_length)
 
 
-__all__ = ["INDEX_DTYPE", "StreamWithMetaStorage", "record_dtype"]
+__all__ = ["INDEX_DTYPE", "MetaWindows", "StreamWithMetaStorage", "record_dtype"]
