@@ -53,6 +53,7 @@ from guideloom_pipes.datasets import (
     _DatasetReaderBase,
     batch_read_fn,
     open_reader,
+    reader_code,
     reader_fingerprint,
 )
 from guideloom_pipes.shuffle import FeistelPermutation
@@ -539,6 +540,10 @@ class PackedReader(_DatasetReaderBase):
         """The source's fingerprint (``None`` if it cannot tell)."""
         self._check_open()
         return reader_fingerprint(self._source)
+
+    def code_parts(self) -> list[Any]:
+        """Itself and what its source's reader runs."""
+        return [self] + (reader_code(self._source) if self._source is not None else [])
 
     def open(self) -> None:
         """Open the source; for documents, load (or build) the prefix sums."""

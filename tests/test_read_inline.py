@@ -207,6 +207,42 @@ def test_a_user_collate_stays_on_workers_that_are_told_who_they_are(
     assert len(rest) == WINDOWS // BATCH - 1 and not inline
 
 
+class UserTokens(StreamNumpyFormat):
+    """A user's format: its ``unpack`` runs inside our reader's reads."""
+
+
+def test_a_users_format_or_the_benchmarks_collate_keep_told_workers_reading(
+    tmp_path: Path, clock: FakeClock
+) -> None:
+    from guideloom_pipes.bench.data import collate_tokens
+
+    def stage(format: Any, collate_fn: Any) -> ReadSamples:
+        storage = StreamStorage(tmp_path / type(format).__name__, format)
+        if not storage.dir.exists():
+            with storage.sync_writer() as writer:
+                writer.append(0, {"tokens": np.arange(WINDOWS * LENGTH)})
+        return ReadSamples(
+            _ids(),
+            StreamDataset(storage, LENGTH),
+            num_workers=2,
+            collate_fn=collate_fn,
+            base_seed=5,
+        )
+
+    ours = stage(StreamNumpyFormat(TOKENS), default_collate)
+    users = stage(UserTokens(TOKENS), default_collate)
+    bench = stage(StreamNumpyFormat(TOKENS), collate_tokens)
+    for node in (ours, users, bench):
+        node.reset()
+    try:
+        assert ours._may_inline and ours._library_only()
+        assert not users._may_inline and not users._library_only()
+        assert not bench._may_inline and not bench._library_only()
+    finally:
+        for node in (ours, users, bench):
+            node.close()
+
+
 def test_a_user_collate_is_read_inline_where_workers_are_not_told_who_they_are(
     readers: Readers, clock: FakeClock
 ) -> None:

@@ -17,7 +17,7 @@ import numpy.typing as npt
 import torch.utils.data._utils.worker as _torch_worker
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.datasets import WindowBuffers, open_reader
+from guideloom_pipes.datasets import WindowBuffers, open_reader, reader_code
 from guideloom_pipes.pipes._errors import mark_batch_failure
 from guideloom_pipes.pipes._pool import (
     DataLoaderTimeoutError,
@@ -58,9 +58,13 @@ _INLINE_SAMPLE = 16
 
 
 def _ours(obj: Any) -> bool:
-    """Whether ``obj`` (a reader, a function) is defined by this library."""
+    """Whether ``obj`` (a reader, a format, a function) is defined by this library. The
+    benchmark's datasets, formats and collates play a user's: they are not."""
     module = getattr(obj, "__module__", None)
-    return isinstance(module, str) and module.split(".", 1)[0] == "guideloom_pipes"
+    if not isinstance(module, str):
+        return False
+    top, _, rest = module.partition(".")
+    return top == "guideloom_pipes" and rest.partition(".")[0] != "bench"
 
 
 # -- torch's get_worker_info() in worker threads --------------------------------------------
@@ -594,9 +598,12 @@ class ReadSamples(BaseNode[Any]):
         return result
 
     def _library_only(self) -> bool:
-        """Whether a batch runs only this library's code: one of our dataset readers, and
-        no ``collate_fn`` or one of ours."""
-        return _ours(self._reader) and (self._worker_collate is None or _ours(self._worker_collate))
+        """Whether a batch runs only this library's code: one of our dataset readers over
+        our formats (a format's ``unpack`` runs in the read) and components, and no
+        ``collate_fn`` or one of ours."""
+        return all(_ours(part) for part in reader_code(self._reader)) and (
+            self._worker_collate is None or _ours(self._worker_collate)
+        )
 
     def _quick_to_inline(self) -> bool:
         """Whether the calling thread reads the next batch itself rather than a worker
