@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from guideloom_pipes.batch import Batch, batch_arrays
-from guideloom_pipes.packing import FIELDS, PackedSample, known_starts
+from guideloom_pipes.packing import FIELDS, PackedSample, known_sequences
 
 __all__ = ["collate_packed"]
 
@@ -86,21 +86,28 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
         samples = samples.columns if samples.columns is not None else samples.samples()
     elif not isinstance(samples, Mapping) and len(samples) == 0:
         return []
+    out: dict[str, Any]
     stacked = type(samples) is dict or isinstance(samples, Mapping)
     found = None if stacked else _rows_of_one_read(samples)  # type: ignore[arg-type]
     if found is not None:
         arrays, starts = found
     else:
         arrays = {name: _stack(samples, name, stacked) for name in _FIELDS}
-        starts = known_starts(arrays["position_ids"])  # a PackedDataset read's columns
-        if starts is None:
-            starts = (arrays["position_ids"].reshape(-1) == 0).nonzero()[0]
+        known = known_sequences(arrays["position_ids"])  # a PackedDataset read's columns
+        if known is not None:
+            # the read's bounds (its starts, then B * L) are cu_seqlens, once narrowed
+            bounds, sizes = known
+            out = {name: torch.from_numpy(array) for name, array in arrays.items()}
+            out["cu_seqlens"] = torch.from_numpy(bounds.astype(np.int32))
+            out["max_seqlen"] = int(sizes.max()) if len(sizes) else 0
+            return out
+        starts = (arrays["position_ids"].reshape(-1) == 0).nonzero()[0]
     size = arrays["tokens"].size
     cu_seqlens = np.empty(len(starts) + 1, dtype=np.int32)
     cu_seqlens[:-1] = starts
     cu_seqlens[-1] = size
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if size else 0
-    out: dict[str, Any] = {name: torch.from_numpy(array) for name, array in arrays.items()}
+    out = {name: torch.from_numpy(array) for name, array in arrays.items()}
     out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
     out["max_seqlen"] = max_seqlen
     return out
