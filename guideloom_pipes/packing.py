@@ -290,16 +290,12 @@ def _pack(
     bounds = is_start.nonzero()[0]
     segments = bounds[:-1]
     sizes = bounds[1:] - segments
-    count = len(segments)
     narrow = _narrow(length)
     # per sequence: its first column, and its number in its window (its rank minus the rank
     # of its window's first sequence, found by a search of its own window in the sorted ones)
     window, column = np.divmod(segments, length)
-    values = np.empty((2, count), dtype=narrow)
-    np.copyto(values[0], column, casting="unsafe")
-    np.subtract(
-        _arange(total)[:count], window.searchsorted(window), out=values[1], casting="unsafe"
-    )
+    numbers = _arange(total)[: len(segments)] - window.searchsorted(window)
+    values = np.array((column, numbers), dtype=narrow)
     spread = np.repeat(values, sizes, axis=1)  # (2, total): each value over its sequence
     np.subtract(_ramp(rows, length, narrow), spread[0], out=spread[0])
     np.copyto(planes[1:3], spread)  # position_ids and document_ids, widened
