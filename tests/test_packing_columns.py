@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_packing import EOS, reference_stream
 
-from guideloom_pipes import PackedDataset
+from guideloom_pipes import Batch, PackedDataset
 from guideloom_pipes import packing as packing_module
 from guideloom_pipes.packing import FIELDS, known_sequences, pack_columns
 
@@ -128,3 +129,31 @@ def test_a_read_keeps_its_sequence_bounds_for_collate():
         assert sizes.tolist() == np.diff(bounds).tolist()
         assert known_sequences(columns["position_ids"].copy()) is None  # not the read's
         assert known_sequences(columns["position_ids"][1:]) is None
+
+
+def test_collate_packed_takes_a_reads_columns_as_they_are_and_checks_changed_ones():
+    torch = pytest.importorskip("torch")
+    from guideloom_pipes import collate_packed
+
+    rng = np.random.default_rng(7)
+    documents = [rng.integers(1, 50, rng.integers(1, 20)).tolist() for _ in range(60)]
+    with PackedDataset(documents, 8, eos_token=0).sync_reader() as reader:
+        ids = np.array([4, 1, 7])
+        batch = reader.read_arrays(ids)
+        expected = collate_packed([dict(sample) for sample in reader.read_batch(ids)])
+        ours = collate_packed(batch)
+        for name in (*FIELDS, "cu_seqlens"):
+            assert torch.equal(ours[name], expected[name])
+        assert ours["cu_seqlens"].dtype == torch.int32
+        assert ours["max_seqlen"] == expected["max_seqlen"]
+        assert np.shares_memory(ours["tokens"].numpy(), batch.columns["tokens"])
+        # a column replaced after the read (another dtype, a tensor): checked and widened
+        tokens = batch.columns["tokens"]
+        for replaced in ((tokens + 1).astype(np.int32), torch.from_numpy(tokens + 1)):
+            changed = dict(batch.columns, tokens=replaced)
+            for given in (Batch.of_columns(changed), changed):
+                got = collate_packed(given)
+                assert got["tokens"].dtype == torch.int64
+                assert torch.equal(got["tokens"], expected["tokens"] + 1)
+                assert torch.equal(got["cu_seqlens"], expected["cu_seqlens"])
+        assert collate_packed(reader.read_arrays(np.zeros(0, dtype=np.int64))) == []
