@@ -43,7 +43,7 @@ def _columns_of_one_read(columns: dict[str, Any]) -> dict[str, Any] | None:
     read, as it made them (planes of its output block, whose bounds and sizes it kept):
     tensors of the columns, and ``cu_seqlens`` and ``max_seqlen`` from the bounds and sizes.
     Else None (the general path checks and stacks them)."""
-    position_ids = columns.get("position_ids")
+    position_ids: Any = columns.get("position_ids")
     known = None if position_ids is None else known_sequences(position_ids)
     if known is None or len(columns) != len(_FIELDS) or not len(position_ids):
         return None
@@ -128,7 +128,7 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
     cu_seqlens[:-1] = starts
     cu_seqlens[-1] = size
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if size else 0
-    out = {name: torch.from_numpy(array) for name, array in arrays.items()}
+    out: dict[str, Any] = {name: torch.from_numpy(array) for name, array in arrays.items()}
     out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
     out["max_seqlen"] = max_seqlen
     return out
