@@ -115,16 +115,22 @@ _INT16_MAX = int(np.iinfo(np.int16).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 #: (length, dtype) -> ``0..length-1`` repeated, read-only (see ``_ramp``).
 _RAMPS: dict[tuple[int, Any], np.ndarray] = {}
+#: Ramps of up to this many values are kept (a batch of 512 windows of 8,192 tokens);
+#: a larger read builds its own.
+_RAMP_KEPT = 1 << 22
 
 
 def _ramp(rows: int, length: int, dtype: type[np.signedinteger[Any]]) -> np.ndarray:
     """``0, 1, ..., length - 1`` repeated ``rows`` times in ``dtype`` (read-only): a slice
-    of one array per window length, grown to twice the rows when a batch needs more."""
+    of one array per window length, grown to twice the rows when a batch needs more (up to
+    ``_RAMP_KEPT`` values)."""
     total = rows * length
     ramps = _RAMPS.get((length, dtype))
     if ramps is None or len(ramps) < total:
         have = 0 if ramps is None else len(ramps) // max(length, 1)
         ramps = np.tile(np.arange(length, dtype=dtype), max(rows, 2 * have))
+        if len(ramps) > _RAMP_KEPT:  # a very large read: not kept
+            return ramps[:total]
         ramps.flags.writeable = False
         if len(_RAMPS) >= 16:  # many window lengths: keep the latest ones
             _RAMPS.clear()

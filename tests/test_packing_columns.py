@@ -102,6 +102,20 @@ def test_batches_of_varying_sizes_share_the_ramps():
     assert len(ramps) == 1 and len(next(iter(ramps.values()))) >= 64 * length
 
 
+def test_a_read_larger_than_the_kept_ramps_is_right_and_not_kept(monkeypatch):
+    rng = np.random.default_rng(8)
+    length = 5
+    monkeypatch.setattr(packing_module, "_RAMP_KEPT", 40)
+    packing_module._RAMPS.clear()
+    tokens = _stream(rng.integers(1, 9, 40).tolist(), rng)
+    expected = reference_stream(tokens, length, EOS)
+    for rows in (4, 12, 3):  # 20 values kept, then 60 (built, not kept), then a slice
+        windows = np.array(tokens[: rows * length]).reshape(rows, length)
+        _check(*pack_columns(windows, eos_token=EOS), expected[:rows])
+        assert all(len(kept) <= 40 for kept in packing_module._RAMPS.values())
+    assert len(next(iter(packing_module._RAMPS.values()))) == 4 * length
+
+
 def test_windows_longer_than_int16_holds():
     rng = np.random.default_rng(5)
     length = 40_000  # positions and columns beyond int16: counted in int32
