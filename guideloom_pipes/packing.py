@@ -91,15 +91,52 @@ def _arange(count: int) -> _I64:
     return steps
 
 
-def _eos_scalar(windows: np.ndarray, eos_token: int) -> Any:
-    """``eos_token`` as a scalar to compare ``windows`` with in their own dtype (fewer bytes
-    than int64), or as an int64 where that dtype cannot hold it (then never found)."""
-    if windows.dtype.kind not in "iu":
+@functools.lru_cache(maxsize=32)
+def _eos_scalar(dtype: np.dtype[Any], eos_token: int) -> Any:
+    """``eos_token`` as a scalar to compare windows of ``dtype`` with in their own dtype
+    (fewer bytes than int64), or as an int64 where that dtype cannot hold it (then never
+    found)."""
+    if dtype.kind not in "iu":
         return eos_token
-    info = np.iinfo(windows.dtype)
+    info = np.iinfo(dtype)
     if not info.min <= eos_token <= info.max:
         return np.int64(eos_token)
-    return windows.dtype.type(eos_token)
+    return dtype.type(eos_token)
+
+
+def _narrow(length: int) -> type[np.signedinteger[Any]]:
+    """The narrowest signed dtype that holds ``0..length`` (the window-local values: a
+    position, a column, a document's number in its window)."""
+    if length <= _INT16_MAX:
+        return np.int16
+    return np.int32 if length <= _INT32_MAX else np.int64
+
+
+_INT16_MAX = int(np.iinfo(np.int16).max)
+_INT32_MAX = int(np.iinfo(np.int32).max)
+#: (length, dtype) -> ``0..length-1`` repeated, read-only (see ``_ramp``).
+_RAMPS: dict[tuple[int, Any], np.ndarray] = {}
+#: Ramps of up to this many values are kept (a batch of 512 windows of 8,192 tokens);
+#: a larger read builds its own.
+_RAMP_KEPT = 1 << 22
+
+
+def _ramp(rows: int, length: int, dtype: type[np.signedinteger[Any]]) -> np.ndarray:
+    """``0, 1, ..., length - 1`` repeated ``rows`` times in ``dtype`` (read-only): a slice
+    of one array per window length, grown to twice the rows when a batch needs more (up to
+    ``_RAMP_KEPT`` values)."""
+    total = rows * length
+    ramps = _RAMPS.get((length, dtype))
+    if ramps is None or len(ramps) < total:
+        have = 0 if ramps is None else len(ramps) // max(length, 1)
+        ramps = np.tile(np.arange(length, dtype=dtype), max(rows, 2 * have))
+        if len(ramps) > _RAMP_KEPT:  # a very large read: not kept
+            return ramps[:total]
+        ramps.flags.writeable = False
+        if len(_RAMPS) >= 16:  # many window lengths: keep the latest ones
+            _RAMPS.clear()
+        _RAMPS[(length, dtype)] = ramps
+    return ramps[:total]
 
 
 #: Released output memory a reader keeps for reuse (see ``_Slabs``), in bytes.
@@ -109,41 +146,45 @@ _SLAB_BYTES = 32 << 20
 class _Lease:
     """The owner of one batch's output slab: every array of the batch (columns, the rows of
     its samples, tensors made from them) holds it through its base, so it dies with the
-    last of them and hands the slab back to its pool. It also keeps the sequence starts the
-    read found, for :func:`known_starts` (``collate_packed`` then needs no pass over the
-    positions)."""
+    last of them and hands the slab back to its pool. It also keeps the sequence bounds and
+    sizes the read found, for :func:`known_sequences` (``collate_packed`` then needs no pass
+    over the positions)."""
 
-    __slots__ = ("__array_interface__", "_column", "_pool", "_slab", "_starts")
+    __slots__ = ("__array_interface__", "_bounds", "_column", "_pool", "_sizes", "_slab")
 
     def __init__(self, slab: _I64, interface: dict[str, Any], pool: _Slabs) -> None:
         self._slab = slab
         self.__array_interface__ = interface
         self._pool = pool
         self._column: Any = None
-        self._starts: _I64 | None = None
+        self._bounds: _I64 | None = None
+        self._sizes: _I64 | None = None
 
     def __del__(self) -> None:
         self._pool.release(self._slab, self.__array_interface__)
 
 
-def _remember_starts(position_ids: _I64, starts: _I64) -> None:
-    """Record on the lease of ``position_ids`` (a column of a slab) its batch's starts."""
+def _remember_sequences(position_ids: _I64, bounds: _I64, sizes: _I64) -> None:
+    """Record on the lease of ``position_ids`` (a column of a slab) its batch's sequence
+    bounds and sizes."""
     lease: Any = position_ids.base.base  # type: ignore[union-attr]
     lease._column = weakref.ref(position_ids)
-    lease._starts = starts
+    lease._bounds = bounds
+    lease._sizes = sizes
 
 
-def known_starts(position_ids: np.ndarray) -> _I64 | None:
-    """The flat sequence starts of ``position_ids`` when it is, unchanged in shape, the
-    ``position_ids`` column of one :class:`PackedReader` read (as its read found them),
-    else None (then they are found from the positions)."""
+def known_sequences(position_ids: np.ndarray) -> tuple[_I64, _I64] | None:
+    """``(bounds, sizes)`` of the sequences of ``position_ids`` when it is, unchanged in
+    shape, the ``position_ids`` column of one :class:`PackedReader` read (as its read found
+    them: the flat start of every sequence then ``B * L``, and each one's length), else
+    None (then they are found from the positions)."""
     whole = position_ids.base
     if type(whole) is not np.ndarray:
         return None
     lease = whole.base
     if type(lease) is not _Lease or lease._column is None or lease._column() is not position_ids:
         return None
-    return lease._starts
+    return lease._bounds, lease._sizes
 
 
 class _Slabs:
@@ -211,28 +252,44 @@ def pack_columns(
     Returns:
         ``(columns, segments)``: field -> ``(B, L)`` int64 array, and the sorted flat index
         of every sequence start (each window start and each document start inside a
-        window). A few whole-batch passes and no loop per window or per document: the
-        tokens copied once; a mask of the starts (the EOS found in the source's own dtype)
-        and its nonzero indexes; ``position_ids`` as the flat index minus its sequence's
-        start, and ``document_ids`` as its sequence's number minus that of its window's
-        first sequence (each one ``repeat`` of a value per sequence and one subtraction);
-        ``labels`` as the tokens shifted by one, with ``-100`` before each start and last.
+        window). See :func:`_pack` for how.
+    """
+    columns, bounds, _ = _pack(windows, eos_token, starts, out)
+    return columns, bounds[:-1]
+
+
+def _pack(
+    windows: np.ndarray, eos_token: int | None, starts: _I64 | None, out: _I64 | None
+) -> tuple[dict[str, _I64], _I64, _I64]:
+    """:func:`pack_columns`, returning the bounds of the sequences (their flat starts, then
+    ``B * L``) and their sizes instead of the starts.
+
+    A few whole-batch passes and no loop per window or per document: the tokens widened
+    once; a mask of the starts (the EOS found in the source's own dtype) and its nonzero
+    indexes; per sequence, its first column and its number in its window, both repeated
+    over its tokens with one ``repeat`` in the narrowest dtype that holds them (int16 for
+    windows up to 32,767 tokens: a quarter of int64's bytes); ``position_ids`` as a cached
+    ramp ``0..L-1`` per window minus the first column; the two planes widened into
+    ``position_ids`` and ``document_ids`` with one copy (they are adjacent in ``out``);
+    ``labels`` as the widened tokens shifted by one (a plain copy), with ``-100`` scattered
+    before each start and last.
     """
     rows, length = windows.shape
     total = rows * length
     if out is None:
         out = np.empty((len(FIELDS), rows, length), dtype=np.int64)
     columns = dict(zip(FIELDS, out))
-    tokens, position_ids, document_ids, labels = (a.reshape(-1) for a in out)
+    planes = out.reshape(len(FIELDS), total)
+    tokens, labels = planes[0], planes[3]
     flat = windows.reshape(-1)  # a copy only for windows with odd strides
     np.copyto(tokens, flat, casting="unsafe")
     if total == 0:
-        return columns, np.zeros(0, dtype=np.int64)
-    steps = _arange(total)
+        return columns, np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
     # is_start[k]: a sequence starts at flat index k (k == total: the end of the last one)
     is_start = np.empty(total + 1, dtype=bool)
     if starts is None:
-        np.equal(flat[:-1], _eos_scalar(windows, eos_token or 0), out=is_start[1:total])
+        eos = _eos_scalar(windows.dtype, eos_token or 0)
+        np.equal(flat[:-1], eos, out=is_start[1:total])
     else:
         is_start[1:total] = False
         is_start[starts] = True
@@ -240,16 +297,18 @@ def pack_columns(
     bounds = is_start.nonzero()[0]
     segments = bounds[:-1]
     sizes = bounds[1:] - segments
-    np.subtract(steps, np.repeat(segments, sizes), out=position_ids)
-    # a sequence's number in its window: its rank minus the rank of the window's first one
-    # (repeated in a narrow dtype: fewer bytes, then widened by the copy)
-    window = segments // length
-    numbers = steps[: len(segments)] - window.searchsorted(steps[:rows])[window]
-    narrow = np.int16 if length <= np.iinfo(np.int16).max else np.int64
-    np.copyto(document_ids, np.repeat(numbers.astype(narrow), sizes))
-    np.copyto(labels[:-1], flat[1:], casting="unsafe")
+    narrow = _narrow(length)
+    # per sequence: its first column, and its number in its window (its rank minus the rank
+    # of its window's first sequence, found by a search of its own window in the sorted ones)
+    window, column = np.divmod(segments, length)
+    numbers = _arange(total)[: len(segments)] - window.searchsorted(window)
+    values = np.array((column, numbers), dtype=narrow)
+    spread = np.repeat(values, sizes, axis=1)  # (2, total): each value over its sequence
+    np.subtract(_ramp(rows, length, narrow), spread[0], out=spread[0])
+    np.copyto(planes[1:3], spread)  # position_ids and document_ids, widened
+    labels[:-1] = tokens[1:]
     labels[bounds[1:] - 1] = IGNORE_INDEX  # the last token of each document, window, batch
-    return columns, segments
+    return columns, bounds, sizes
 
 
 def pack_windows(
@@ -685,12 +744,12 @@ class PackedReader(_DatasetReaderBase):
             length = dataset.sequence_length
             windows = self._source.storage_reader._windows(ids * length, length)
             out = self._slabs.take(len(ids), length)
-            found = pack_columns(windows[dataset.field], eos_token=dataset.eos_token, out=out)
+            columns, bounds, sizes = _pack(windows[dataset.field], dataset.eos_token, None, out)
         else:
             tokens, starts = self._document_windows(ids)
-            found = pack_columns(tokens, starts=starts, out=self._slabs.take(*tokens.shape))
-        _remember_starts(found[0]["position_ids"], found[1])
-        return found
+            columns, bounds, sizes = _pack(tokens, None, starts, self._slabs.take(*tokens.shape))
+        _remember_sequences(columns["position_ids"], bounds, sizes)
+        return columns, bounds[:-1]
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from guideloom_pipes.batch import Batch, batch_arrays
-from guideloom_pipes.packing import FIELDS, PackedSample, known_starts
+from guideloom_pipes.packing import FIELDS, PackedSample, known_sequences
 
 __all__ = ["collate_packed"]
 
@@ -36,6 +36,28 @@ def _rows_of_one_read(samples: Sequence[Any]) -> tuple[dict[str, np.ndarray], An
     segments = first.segments
     low, high = np.searchsorted(segments, (row * length, (row + len(samples)) * length))
     return arrays, segments[low:high] - row * length
+
+
+def _columns_of_one_read(columns: dict[str, Any]) -> dict[str, Any] | None:
+    """The batch of ``columns`` when they are the four columns of one ``PackedDataset``
+    read, as it made them (planes of its output block, whose bounds and sizes it kept):
+    tensors of the columns, and ``cu_seqlens`` and ``max_seqlen`` from the bounds and sizes.
+    Else None (the general path checks and stacks them)."""
+    position_ids: Any = columns.get("position_ids")
+    known = None if position_ids is None else known_sequences(position_ids)
+    if known is None or len(columns) != len(_FIELDS) or not len(position_ids):
+        return None
+    block, shape = position_ids.base, position_ids.shape
+    out: dict[str, Any] = {}
+    for name in _FIELDS:
+        column = columns.get(name)
+        if type(column) is not np.ndarray or column.base is not block or column.shape != shape:
+            return None  # (a column replaced after the read)
+        out[name] = torch.from_numpy(column)
+    bounds, sizes = known  # the read's bounds (its starts, then B * L) are cu_seqlens
+    out["cu_seqlens"] = torch.from_numpy(bounds.astype(np.int32))
+    out["max_seqlen"] = max(sizes.tolist(), default=0)  # (a few: no numpy call)
+    return out
 
 
 def _stack(samples: Any, name: str, stacked: bool) -> np.ndarray:
@@ -81,9 +103,14 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
         ValueError: The samples have different lengths.
     """
     if type(samples) is Batch:  # the loader's path: checked without the ABCs' costs
+        columns = samples.columns
+        if columns is not None:
+            read = _columns_of_one_read(columns)
+            if read is not None:
+                return read
         if len(samples) == 0:
             return []
-        samples = samples.columns if samples.columns is not None else samples.samples()
+        samples = columns if columns is not None else samples.samples()
     elif not isinstance(samples, Mapping) and len(samples) == 0:
         return []
     stacked = type(samples) is dict or isinstance(samples, Mapping)
@@ -92,9 +119,10 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
         arrays, starts = found
     else:
         arrays = {name: _stack(samples, name, stacked) for name in _FIELDS}
-        starts = known_starts(arrays["position_ids"])  # a PackedDataset read's columns
-        if starts is None:
-            starts = (arrays["position_ids"].reshape(-1) == 0).nonzero()[0]
+        read = _columns_of_one_read(arrays)  # a PackedDataset read's columns
+        if read is not None:
+            return read
+        starts = (arrays["position_ids"].reshape(-1) == 0).nonzero()[0]
     size = arrays["tokens"].size
     cu_seqlens = np.empty(len(starts) + 1, dtype=np.int32)
     cu_seqlens[:-1] = starts
