@@ -238,6 +238,11 @@ def test_a_users_format_or_the_benchmarks_collate_keep_told_workers_reading(
         assert ours._may_inline and ours._library_only()
         assert not users._may_inline and not users._library_only()
         assert not bench._may_inline and not bench._library_only()
+        # nor does the calling thread run their jobs when no worker has started one: a
+        # user's code there would find no worker (torch's get_worker_info() is None)
+        assert ours._pool._caller_runs  # type: ignore[union-attr]
+        assert not users._pool._caller_runs  # type: ignore[union-attr]
+        assert not bench._pool._caller_runs  # type: ignore[union-attr]
     finally:
         for node in (ours, users, bench):
             node.close()

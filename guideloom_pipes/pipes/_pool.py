@@ -190,7 +190,8 @@ class _ThreadPool:
     busy, or none has woken up since it was submitted): then the caller runs it itself
     rather than wait for a worker to come free. So ``N`` workers read like ``N`` readers,
     and the caller adds itself only when they are all busy. With ``caller_runs=False`` (a
-    timeout: a job the caller ran could not be timed out) the caller only ever waits.
+    timeout: a job the caller ran could not be timed out; workers told who they are running
+    a user's code, which would find itself outside a worker) the caller only ever waits.
 
     Wake-ups are what a handoff costs (tens of microseconds of CPU each on a small VM), so
     there are as few as the work allows: a job wakes a worker only if one is asleep, and a

@@ -427,18 +427,18 @@ class ReadSamples(BaseNode[Any]):
         self._probing = self.method == "thread" and self.chunk_seconds > 0
         # user code may tell who reads it only where workers are told who they are
         told = self.base_seed is not None or self.worker_init_fn is not None
-        self._may_inline = (
-            self._probing and self.timeout is None and (not told or self._library_only())
-        )
+        unseen = not told or self._library_only()
+        self._may_inline = self._probing and self.timeout is None and unseen
         self._returned = 0.0
         if self.method == "thread":
             assert self._task is not None
-            tell = self.base_seed is not None or self.worker_init_fn is not None
             self._pool = _ThreadPool(
                 self._task.run,
                 self.num_workers,
-                caller_runs=self.timeout is None,
-                init=self._init_thread if tell else None,
+                # the calling thread helps with jobs no worker has started only where their
+                # code cannot tell it is not a worker (get_worker_info() answers None there)
+                caller_runs=self.timeout is None and unseen,
+                init=self._init_thread if told else None,
             )
         elif self._process_pool is not None:
             if self._process_pool.closed:
