@@ -49,7 +49,7 @@ from guideloom_pipes.pipes._pool import (
     seconds_text,
 )
 from guideloom_pipes.pipes._worker import Seeding, batch_seed, seeded
-from guideloom_pipes.pipes.read import _CHUNK_SECONDS, _mp_context, _together
+from guideloom_pipes.pipes.read import _CHUNK_SECONDS, ReadFigures, _mp_context, _together
 from guideloom_pipes.pipes.shards import (
     BatchSamples,
     ListShards,
@@ -299,6 +299,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         # the first iterator that uses them and kept by the loader until close().
         self._ring: PinnedRing | None = None
         self._iterator: weakref.ref[_LoaderIterator] | None = None
+        # what the read stage learned of the batches and of the training loop, carried from
+        # one epoch's stage to the next (ReadSamples(figures=))
+        self._read_figures = ReadFigures()
         # (epoch, global position) an iterator was closed early at, until state_dict() warns
         self._closed_early: tuple[int, int] | None = None
         # The global batch size of the run that reached _offset (see _GLOBAL_BATCH_KEY).
@@ -784,6 +787,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 worker_init_fn=self.worker_init_fn if self.num_workers else None,
                 process_pool=self._worker_processes() if process else None,
                 buffers=buffers,
+                figures=self._read_figures,
             )
         return self._finish_pipeline(node, ring)
 

@@ -186,6 +186,62 @@ def test_quick_batches_of_our_code_are_read_by_the_calling_thread(
     assert any(name != main for name in readers.threads[:1])
 
 
+def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_first_batch(
+    readers: Readers, clock: FakeClock
+) -> None:
+    expected = _reference(readers)
+    figures = read_module.ReadFigures()
+    first = _stage(readers, figures=figures)
+    first.reset()
+    assert first._pending  # nothing learned yet: the first job is submitted and timed
+    next(first)
+    next(first)  # (the caller came back at once: its gap is known too)
+    assert figures.known() and figures.batch_seconds == pytest.approx(0.45e-3)
+    assert figures.gap == 0
+    first.close()
+
+    readers.threads.clear()
+    second = _stage(readers, figures=figures)  # the next epoch's stage, the same figures
+    second.reset()
+    assert not second._pending and not second._probing  # no job, no timing alone
+    got = [next(second) for _ in range(3)]
+    second.close()
+    main = threading.current_thread().name
+    assert readers.threads == [main] * 3
+    assert list(map(_tokens, got)) == list(map(_tokens, expected[:3]))
+
+
+def test_figures_that_say_the_batches_wait_keep_the_workers_reading_ahead(
+    readers: Readers, clock: FakeClock
+) -> None:
+    figures = read_module.ReadFigures()
+    figures.batch_seconds, figures.cpu_share, figures.gap = 0.45e-3, 0.05, 0.0  # I/O-bound
+    node = _stage(readers, figures=figures)
+    node.reset()
+    assert node._pending and not node._probing and node._side_by_side()
+    node.close()
+    with pytest.raises(TypeError, match="figures must be a ReadFigures"):
+        _stage(readers, figures={"batch_seconds": 1})
+
+
+def test_a_loader_hands_each_epochs_read_stage_the_same_figures(readers: Readers) -> None:
+    from guideloom_pipes import StatefulDataLoader
+
+    loader = StatefulDataLoader(readers.dataset, local_batch_size=BATCH, prefetch=2)
+    stages = []
+    with loader:
+        for _ in range(2):
+            iterator = iter(loader)
+            node = iterator._root
+            while not isinstance(node, ReadSamples):
+                node = node.source
+            stages.append(node)
+            assert sum(1 for _ in iterator) == WINDOWS // BATCH
+    assert stages[0] is not stages[1]
+    assert stages[0]._figures is stages[1]._figures is loader._read_figures
+    assert loader._read_figures.known()
+
+
 def user_collate(samples: list[Any]) -> list[Any]:
     return samples
 

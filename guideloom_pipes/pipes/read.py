@@ -155,6 +155,31 @@ def _mp_context(value: Any) -> multiprocessing.context.BaseContext:
     )
 
 
+class ReadFigures:
+    """What a read stage has learned of its batches and of its caller: a batch's read time
+    and the share of it spent on the CPU, and the caller's time between batches (moving
+    averages; see :class:`ReadSamples`). A loader hands one such object to the read stage
+    of each of its epochs, so that a new epoch starts from what the last one learned instead
+    of learning again (its first job timed alone, the first chunks read ahead on workers)."""
+
+    __slots__ = ("batch_seconds", "cpu_share", "gap")
+
+    def __init__(self) -> None:
+        self.batch_seconds = 0.0  # 0: unknown
+        self.cpu_share = -1.0  # -1: unknown
+        self.gap = -1.0  # -1: unknown
+
+    def known(self) -> bool:
+        """Whether a job has been timed (its time and CPU share)."""
+        return self.batch_seconds > 0 and self.cpu_share >= 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ReadFigures(batch_seconds={self.batch_seconds:.3g}, "
+            f"cpu_share={self.cpu_share:.2f}, gap={self.gap:.3g})"
+        )
+
+
 class ReadSamples(BaseNode[Any]):
     """Reads the samples of each batch of ids from ``dataset``, optionally collating them.
 
@@ -259,6 +284,9 @@ class ReadSamples(BaseNode[Any]):
             windows (:meth:`StreamDatasetReader.read_arrays`'s ``out``), e.g. the pinned
             buffers of a :class:`~guideloom_pipes.pipes.PinnedRing`. Reading in this process
             only (inline or thread workers): a worker process cannot fill them.
+        figures: Where this stage keeps what it learns of its batches and its caller, and
+            starts from at a reset (see :class:`ReadFigures`): a loader passes one to each
+            epoch's stage. None: each reset learns again.
     """
 
     SOURCE_KEY = "source"
@@ -283,6 +311,7 @@ class ReadSamples(BaseNode[Any]):
         process_pool: _ProcessPool | None = None,
         arrays: bool = False,
         buffers: WindowBuffers | None = None,
+        figures: ReadFigures | None = None,
     ) -> None:
         super().__init__()
         self.source = source
@@ -303,6 +332,9 @@ class ReadSamples(BaseNode[Any]):
                 "worker threads, not to method='process' (drop buffers= or use threads)"
             )
         self.buffers = buffers
+        if figures is not None and not isinstance(figures, ReadFigures):
+            raise TypeError(f"figures must be a ReadFigures or None, got {figures!r}")
+        self._figures = figures
         self._mp = _mp_context(multiprocessing_context) if method == "process" else None
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
@@ -424,11 +456,19 @@ class ReadSamples(BaseNode[Any]):
         self._end_snapshot = None
         self._source_done = False
         self._source_error = None
-        self._probing = self.method == "thread" and self.chunk_seconds > 0
+        capable = self.method == "thread" and self.chunk_seconds > 0
+        figures = self._figures
+        learned = capable and figures is not None and figures.known()
+        if learned:
+            assert figures is not None
+            self._batch_seconds, self._cpu_share = figures.batch_seconds, figures.cpu_share
+            self._gap = figures.gap
+        # the first job runs alone to be timed, unless an earlier epoch timed its jobs
+        self._probing = capable and not learned
         # user code may tell who reads it only where workers are told who they are
         told = self.base_seed is not None or self.worker_init_fn is not None
         unseen = not told or self._library_only()
-        self._may_inline = self._probing and self.timeout is None and unseen
+        self._may_inline = capable and self.timeout is None and unseen
         self._returned = 0.0
         if self.method == "thread":
             assert self._task is not None
@@ -463,7 +503,8 @@ class ReadSamples(BaseNode[Any]):
                 base_seed=self._worker_base_seed(),
                 worker_init_fn=self.worker_init_fn,
             )
-        self._fill()
+        if not self._quick_to_inline():
+            self._fill()  # (else the calling thread reads from the first batch on)
 
     def _worker_base_seed(self) -> int | None:
         if self.base_seed is not None:
@@ -538,6 +579,8 @@ class ReadSamples(BaseNode[Any]):
         if self._returned:
             gap = now - self._returned
             self._gap = gap if self._gap < 0 else 0.75 * self._gap + 0.25 * gap
+            if self._figures is not None:
+                self._figures.gap = self._gap
         try:
             if self._ready:
                 return self._deliver_ready()
@@ -783,6 +826,9 @@ class ReadSamples(BaseNode[Any]):
         if cpu_share is not None:
             share = self._cpu_share
             self._cpu_share = cpu_share if share < 0 else 0.75 * share + 0.25 * cpu_share
+        figures = self._figures
+        if figures is not None:
+            figures.batch_seconds, figures.cpu_share = self._batch_seconds, self._cpu_share
 
     def _side_by_side(self) -> bool:
         """Whether jobs of several batches should run on several workers at once.
