@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import subprocess
@@ -621,6 +622,37 @@ def _idle_pool(fn: Any, workers: int) -> _ThreadPool:
         assert time.monotonic() < deadline
         time.sleep(0.001)
     return pool
+
+
+def test_a_job_the_caller_runs_runs_inside_caller_as_standing_in_for_a_worker():
+    started, release = threading.Event(), threading.Event()
+    seen: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def as_worker(index: int) -> Any:
+        seen.append(("as", index))
+        yield
+        seen.append(("back", index))
+
+    def fn(arg: str) -> str:
+        if arg == "first":
+            started.set()
+            release.wait(30)
+        return threading.current_thread().name
+
+    pool = _ThreadPool(fn, 1, caller_as=as_worker)
+    try:
+        first = pool.submit("first")
+        assert started.wait(30)  # the only worker is busy: nobody else can take the second
+        second = pool.submit("second")
+        assert pool.result(second, 30)[0] == threading.current_thread().name
+        assert seen == [("as", 0), ("back", 0)]
+        release.set()
+        assert pool.result(first, 30)[0] != threading.current_thread().name
+        assert seen == [("as", 0), ("back", 0)]  # the worker's own job: no stand-in
+    finally:
+        release.set()
+        pool.close()
 
 
 @pytest.mark.parametrize("limit", [2, 1])

@@ -246,14 +246,14 @@ def user_collate(samples: list[Any]) -> list[Any]:
     return samples
 
 
-def test_a_user_collate_stays_on_workers_that_are_told_who_they_are(
+def test_a_user_collate_stays_on_workers_that_a_worker_init_fn_set_up(
     readers: Readers, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     inline = []
     monkeypatch.setattr(
         ReadSamples, "_next_inline", lambda self: inline.append(1) or pytest.fail("inline")
     )
-    node = _stage(readers, user_collate, base_seed=5)
+    node = _stage(readers, user_collate, base_seed=5, worker_init_fn=lambda index: None)
     node.reset()
     next(node)
     _taught_quick(node)
@@ -263,11 +263,39 @@ def test_a_user_collate_stays_on_workers_that_are_told_who_they_are(
     assert len(rest) == WINDOWS // BATCH - 1 and not inline
 
 
+def test_a_user_collate_on_told_workers_is_read_by_the_calling_thread_as_a_worker(
+    readers: Readers, clock: FakeClock
+) -> None:
+    torch = pytest.importorskip("torch")
+    asked: list[tuple[str, Any]] = []
+
+    def asking_collate(samples: list[Any]) -> list[Any]:
+        info = torch.utils.data.get_worker_info()
+        asked.append((threading.current_thread().name, info and (info.id, info.seed)))
+        return samples
+
+    expected = _reference(readers, user_collate)
+    node = _stage(readers, asking_collate, base_seed=5)
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    got += list(node)
+    node.close()
+    assert list(map(_tokens, got)) == list(map(_tokens, expected))
+    main = threading.current_thread().name
+    here = [info for name, info in asked if name == main]
+    assert len(here) > len(asked) // 2  # most batches read by the calling thread ...
+    # ... each collated as worker delivered % 2 would be, with that worker's seed
+    assert all(info in ((0, 5), (1, 6)) for _, info in asked)
+    assert {info for info in here} == {(0, 5), (1, 6)}
+    assert torch.utils.data.get_worker_info() is None  # and not outside the batches
+
+
 class UserTokens(StreamNumpyFormat):
     """A user's format: its ``unpack`` runs inside our reader's reads."""
 
 
-def test_a_users_format_or_the_benchmarks_collate_keep_told_workers_reading(
+def test_a_users_format_or_the_benchmarks_collate_are_read_as_a_worker_reads_them(
     tmp_path: Path, clock: FakeClock
 ) -> None:
     from guideloom_pipes.bench.data import collate_tokens
@@ -291,17 +319,35 @@ def test_a_users_format_or_the_benchmarks_collate_keep_told_workers_reading(
     for node in (ours, users, bench):
         node.reset()
     try:
-        assert ours._may_inline and ours._library_only()
-        assert not users._may_inline and not users._library_only()
-        assert not bench._may_inline and not bench._library_only()
-        # nor does the calling thread run their jobs when no worker has started one: a
-        # user's code there would find no worker (torch's get_worker_info() is None)
-        assert ours._pool._caller_runs  # type: ignore[union-attr]
-        assert not users._pool._caller_runs  # type: ignore[union-attr]
-        assert not bench._pool._caller_runs  # type: ignore[union-attr]
+        assert ours._library_only() and ours._stand_in is None
+        # a user's format or collate: the calling thread reads as a worker, if at all
+        for node in (users, bench):
+            assert not node._library_only()
+            assert [info.id for info in node._stand_in] == [0, 1]  # type: ignore[union-attr]
+        assert all(node._may_inline for node in (ours, users, bench))
+        # the calling thread runs a job no worker has started as a worker where a user's
+        # code could ask who runs it
+        assert ours._pool._caller_as is None  # type: ignore[union-attr]
+        assert users._pool._caller_as is not None  # type: ignore[union-attr]
+        assert bench._pool._caller_as is not None  # type: ignore[union-attr]
+        assert all(n._pool._caller_runs for n in (ours, users, bench))  # type: ignore[union-attr]
+        torch = pytest.importorskip("torch")
+        with users._as_worker(1):
+            info = torch.utils.data.get_worker_info()
+            assert (info.id, info.num_workers, info.seed) == (1, 2, 6)
+        assert torch.utils.data.get_worker_info() is None
     finally:
         for node in (ours, users, bench):
             node.close()
+    # with a worker_init_fn (it may set up the worker threads), never
+    initialised = stage(UserTokens(TOKENS), default_collate)
+    initialised.worker_init_fn = lambda index: None
+    initialised.reset()
+    try:
+        assert not initialised._pool._caller_runs  # type: ignore[union-attr]
+        assert not initialised._may_inline and initialised._stand_in is None
+    finally:
+        initialised.close()
 
 
 def test_a_user_collate_is_read_inline_where_workers_are_not_told_who_they_are(

@@ -190,8 +190,9 @@ class _ThreadPool:
     busy, or none has woken up since it was submitted): then the caller runs it itself
     rather than wait for a worker to come free. So ``N`` workers read like ``N`` readers,
     and the caller adds itself only when they are all busy. With ``caller_runs=False`` (a
-    timeout: a job the caller ran could not be timed out; workers told who they are running
-    a user's code, which would find itself outside a worker) the caller only ever waits.
+    timeout: a job the caller ran could not be timed out) the caller only ever waits. With
+    ``caller_as``, a job the caller runs runs as one of the workers (what the user's code
+    in it can ask, e.g. torch's ``get_worker_info()``, answers as in that worker).
 
     Wake-ups are what a handoff costs (tens of microseconds of CPU each on a small VM), so
     there are as few as the work allows: a job wakes a worker only if one is asleep, and a
@@ -204,12 +205,17 @@ class _ThreadPool:
         num_workers: int,
         caller_runs: bool = True,
         init: Callable[[int], None] | None = None,
+        caller_as: Callable[[int], Any] | None = None,
     ):
         self._fn = fn
         self._init = init
         self._init_error: BaseException | None = None  # what an ``init`` raised, first one
         self._inits_left = num_workers if init is not None else 0  # workers still in init
         self._caller_runs = caller_runs
+        # a context manager factory: the calling thread runs a job inside caller_as(index),
+        # standing in for worker ``index`` (the workers take turns: index = starts % N)
+        self._caller_as = caller_as
+        self._num_workers = num_workers
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._finished = threading.Condition(self._lock)
@@ -353,7 +359,12 @@ class _ThreadPool:
                 finally:
                     self._awaited = None
         if mine:
-            cpu = _run(self._fn, job, _thread_clock())  # no worker has started it: run it here
+            # no worker has started it: run it here
+            if self._caller_as is None:
+                cpu = _run(self._fn, job, _thread_clock())
+            else:
+                with self._caller_as(self._starts % self._num_workers):
+                    cpu = _run(self._fn, job, _thread_clock())
             with self._lock:
                 self._end(job, alone, cpu)
                 if self._idle and self._queue and self._running < self._limit:

@@ -9,7 +9,7 @@ import multiprocessing.context
 import operator
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -383,6 +383,8 @@ class ReadSamples(BaseNode[Any]):
         self._cpu_share = -1.0  # a lone job's share of its time on the CPU (-1: unknown)
         self._probing = False  # the first job runs alone (threads), see _side_by_side
         self._may_inline = False  # batches may be read by the calling thread (_quick_to_inline)
+        # the WorkerInfo of each worker thread, when the calling thread stands in for them
+        self._stand_in: list[Any] | None = None
         self._gap = -1.0  # the caller's time between next() calls (moving average; -1: unknown)
         self._inline_left = 0  # calls the calling thread reads without a clock (_next_inline)
         # batches the calling thread read as a chunk, not delivered yet: (result, source
@@ -468,17 +470,26 @@ class ReadSamples(BaseNode[Any]):
         # user code may tell who reads it only where workers are told who they are
         told = self.base_seed is not None or self.worker_init_fn is not None
         unseen = not told or self._library_only()
-        self._may_inline = capable and self.timeout is None and unseen
+        # where a user's code can ask who runs it (workers told who they are), the calling
+        # thread may still read batches, standing in for a worker (get_worker_info()
+        # answers as in worker delivered % N), unless a worker_init_fn set the workers up
+        stand_in = not unseen and self.worker_init_fn is None and self.method == "thread"
+        self._stand_in = (
+            [self._worker_info(index) for index in range(self.num_workers)] if stand_in else None
+        )
+        self._may_inline = capable and self.timeout is None and (unseen or stand_in)
         self._returned = 0.0
         if self.method == "thread":
             assert self._task is not None
             self._pool = _ThreadPool(
                 self._task.run,
                 self.num_workers,
-                # the calling thread helps with jobs no worker has started only where their
-                # code cannot tell it is not a worker (get_worker_info() answers None there)
-                caller_runs=self.timeout is None and unseen,
+                # the calling thread helps with jobs no worker has started: as a worker
+                # (get_worker_info() answers as in it) where a user's code can ask, never
+                # where a worker_init_fn may have set up the workers' threads
+                caller_runs=self.timeout is None and (unseen or self.worker_init_fn is None),
                 init=self._init_thread if told else None,
+                caller_as=None if unseen else self._as_worker,
             )
         elif self._process_pool is not None:
             if self._process_pool.closed:
@@ -511,20 +522,33 @@ class ReadSamples(BaseNode[Any]):
             return self.base_seed
         return 0 if self.worker_init_fn is not None else None
 
-    def _init_thread(self, index: int) -> None:
-        """Tell worker thread ``index`` who it is (torch's ``get_worker_info()``), then run
-        ``worker_init_fn``."""
+    def _worker_info(self, index: int) -> Any:
+        """torch's ``WorkerInfo`` of worker thread ``index``."""
         seed = (self._worker_base_seed() or 0) + index
         fields: dict[str, Any] = {"worker_method": "thread"}
         if "worker_method" not in getattr(_torch_worker.WorkerInfo, "__dataclass_fields__", {}):
             fields = {}
-        thread_worker_info(
-            _torch_worker.WorkerInfo(
-                id=index, num_workers=self.num_workers, seed=seed, dataset=self.dataset, **fields
-            )
+        return _torch_worker.WorkerInfo(
+            id=index, num_workers=self.num_workers, seed=seed, dataset=self.dataset, **fields
         )
+
+    def _init_thread(self, index: int) -> None:
+        """Tell worker thread ``index`` who it is (torch's ``get_worker_info()``), then run
+        ``worker_init_fn``."""
+        thread_worker_info(self._worker_info(index))
         if self.worker_init_fn is not None:
             self.worker_init_fn(index)
+
+    @contextlib.contextmanager
+    def _as_worker(self, index: int) -> Iterator[None]:
+        """The calling thread stands in for worker thread ``index`` (a job no worker has
+        started): ``get_worker_info()`` answers as in it, then as before."""
+        before = getattr(_thread_info, "info", None)
+        thread_worker_info(self._worker_info(index))
+        try:
+            yield
+        finally:
+            thread_worker_info(before)
 
     def _reset_source_as_delivered(self) -> None:
         """``source.reset()`` as if the source had given only the batches delivered.
@@ -563,6 +587,18 @@ class ReadSamples(BaseNode[Any]):
                 raise
         if not self._may_inline:
             return self._next_from_workers()
+        infos = self._stand_in
+        if infos is None:
+            return self._next_here()
+        before = getattr(_thread_info, "info", None)
+        _thread_info.info = infos[self._delivered % len(infos)]
+        try:
+            return self._next_here()
+        finally:
+            _thread_info.info = before
+
+    def _next_here(self) -> Any:
+        """:meth:`next` where the calling thread may read the batch itself."""
         left = self._inline_left
         if left:
             # The calling thread reads, as decided at the last measured call: one call in
