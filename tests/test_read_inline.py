@@ -167,6 +167,18 @@ def _taught_quick(node: ReadSamples) -> None:
     node._batch_seconds, node._cpu_share, node._gap = 0.45e-3, 1.0, 0.0
 
 
+def _drained_quick(node: ReadSamples) -> list[Any]:
+    """Reset ``node``, take its first batch (a worker's job, timed), teach it quick batches
+    (:func:`_taught_quick`) and take the batches of the jobs already submitted: the batches
+    taken so far; the calling thread reads the next one."""
+    node.reset()
+    got = [next(node)]
+    _taught_quick(node)
+    while node._pending or node._job is not None:
+        got.append(next(node))
+    return got
+
+
 def test_quick_batches_of_our_code_are_read_by_the_calling_thread(
     readers: Readers, clock: FakeClock
 ) -> None:
@@ -380,11 +392,7 @@ def test_a_caller_that_slows_or_reads_that_wait_go_back_to_the_workers(
 ) -> None:
     expected = _reference(readers)
     node = _stage(readers)
-    node.reset()
-    got = [next(node)]
-    _taught_quick(node)
-    while node._pending or node._job is not None:  # the jobs already submitted
-        got.append(next(node))
+    got = _drained_quick(node)
     for _ in range(20):
         got.append(next(node))
     assert node._quick_to_inline() and not node._pending
@@ -413,11 +421,7 @@ def test_a_failed_inline_batch_counts_as_delivered_and_the_next_follows(
 ) -> None:
     expected = _reference(readers, collate)
     node = _stage(readers, collate)
-    node.reset()
-    got = [next(node)]
-    _taught_quick(node)
-    while node._pending or node._job is not None:
-        got.append(next(node))
+    got = _drained_quick(node)
     failing = len(got) + 3
     readers.fail_on = _first_id(expected[failing])
     while True:
@@ -438,11 +442,7 @@ def test_ctrl_c_inside_an_inline_batch_delivers_nothing_and_a_resume_reads_it(
 ) -> None:
     expected = _reference(readers, collate)
     node = _stage(readers, collate)
-    node.reset()
-    got = [next(node)]
-    _taught_quick(node)
-    while node._pending or node._job is not None:
-        got.append(next(node))
+    got = _drained_quick(node)
     state = node.state_dict()
     readers.interrupt_on = _first_id(expected[len(got)])
     with pytest.raises(KeyboardInterrupt):
@@ -595,11 +595,7 @@ def test_a_chunk_of_payload_windows_read_inline_makes_each_batch_when_delivered(
     # sample of their own; delivered, they are the samples a plain read gives.
     expected = meta.reference()
     node = meta.stage()
-    node.reset()
-    got = [next(node)]
-    _taught_quick(node)
-    while node._pending or node._job is not None:
-        got.append(next(node))
+    got = _drained_quick(node)
     meta.format.unpacked = 0
     got.append(next(node))  # reads a chunk of 4 batches, delivers the first
     assert len(node._ready) == 3
@@ -623,11 +619,7 @@ def test_ctrl_c_in_the_collate_of_a_batch_made_at_delivery_delivers_nothing(
 
     expected = meta.reference()
     node = meta.stage(collate)
-    node.reset()
-    got = [next(node)]
-    _taught_quick(node)
-    while node._pending or node._job is not None:
-        got.append(next(node))
+    got = _drained_quick(node)
     got.append(next(node))  # a chunk read: the rest of it waits, made at delivery
     assert len(node._ready) == 3
     state = node.state_dict()
@@ -658,11 +650,7 @@ def test_a_batch_made_at_delivery_that_fails_counts_as_delivered_and_the_next_fo
 
     expected = meta.reference()
     node = meta.stage(collate)
-    node.reset()
-    got = [next(node)]
-    _taught_quick(node)
-    while node._pending or node._job is not None:
-        got.append(next(node))
+    got = _drained_quick(node)
     got.append(next(node))
     assert len(node._ready) == 3
     failing = len(got)
