@@ -35,7 +35,6 @@ import tempfile
 import threading
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from guideloom_pipes.datasets import (
 )
 from guideloom_pipes.shuffle import FeistelPermutation
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
+from guideloom_pipes.storage.recycle import BufferPool, Lease
 
 __all__ = [
     "FIELDS",
@@ -78,6 +78,7 @@ _BUILD_BATCH = 1024
 #: Positions permuted at a time while the seeded order's prefix sums are built.
 _ORDER_CHUNK = 1 << 20
 _I64 = npt.NDArray[np.int64]
+_INT64 = np.dtype(np.int64)
 
 
 #: The four fields of a packed sample.
@@ -139,29 +140,24 @@ def _ramp(rows: int, length: int, dtype: type[np.signedinteger[Any]]) -> np.ndar
     return ramps[:total]
 
 
-#: Released output memory a reader keeps for reuse (see ``_Slabs``), in bytes.
+#: Released output slabs a reader keeps for reuse (``PackedReader._slabs``), in bytes.
 _SLAB_BYTES = 32 << 20
 
 
-class _Lease:
-    """The owner of one batch's output slab: every array of the batch (columns, the rows of
-    its samples, tensors made from them) holds it through its base, so it dies with the
-    last of them and hands the slab back to its pool. It also keeps the sequence bounds and
-    sizes the read found, for :func:`known_sequences` (``collate_packed`` then needs no pass
-    over the positions)."""
+class _Lease(Lease):
+    """The owner of one batch's output slab (see :class:`~guideloom_pipes.storage.recycle.
+    Lease`): every array of the batch (columns, the rows of its samples, tensors made from
+    them) holds it through its base, so it dies with the last of them and hands the slab
+    back to the reader's pool. It also keeps the sequence bounds and sizes the read found,
+    for :func:`known_sequences` (``collate_packed`` then needs no pass over the positions)."""
 
-    __slots__ = ("__array_interface__", "_bounds", "_column", "_pool", "_sizes", "_slab")
+    __slots__ = ("_bounds", "_column", "_sizes")
 
-    def __init__(self, slab: _I64, interface: dict[str, Any], pool: _Slabs) -> None:
-        self._slab = slab
-        self.__array_interface__ = interface
-        self._pool = pool
+    def __init__(self, buffer: _I64, interface: dict[str, Any], shelf: Any) -> None:
+        super().__init__(buffer, interface, shelf)
         self._column: Any = None
         self._bounds: _I64 | None = None
         self._sizes: _I64 | None = None
-
-    def __del__(self) -> None:
-        self._pool.release(self._slab, self.__array_interface__)
 
 
 def _remember_sequences(position_ids: _I64, bounds: _I64, sizes: _I64) -> None:
@@ -185,50 +181,6 @@ def known_sequences(position_ids: np.ndarray) -> tuple[_I64, _I64] | None:
     if type(lease) is not _Lease or lease._column is None or lease._column() is not position_ids:
         return None
     return lease._bounds, lease._sizes
-
-
-class _Slabs:
-    """A reader's recycled output memory: ``(4, B, L)`` int64 slabs, one per batch read.
-
-    Each batch's arrays are views of a slab owned by a :class:`_Lease`; when the last of
-    them is gone, the slab comes back here, and the next read takes the one released last
-    (the most likely still in a cache). A fresh half-megabyte allocation per batch is often
-    memory the allocator has just given back to the kernel, faulted in again page by page,
-    and cold (the costs that made packed windows slow in a loader's background threads).
-    At most ``_SLAB_BYTES`` of released slabs are kept; ``clear`` drops them. Thread-safe
-    (a slab comes back in whichever thread drops the batch's last array).
-    """
-
-    def __init__(self) -> None:
-        self._free: deque[tuple[_I64, dict[str, Any]]] = deque()
-        self._open = True
-        self._limit = _SLAB_BYTES  # read here: a lease may die at interpreter exit
-
-    def take(self, rows: int, length: int) -> _I64:
-        """A ``(4, rows, length)`` int64 array that nothing else uses, owned by a lease."""
-        shape = (len(FIELDS), rows, length)
-        self._open = True
-        try:
-            slab, interface = self._free.pop()
-        except IndexError:
-            slab = np.empty(shape, dtype=np.int64)
-            interface = slab.__array_interface__
-        else:
-            if slab.shape != shape:  # another batch size: drop the released ones
-                self._free.clear()
-                slab = np.empty(shape, dtype=np.int64)
-                interface = slab.__array_interface__
-        return np.asarray(_Lease(slab, interface, self))
-
-    def release(self, slab: _I64, interface: dict[str, Any]) -> None:
-        if self._open and (len(self._free) + 1) * slab.nbytes <= self._limit:
-            self._free.append((slab, interface))
-
-    def clear(self) -> None:
-        """Drop the released slabs; batches still alive no longer come back (until the next
-        ``take``)."""
-        self._open = False
-        self._free.clear()
 
 
 def pack_columns(
@@ -593,7 +545,11 @@ class PackedReader(_DatasetReaderBase):
         self._sums: _I64 | None = None  # prefix sums in the packing order (documents)
         self._permutation: FeistelPermutation | None = None
         self._lock = threading.Lock()
-        self._slabs = _Slabs()
+        # the batches' (4, B, L) int64 output slabs, recycled once no array of a batch is
+        # left (a fresh half-megabyte block per batch is memory the allocator has often
+        # just given back to the kernel, faulted in again); one shape: another batch size
+        # frees the released ones
+        self._slabs = BufferPool(limit=_SLAB_BYTES, shelves=1)
 
     def fingerprint(self) -> dict[str, Any] | None:
         """The source's fingerprint (``None`` if it cannot tell)."""
@@ -743,13 +699,17 @@ class PackedReader(_DatasetReaderBase):
         if dataset.stream:
             length = dataset.sequence_length
             windows = self._source.storage_reader._windows(ids * length, length)
-            out = self._slabs.take(len(ids), length)
+            out = self._slab(len(ids), length)
             columns, bounds, sizes = _pack(windows[dataset.field], dataset.eos_token, None, out)
         else:
             tokens, starts = self._document_windows(ids)
-            columns, bounds, sizes = _pack(tokens, None, starts, self._slabs.take(*tokens.shape))
+            columns, bounds, sizes = _pack(tokens, None, starts, self._slab(*tokens.shape))
         _remember_sequences(columns["position_ids"], bounds, sizes)
         return columns, bounds[:-1]
+
+    def _slab(self, rows: int, length: int) -> _I64:
+        """A ``(4, rows, length)`` int64 slab that nothing else uses, owned by a lease."""
+        return self._slabs.take((len(FIELDS), rows, length), _INT64, _Lease)
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset
