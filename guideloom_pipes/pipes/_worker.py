@@ -268,18 +268,10 @@ class _ReadTask:
             samples: Any = []
         else:
             samples = self._read(ids)
-            if type(samples) is Batch:
-                if self._columns is None:
-                    self._columns = samples.columns is not None
-                if not self._arrays:
-                    samples = samples.samples()
-            else:
-                if self._columns is None:
-                    self._columns = False
-                if type(samples) is LazyRows:
-                    samples = samples[:]
-        collate = self._collate
-        return samples if collate is None else collate(samples)
+            if self._columns is None:
+                self._columns = type(samples) is Batch and samples.columns is not None
+            samples = self._input(samples)
+        return self._collated(samples)
 
     def _one(self, ids: _Ids, seed: int | None = None) -> Any:
         try:
