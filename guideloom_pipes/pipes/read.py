@@ -489,7 +489,7 @@ class ReadSamples(BaseNode[Any]):
                 # where a worker_init_fn may have set up the workers' threads
                 caller_runs=self.timeout is None and (unseen or self.worker_init_fn is None),
                 init=self._init_thread if told else None,
-                caller_as=None if unseen else self._as_worker,
+                caller_as=None if self._stand_in is None else self._as_worker,
             )
         elif self._process_pool is not None:
             if self._process_pool.closed:
@@ -541,10 +541,11 @@ class ReadSamples(BaseNode[Any]):
 
     @contextlib.contextmanager
     def _as_worker(self, index: int) -> Iterator[None]:
-        """The calling thread stands in for worker thread ``index`` (a job no worker has
-        started): ``get_worker_info()`` answers as in it, then as before."""
+        """The calling thread stands in for worker thread ``index`` (a batch it reads, a
+        job no worker has started): ``get_worker_info()`` answers as in it, then as before."""
+        assert self._stand_in is not None
         before = getattr(_thread_info, "info", None)
-        thread_worker_info(self._worker_info(index))
+        thread_worker_info(self._stand_in[index])
         try:
             yield
         finally:
@@ -590,12 +591,8 @@ class ReadSamples(BaseNode[Any]):
         infos = self._stand_in
         if infos is None:
             return self._next_here()
-        before = getattr(_thread_info, "info", None)
-        _thread_info.info = infos[self._delivered % len(infos)]
-        try:
+        with self._as_worker(self._delivered % len(infos)):
             return self._next_here()
-        finally:
-            _thread_info.info = before
 
     def _next_here(self) -> Any:
         """:meth:`next` where the calling thread may read the batch itself."""
