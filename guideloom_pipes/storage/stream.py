@@ -490,7 +490,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             out = _checked_out(buffers(shape, self._raw), shape, self._raw)
         if len(starts) == 0:
             return out.view(self.dtype)
-        if len(starts) < _GATHER_ROWS and self._copy_few(out, starts, length):
+        if len(starts) < _GATHER_ROWS and self._copy_rows(out, starts.tolist(), length):
             return out.view(self.dtype)
         first = np.searchsorted(self._starts, starts, side="right") - 1
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
@@ -523,10 +523,6 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             else:
                 self._copy(shard, offset, length, out[row])
         return out.view(self.dtype)
-
-    def _copy_few(self, out: np.ndarray, starts: np.ndarray, length: int) -> bool:
-        """:meth:`_copy_rows` of an array of starts."""
-        return self._copy_rows(out, starts.tolist(), length)
 
     def _few_windows(self, numbers: list[int], length: int) -> np.ndarray | None:
         """Windows ``[n * length, (n + 1) * length)`` for the ``numbers`` (Python ints, checked
