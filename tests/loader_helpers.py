@@ -340,5 +340,6 @@ def closed_at_the_end(monkeypatch: Any, classes: tuple[type, ...]) -> Iterator[N
             if obj is not None:
                 with contextlib.suppress(Exception):  # the test reports its own failures
                     obj.close()
-    assert threads_end() == [], "threads of this test outlived it"
+    left = threads_end()
+    assert left == [], f"threads of this test outlived it: {[t.name for t in left]}"
     assert multiprocessing.active_children() == [], "worker processes outlived the test"
