@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import pickle
 import random
@@ -398,8 +399,9 @@ def test_an_s3_dataset_rewritten_with_more_shards_is_listed_again(
 
 
 def test_faults_on_s3_are_retried_and_reads_return_exactly_the_bytes(
-    s3: S3Server, tmp_path: Path
+    s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="guideloom_pipes.remote")
     tokens = _write_tokens(tmp_path / "data", shards=3, per_shard=20_000)
     url = _upload(s3, tmp_path / "data", "faulty")
     faults = ["503", "reset", "pass", "truncate", "delay", "pass"]
@@ -413,6 +415,10 @@ def test_faults_on_s3_are_retried_and_reads_return_exactly_the_bytes(
     for sample, i in zip(batch, ids):
         assert sample["tokens"].tolist() == tokens[i * 500 : (i + 1) * 500].tolist()
     assert proxy.count("503") > 3 and proxy.count("reset") > 3 and proxy.count("truncate") > 3
+    # retries are logged (the client takes some faults itself: fsspec's HTTP size probe
+    # falls back from HEAD to GET, s3fs retries a dropped connection)
+    retries = [r for r in caplog.records if r.name == "guideloom_pipes.remote"]
+    assert 0 < len(retries) <= proxy.count("503") + proxy.count("reset") + proxy.count("truncate")
 
 
 def test_the_loader_over_s3_orders_like_guideloom(s3: S3Server) -> None:
@@ -513,8 +519,9 @@ def test_an_http_url_with_no_dataset_is_not_found(http: HttpServer) -> None:
 
 
 def test_faults_over_http_are_retried_and_reads_return_exactly_the_bytes(
-    http: HttpServer,
+    http: HttpServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="guideloom_pipes.remote")
     tokens = _write_tokens(http.root / "faulty", shards=3, per_shard=20_000)
     faults = ["reset", "503", "pass", "truncate", "delay", "pass", "pass"]
     with fault_proxy(http.port, lambda n: faults[n % len(faults)]) as proxy:
@@ -526,6 +533,10 @@ def test_faults_over_http_are_retried_and_reads_return_exactly_the_bytes(
     for sample, i in zip(batch, ids):
         assert sample["tokens"].tolist() == tokens[i * 500 : (i + 1) * 500].tolist()
     assert proxy.count("503") > 3 and proxy.count("reset") > 3 and proxy.count("truncate") > 3
+    # retries are logged (the client takes some faults itself: fsspec's HTTP size probe
+    # falls back from HEAD to GET, s3fs retries a dropped connection)
+    retries = [r for r in caplog.records if r.name == "guideloom_pipes.remote"]
+    assert 0 < len(retries) <= proxy.count("503") + proxy.count("reset") + proxy.count("truncate")
 
 
 def test_a_stalled_request_times_out_and_is_retried(http: HttpServer) -> None:
@@ -544,8 +555,9 @@ def test_a_stalled_request_times_out_and_is_retried(http: HttpServer) -> None:
 
 
 def test_the_retry_policys_timeout_abandons_a_stalled_request_and_retries_it(
-    http: HttpServer,
+    http: HttpServer, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="guideloom_pipes.remote")
     # no client timeout of the user's: the policy's deadline alone ends the stalled read
     tokens = _write_tokens(http.root / "stalled-policy", shards=1)
     stalls = {3}  # the first ranged read of data, after the probes and the record
@@ -556,6 +568,12 @@ def test_the_retry_policys_timeout_abandons_a_stalled_request_and_retries_it(
             got = [reader[i]["tokens"].tolist() for i in range(len(reader))]
     assert got == [tokens[i * 100 : (i + 1) * 100].tolist() for i in range(10)]
     assert proxy.count("stall") == 1
+    # the retry is logged with the shard, the attempt and the error
+    (retry,) = [r for r in caplog.records if r.name == "guideloom_pipes.remote"]
+    assert retry.levelno == logging.INFO
+    message = retry.getMessage()
+    assert "/stalled-policy/0000000." in message and "(shard 0000000)" in message
+    assert "attempt 1 of 6 failed" in message and "(FSTimeoutError)" in message
 
 
 def test_a_server_that_never_answers_fails_after_the_attempts_naming_the_timeout(

@@ -16,6 +16,7 @@ A storage reader's shard files are pinned at the ETag its open listed (condition
 from __future__ import annotations
 
 import errno
+import logging
 import random
 import threading
 import time
@@ -33,6 +34,9 @@ from guideloom_pipes.storage.records import ExpectedFile
 from guideloom_pipes.types import IOSyncReaderAbstract
 
 T = TypeVar("T")
+
+#: Each retry of a remote read is logged here at INFO (what failed, the attempt, the error).
+logger = logging.getLogger("guideloom_pipes.remote")
 
 #: Protocols whose "directories" cannot be listed reliably: shards are found by probing ids.
 _UNLISTABLE = frozenset({"http", "https"})
@@ -275,6 +279,12 @@ def _changed(url: str, etag: str, now: str | None = None) -> DatasetChangedError
     )
 
 
+def _describe(error: BaseException) -> str:
+    """``Type: message``, or the type alone for an error with no message (a timeout)."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def _shard_label(url: str) -> str:
     match = _NAME.match(url.rpartition("/")[2])
     return f"shard {shard_name(int(match.group('shard')))}" if match else "the dataset"
@@ -370,11 +380,23 @@ class FsspecIO(BackendBase):
                     raise RemoteReadError(
                         f"{what} {url} ({_shard_label(url)}) failed {attempt} time(s) over "
                         f"{elapsed:.1f} s with transient errors, the last: "
-                        f"{type(error).__name__}: {error}. The server or the network kept "
+                        f"{_describe(error)}. The server or the network kept "
                         f"failing; check them, or allow more attempts (retry=RetryPolicy("
                         f"attempts=...))"
                     ) from error
-            time.sleep(policy.delay(attempt))
+                delay = policy.delay(attempt)
+                logger.info(
+                    "%s %s (%s): attempt %d of %d failed with a transient error (%s); "
+                    "trying again in %.3f s",
+                    what,
+                    url,
+                    _shard_label(url),
+                    attempt,
+                    policy.attempts,
+                    _describe(error),
+                    delay,
+                )
+                time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def once(self, method: str, *args: Any, **kwargs: Any) -> Any:
