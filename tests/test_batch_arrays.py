@@ -227,7 +227,8 @@ def test_process_workers_send_a_batch_as_its_arrays(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", [None, PosixPreadIO()], ids=["mmap", "pread"])
-@pytest.mark.parametrize("count", [3, 40])  # a window at a time, and gathered
+# a window at a time (a few, or fewer than 128 short ones), and gathered (many short ones)
+@pytest.mark.parametrize("count", [3, 40, 200])
 def test_read_arrays_is_read_batch_as_columns(tmp_path: Path, backend: Any, count: int) -> None:
     dataset = StreamDataset(_stream(tmp_path, TWO_FIELDS, backend), LENGTH)
     with dataset.sync_reader() as reader:

@@ -240,7 +240,8 @@ ELEMENT_DTYPES = [
 
 
 @pytest.mark.parametrize("dtype", ELEMENT_DTYPES, ids=lambda d: f"{d.itemsize}B-{d.descr}")
-@pytest.mark.parametrize("count", [3, 40])  # a few windows (row copies), many (gathers)
+# a few windows or fewer than 128 short ones (row copies), many short ones (gathers)
+@pytest.mark.parametrize("count", [3, 40, 200])
 def test_windows_of_every_element_size_and_byte_order_read_back_as_written(
     tmp_path: Path, dtype: np.dtype[Any], count: int
 ) -> None:
@@ -261,6 +262,42 @@ def test_windows_of_every_element_size_and_byte_order_read_back_as_written(
         assert batch.columns is not None and batch.columns[name].dtype == dtype[name]
         assert_array_equal(batch.columns[name], column)
         assert_array_equal(np.stack([sample[name] for sample in samples]), column)
+
+
+@pytest.mark.parametrize(
+    ("count", "length", "gathered"),
+    [
+        (15, 6, False),  # a handful
+        (127, 6, False),  # short ones, fewer than 128
+        (128, 6, True),  # many short ones: one gather per shard
+        (200, 1024, False),  # 4 KB windows, 800 KB in all: row by row
+        (300, 1024, True),  # 1.2 MB in all: gathered (numpy's copy lets threads run)
+    ],
+)
+def test_windows_are_copied_row_by_row_unless_many_short_ones_or_over_a_megabyte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, count: int, length: int, gathered: bool
+) -> None:
+    from guideloom_pipes.storage.stream import StreamReader
+
+    dtype = np.dtype([("tokens", "<i4")])
+    storage = StreamStorage(tmp_path, StreamNumpyFormat(dtype))
+    with storage.sync_writer() as writer:
+        for shard in range(3):
+            writer.append(shard, {"tokens": np.arange(shard * 10**5, (shard + 1) * 10**5)})
+    calls: list[str] = []
+    for name in ("_copy_rows", "_gather_rows"):
+        method = getattr(StreamReader, name)
+
+        def spy(self: Any, *args: Any, _method: Any = method, _name: str = name) -> Any:
+            calls.append(_name)
+            return _method(self, *args)
+
+        monkeypatch.setattr(StreamReader, name, spy)
+    starts = np.random.default_rng(count).integers(0, 3 * 10**5 - length, count)
+    with storage.sync_reader() as reader:
+        windows = reader.read_windows(starts, length)
+    assert windows["tokens"].tolist() == [list(range(a, a + length)) for a in starts.tolist()]
+    assert calls == (["_gather_rows"] if gathered else ["_copy_rows"])
 
 
 @settings(deadline=None, max_examples=40)

@@ -46,11 +46,19 @@ def as_int(value: Any, what: str) -> int:
 
 #: The largest int64, the last index numpy can hold in the int64 vectors the readers use.
 _INT64_MAX = int(np.iinfo(np.int64).max)
-#: Batches of at least this many windows are gathered a shard at a time (one numpy call
-#: each), smaller ones a window at a time (measured: 64 windows of 128 tokens 2.2 us
-#: gathered, 15 us one by one; 512 windows of 2048 0.41 us a window gathered, 0.75 one by
-#: one; 8 windows 1.0 us a window one by one, found with bisect).
-_GATHER_ROWS = 16
+#: Batches of at least this many windows, each shorter than ``_ROW_BYTES``, are gathered a
+#: shard at a time (one numpy call each); others are copied a window at a time by
+#: ``memoryview`` slices (:meth:`StreamReader._copy_rows`). Measured, in microseconds per
+#: window of 4-byte tokens, gathered / row by row: 64 windows of 128 tokens 0.70 / 0.35,
+#: of 2048 1.35 / 0.91; 16 of 2048 2.9 / 1.0; 512 of 2048 0.94 / 0.96; 512 of 128
+#: 0.19 / 0.36; 256 of 32 0.20 / 0.28; 4096 of 16 0.11 / 0.39.
+_GATHER_ROWS = 128
+#: Windows of at least this many bytes are copied row by row however many there are (a
+#: row's copy runs at memory speed; a gather is no faster and costs its index arrays)...
+_ROW_BYTES = 4096
+#: ... up to this many bytes in all: a row copy holds the GIL (numpy's large copies let other
+#: threads run, also while a cold page of the mapping is read from disk).
+_ROWS_AT_MOST = 1 << 20
 #: Up to this many indexes are checked as a Python list (numpy's min and max cost more).
 _FEW = 64
 #: The unsigned integer dtype of each element size: windows are gathered through it.
@@ -490,7 +498,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             out = _checked_out(buffers(shape, self._raw), shape, self._raw)
         if len(starts) == 0:
             return out.view(self.dtype)
-        if len(starts) < _GATHER_ROWS and self._copy_rows(out, starts.tolist(), length):
+        if self._by_rows(len(starts), length) and self._copy_rows(out, starts.tolist(), length):
             return out.view(self.dtype)
         first = np.searchsorted(self._starts, starts, side="right") - 1
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
@@ -529,10 +537,18 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         to lie inside the stream) as a recycled ``(len(numbers), length)`` ``_raw`` array,
         copied row by row, where they are few and their shards mapped; else None (then
         :meth:`_windows` reads them)."""
-        if len(numbers) >= _GATHER_ROWS:
+        if not self._by_rows(len(numbers), length):
             return None
         out = self._pool.take((len(numbers), length), self._raw)
         return out if self._copy_rows(out, numbers, length, length) else None
+
+    def _by_rows(self, count: int, length: int) -> bool:
+        """Whether ``count`` windows of ``length`` are copied row by row (see
+        ``_GATHER_ROWS``) rather than gathered a shard at a time: always a handful of them."""
+        if count < 16:
+            return True
+        width = length * self.dtype.itemsize
+        return count * width <= _ROWS_AT_MOST and (count < _GATHER_ROWS or width >= _ROW_BYTES)
 
     def _copy_rows(self, out: np.ndarray, starts: list[int], length: int, scale: int = 1) -> bool:
         """Windows of mapped shards starting at ``starts[r] * scale``, each copied into row
