@@ -142,6 +142,9 @@ def _ramp(rows: int, length: int, dtype: type[np.signedinteger[Any]]) -> np.ndar
 
 #: Released output slabs a reader keeps for reuse (``PackedReader._slabs``), in bytes.
 _SLAB_BYTES = 32 << 20
+#: Tokens packed together at most by ``read_arrays_many`` (eight batches of 8 x 2048: their
+#: output blocks, 4 MB, stay in the caches while they are written).
+_GROUP_TOKENS = 1 << 17
 
 
 class _Lease(Lease):
@@ -214,29 +217,39 @@ def _pack(
     windows: np.ndarray, eos_token: int | None, starts: _I64 | None, out: _I64 | None
 ) -> tuple[dict[str, _I64], _I64, _I64]:
     """:func:`pack_columns`, returning the bounds of the sequences (their flat starts, then
-    ``B * L``) and their sizes instead of the starts.
+    ``B * L``) and their sizes instead of the starts."""
+    if out is None:
+        out = np.empty((len(FIELDS), *windows.shape), dtype=np.int64)
+    return _pack_many(windows, eos_token, starts, [out])[0]
 
-    A few whole-batch passes and no loop per window or per document: the tokens widened
-    once; a mask of the starts (the EOS found in the source's own dtype) and its nonzero
-    indexes; per sequence, its first column and its number in its window, both repeated
-    over its tokens with one ``repeat`` in the narrowest dtype that holds them (int16 for
-    windows up to 32,767 tokens: a quarter of int64's bytes); ``position_ids`` as a cached
-    ramp ``0..L-1`` per window minus the first column; the two planes widened into
-    ``position_ids`` and ``document_ids`` with one copy (they are adjacent in ``out``);
-    ``labels`` as the widened tokens shifted by one (a plain copy), with ``-100`` scattered
-    before each start and last.
+
+def _pack_many(
+    windows: np.ndarray, eos_token: int | None, starts: _I64 | None, outs: Sequence[_I64]
+) -> list[tuple[dict[str, _I64], _I64, _I64]]:
+    """The packed columns of consecutive groups of rows of ``windows``, one group per
+    ``(4, B_i, L)`` int64 array of ``outs`` (their ``B_i`` add up to the rows): for each,
+    ``(columns, bounds, sizes)`` as :func:`_pack` gives them for those rows alone.
+
+    A few passes over all the rows at once and no loop per window or per document: a mask
+    of the sequence starts (the EOS found in the source's own dtype, or ``starts``) and its
+    nonzero indexes; per sequence, its first column and its number in its window, both
+    repeated over its tokens with one ``repeat`` in the narrowest dtype that holds them
+    (int16 for windows up to 32,767 tokens: a quarter of int64's bytes); ``position_ids`` as
+    a cached ramp ``0..L-1`` per window minus the first column. Then per group, into its
+    array: the tokens widened; the two planes widened into ``position_ids`` and
+    ``document_ids`` with one copy (they are adjacent); ``labels`` as the widened tokens
+    shifted by one (a plain copy), with ``-100`` scattered before each start and last.
+    The work per sequence is done once for all the groups (a reader packs a chunk of
+    batches together, each into its own array).
     """
     rows, length = windows.shape
     total = rows * length
-    if out is None:
-        out = np.empty((len(FIELDS), rows, length), dtype=np.int64)
-    columns = dict(zip(FIELDS, out))
-    planes = out.reshape(len(FIELDS), total)
-    tokens, labels = planes[0], planes[3]
     flat = windows.reshape(-1)  # a copy only for windows with odd strides
-    np.copyto(tokens, flat, casting="unsafe")
     if total == 0:
-        return columns, np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return [
+            (dict(zip(FIELDS, out)), np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
+            for out in outs
+        ]
     # is_start[k]: a sequence starts at flat index k (k == total: the end of the last one)
     is_start = np.empty(total + 1, dtype=bool)
     if starts is None:
@@ -257,10 +270,34 @@ def _pack(
     values = np.array((column, numbers), dtype=narrow)
     spread = np.repeat(values, sizes, axis=1)  # (2, total): each value over its sequence
     np.subtract(_ramp(rows, length, narrow), spread[0], out=spread[0])
+    if len(outs) == 1:
+        return [_fill(outs[0], flat, spread, bounds, sizes)]
+    # each group's share of the bounds: every window start is one, so a group's rows
+    # begin and end at bounds
+    edges = np.cumsum([0] + [out.shape[1] * length for out in outs])
+    at = bounds.searchsorted(edges).tolist()
+    results = []
+    for index, out in enumerate(outs):
+        a, b = int(edges[index]), int(edges[index + 1])
+        low, high = at[index], at[index + 1]
+        results.append(
+            _fill(out, flat[a:b], spread[:, a:b], bounds[low : high + 1] - a, sizes[low:high])
+        )
+    return results
+
+
+def _fill(
+    out: _I64, flat: np.ndarray, spread: np.ndarray, bounds: _I64, sizes: _I64
+) -> tuple[dict[str, _I64], _I64, _I64]:
+    """Write one group's four planes into ``out`` (see :func:`_pack_many`)."""
+    planes = out.reshape(len(FIELDS), len(flat))
+    tokens, labels = planes[0], planes[3]
+    np.copyto(tokens, flat, casting="unsafe")
     np.copyto(planes[1:3], spread)  # position_ids and document_ids, widened
-    labels[:-1] = tokens[1:]
-    labels[bounds[1:] - 1] = IGNORE_INDEX  # the last token of each document, window, batch
-    return columns, bounds, sizes
+    if len(flat):
+        labels[:-1] = tokens[1:]
+        labels[bounds[1:] - 1] = IGNORE_INDEX  # the last token of each document, window, batch
+    return dict(zip(FIELDS, out)), bounds, sizes
 
 
 def pack_windows(
@@ -692,20 +729,54 @@ class PackedReader(_DatasetReaderBase):
         the same arrays as ``read_batch(ids)[i]``."""
         return Batch.of_columns(self._columns(ids)[0])
 
+    def read_arrays_many(self, batches: Sequence[Sequence[int] | np.ndarray]) -> list[Batch]:
+        """``[read_arrays(ids) for ids in batches]``, the batches packed together: one read
+        of their windows and the work per sequence done once for a group of them (up to
+        ``_GROUP_TOKENS`` tokens), each batch still in an output block of its own (the
+        loader's path for a chunk of batches).
+
+        Raises:
+            IndexError: An id is out of range (nothing is read).
+        """
+        self._check_open()
+        length = self.dataset.sequence_length
+        sizes = [len(ids) for ids in batches]
+        everything = _as_ids(np.concatenate(batches) if batches else [], self._length)
+        out: list[Batch] = []
+        per_group = max(1, _GROUP_TOKENS // max(length, 1))
+        first = begin = 0
+        while first < len(sizes):
+            last, rows = first + 1, sizes[first]
+            while last < len(sizes) and rows + sizes[last] <= per_group:
+                rows += sizes[last]
+                last += 1
+            group = self._packed(everything[begin : begin + rows], sizes[first:last])
+            out.extend(Batch.of_columns(columns) for columns, _ in group)
+            first, begin = last, begin + rows
+        return out
+
     def _columns(self, ids: Sequence[int] | np.ndarray) -> tuple[dict[str, _I64], _I64]:
         self._check_open()
         ids = _as_ids(ids, self._length)
+        return self._packed(ids, [len(ids)])[0]
+
+    def _packed(self, ids: _I64, sizes: Sequence[int]) -> list[tuple[dict[str, _I64], _I64]]:
+        """The windows at ``ids`` (checked), packed into one slab per group of ``sizes``
+        rows: each group's columns and sequence starts."""
         dataset = self.dataset
+        length = dataset.sequence_length
+        outs = [self._slab(rows, length) for rows in sizes]
         if dataset.stream:
-            length = dataset.sequence_length
             windows = self._source.storage_reader._windows(ids * length, length)
-            out = self._slab(len(ids), length)
-            columns, bounds, sizes = _pack(windows[dataset.field], dataset.eos_token, None, out)
+            packed = _pack_many(windows[dataset.field], dataset.eos_token, None, outs)
         else:
             tokens, starts = self._document_windows(ids)
-            columns, bounds, sizes = _pack(tokens, None, starts, self._slab(*tokens.shape))
-        _remember_sequences(columns["position_ids"], bounds, sizes)
-        return columns, bounds[:-1]
+            packed = _pack_many(tokens, None, starts, outs)
+        results = []
+        for columns, bounds, sequence_sizes in packed:
+            _remember_sequences(columns["position_ids"], bounds, sequence_sizes)
+            results.append((columns, bounds[:-1]))
+        return results
 
     def _slab(self, rows: int, length: int) -> _I64:
         """A ``(4, rows, length)`` int64 slab that nothing else uses, owned by a lease."""

@@ -171,3 +171,63 @@ def test_collate_packed_takes_a_reads_columns_as_they_are_and_checks_changed_one
                 assert torch.equal(got["tokens"], expected["tokens"] + 1)
                 assert torch.equal(got["cu_seqlens"], expected["cu_seqlens"])
         assert collate_packed(reader.read_arrays(np.zeros(0, dtype=np.int64))) == []
+
+
+def _same_batch(got: Batch, expected: Batch) -> None:
+    assert got.columns is not None and expected.columns is not None
+    for name in FIELDS:
+        assert got.columns[name].tolist() == expected.columns[name].tolist()
+    found = known_sequences(got.columns["position_ids"])
+    wanted = known_sequences(expected.columns["position_ids"])
+    assert found is not None and wanted is not None
+    assert found[0].tolist() == wanted[0].tolist() and found[1].tolist() == wanted[1].tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 9), min_size=0, max_size=12),
+    group_tokens=st.integers(1, 200),
+    documents=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_batches_read_together_are_the_batches_read_alone(
+    sizes, group_tokens, documents, seed, tmp_path_factory
+):
+    """``read_arrays_many``: the batches of ``read_arrays`` for each id array, also when a
+    chunk is packed in several groups, with empty batches and repeated ids among them; each
+    batch in an output block of its own, with its own sequence bounds for collate."""
+    rng = np.random.default_rng(seed)
+    length = 6
+    tokens = _stream(rng.integers(1, 15, 80).tolist(), rng)
+    if documents:
+        source: Any = [rng.integers(1, 50, rng.integers(1, 20)).tolist() for _ in range(40)]
+        dataset = PackedDataset(source, length, eos_token=0, seed=3)
+    else:
+        from guideloom_pipes import StreamNumpyFormat, StreamStorage
+
+        directory = tmp_path_factory.mktemp("stream")
+        storage = StreamStorage(directory, StreamNumpyFormat(np.dtype([("tokens", "<i4")])))
+        with storage.sync_writer() as writer:
+            writer.append(0, {"tokens": np.array(tokens[:200], dtype="<i4")})
+            writer.append(1, {"tokens": np.array(tokens[200:], dtype="<i4")})
+        dataset = PackedDataset(storage, length, eos_token=EOS)
+    original = packing_module._GROUP_TOKENS
+    packing_module._GROUP_TOKENS = group_tokens
+    try:
+        with dataset.sync_reader() as reader:
+            batches = [rng.integers(0, len(reader), size) for size in sizes]
+            together = reader.read_arrays_many(batches)
+            assert len(together) == len(batches)
+            blocks = set()
+            for ids, got in zip(batches, together, strict=True):
+                _same_batch(got, reader.read_arrays(ids))
+                blocks.add(id(got.columns["tokens"].base))
+            assert len(blocks) == len(batches)  # one block per batch
+    finally:
+        packing_module._GROUP_TOKENS = original
+
+
+def test_an_id_out_of_range_in_a_chunk_is_refused_naming_it():
+    dataset = PackedDataset([[1, 2, 3, 4, 5]] * 10, 4, eos_token=0)
+    with dataset.sync_reader() as reader, pytest.raises(IndexError, match="15"):
+        reader.read_arrays_many([np.array([0, 1]), np.array([2, 15])])

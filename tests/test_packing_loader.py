@@ -150,3 +150,47 @@ def test_packed_documents_resume_through_the_loader_on_another_world_size(tmp_pa
     assert head == whole[: 3 * 4]
     tail, _ = run(1, 4, state=state, num_workers=2, parallel_method="process", prefetch=1)
     assert head + tail == whole
+
+
+def _packed_stage(dataset: PackedDataset, **options):
+    from guideloom_pipes.pipes import RankPositions, ReadSamples, Shuffle
+
+    source = Shuffle(RankPositions(len(dataset), 3, drop_last=False), 5)
+    return ReadSamples(source, dataset, collate_fn=collate_packed, **options)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_chunk_of_packed_batches_is_read_together_and_each_batch_is_the_same(monkeypatch, fails):
+    """Jobs of several batches read their packed windows with one ``read_arrays_many``
+    (each batch its own output block and ``cu_seqlens``); if that call raises, each batch is
+    read alone, with the same results. Batch by batch the stage's state is the reference's."""
+    from guideloom_pipes.packing import PackedReader
+
+    rng = np.random.default_rng(2)
+    documents = [rng.integers(1, 50, rng.integers(1, 30)).tolist() for _ in range(120)]
+    dataset = PackedDataset(documents, 8, eos_token=0, seed=1)
+    chunks: list[int] = []
+    read_many = PackedReader.read_arrays_many
+
+    def spy(self, batches):
+        chunks.append(len(batches))
+        if fails:
+            raise OSError("a chunk read that fails")
+        return read_many(self, batches)
+
+    monkeypatch.setattr(PackedReader, "read_arrays_many", spy)
+    reference = _packed_stage(dataset)
+    node = _packed_stage(dataset, num_workers=1, chunk_seconds=10.0, max_chunk=5)
+    steps = 0
+    for expected in reference:
+        got = next(node)
+        for name in ("tokens", "position_ids", "document_ids", "labels", "cu_seqlens"):
+            assert torch.equal(got[name], expected[name]), name
+        assert got["max_seqlen"] == expected["max_seqlen"]
+        assert node.state_dict() == reference.state_dict()
+        steps += 1
+    with pytest.raises(StopIteration):
+        next(node)
+    node.close()
+    reference.close()
+    assert steps == -(-len(dataset) // 3) and chunks and max(chunks) > 1

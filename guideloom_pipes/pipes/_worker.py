@@ -26,7 +26,12 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch, LazyRows, accepts_batch_arrays, batch_arrays
-from guideloom_pipes.datasets import WindowBuffers, batch_read_fn, open_reader
+from guideloom_pipes.datasets import (
+    WindowBuffers,
+    _DatasetReaderBase,
+    batch_read_fn,
+    open_reader,
+)
 from guideloom_pipes.pipes._transport import ResultRing, dump_result
 
 _Ids = npt.NDArray[np.int64]
@@ -188,6 +193,20 @@ def read_fn_for(
     return batch_read_fn(reader, arrays=accepts_batch_arrays(collate_fn), out=out, rows=True)
 
 
+def read_many_fn_for(
+    reader: Any, collate_fn: Callable[..., Any] | None, out: WindowBuffers | None = None
+) -> Callable[[list[_Ids]], list[Any]] | None:
+    """One of our readers' ``read_arrays_many`` (a chunk of batches read and packed
+    together, each a :class:`~guideloom_pipes.batch.Batch` of its own) where ``collate_fn``
+    takes arrays and no ``out`` buffers are given, else None."""
+    if out is not None or not accepts_batch_arrays(collate_fn):
+        return None
+    if not isinstance(reader, _DatasetReaderBase):
+        return None
+    read_many = getattr(reader, "read_arrays_many", None)
+    return read_many if callable(read_many) else None
+
+
 class _Deferred:
     """A batch of a chunk read whose samples are made, and collated, only when the batch
     is delivered (:meth:`_ReadTask.run` with ``defer=True``): rows ``begin .. end - 1`` of
@@ -229,17 +248,27 @@ class _ReadTask:
     each batch under its seed.
     """
 
-    __slots__ = ("_arrays", "_collate", "_columns", "_read", "_read_is_ours", "seeding")
+    __slots__ = (
+        "_arrays",
+        "_collate",
+        "_columns",
+        "_read",
+        "_read_is_ours",
+        "_read_many",
+        "seeding",
+    )
 
     def __init__(
         self,
         read: Callable[[_Ids], Any],
         collate_fn: Callable[..., Any] | None,
         *,
+        read_many: Callable[[list[_Ids]], list[Any]] | None = None,
         read_is_ours: bool = True,
         seeding: Seeding = "local",
     ):
         self._read = read
+        self._read_many = read_many
         self._collate = collate_fn
         self._arrays = accepts_batch_arrays(collate_fn)
         # whether the read gives batches of columns (None: not known before the first read)
@@ -273,6 +302,11 @@ class _ReadTask:
             samples = self._input(samples)
         return self._collated(samples)
 
+    @property
+    def reads_many(self) -> bool:
+        """Whether a chunk of batches of columns is read with one call (see :meth:`run`)."""
+        return bool(self._columns) and self._read_many is not None
+
     def _one(self, ids: _Ids, seed: int | None = None) -> Any:
         try:
             return self(ids, seed)
@@ -293,8 +327,9 @@ class _ReadTask:
         batch come from the allocator's free memory, where a chunk's arrays are fresh pages
         that the kernel faults in (a chunk of 35 batches of 8 x 2048 tokens spent 0.4 ms in
         ``np.empty`` alone, more than 35 reads of one batch cost). Until the first read
-        tells, batches are read one by one. Other reads (packed windows: one large
-        allocation per chunk, backed by huge pages) stay one per chunk.
+        tells, batches are read one by one. A reader that packs batches of columns together
+        (``read_many``: packed windows, each batch in a block of its own recycled memory)
+        reads the chunk with one call (:meth:`_run_many`). Other reads stay one per chunk.
 
         A read that gives :class:`~guideloom_pipes.batch.LazyRows` (windows of a stream
         with metadata) makes each batch's samples from its slice, just before its collate;
@@ -304,6 +339,8 @@ class _ReadTask:
         arrays and bytes, no objects that the garbage collector tracks).
         """
         batches, seeds = job if isinstance(job, tuple) else (job, None)
+        if len(batches) > 1 and self.reads_many and (seeds is None or self._read_is_ours):
+            return self._run_many(batches, seeds)
         if (
             len(batches) == 1
             or self._columns is not False
@@ -350,6 +387,34 @@ class _ReadTask:
                 else:
                     with seeded(seeds[index], self.seeding):
                         out.append(collate(part))
+            except Exception as error:
+                out.append(_Failed(error))
+        return out
+
+    def _run_many(self, batches: list[_Ids], seeds: list[int] | None) -> list[Any]:
+        """:meth:`run` for batches of columns read together (``read_many``: one read of
+        their windows, each batch its own arrays); only the collates run under the seeds.
+        If the read raises, each batch is read alone (its error then belongs to it)."""
+        reads: list[Any] | None = None
+        if all(len(ids) for ids in batches):
+            try:
+                reads = self._read_many(batches)  # type: ignore[misc]
+                if len(reads) != len(batches):
+                    reads = None
+            except Exception:
+                reads = None
+        if reads is None:
+            if seeds is None:
+                return [self._one(ids) for ids in batches]
+            return [self._one(ids, seed) for ids, seed in zip(batches, seeds, strict=True)]
+        out: list[Any] = []
+        for index, samples in enumerate(reads):
+            try:
+                if seeds is None:
+                    out.append(self._collated(samples))
+                else:
+                    with seeded(seeds[index], self.seeding):
+                        out.append(self._collated(samples))
             except Exception as error:
                 out.append(_Failed(error))
         return out
@@ -420,6 +485,7 @@ class _ProcessWorkerState:
         self.task = _ReadTask(
             read_fn_for(reader, collate_fn),
             collate_fn,
+            read_many=read_many_fn_for(reader, collate_fn),
             read_is_ours=read_is_ours,
             seeding="globals",
         )

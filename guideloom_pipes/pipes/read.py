@@ -33,6 +33,7 @@ from guideloom_pipes.pipes._worker import (
     _RemoteTraceback,
     keep_batch_arrays,
     read_fn_for,
+    read_many_fn_for,
 )
 from guideloom_pipes.pipes.positions import Positions
 
@@ -55,6 +56,10 @@ _GAP_SHARE = 0.5
 #: One in this many batches read one at a time by the calling thread is timed (its time and
 #: CPU share, the caller's time before it) and decides whether the calling thread goes on.
 _INLINE_SAMPLE = 16
+#: Batches of columns that one read packs together (``read_arrays_many``: packed windows)
+#: are read by the calling thread this many at a time at most: the chunk's arrays, written
+#: together and held until delivered, stay in the caches.
+_COLUMN_CHUNK = 8
 
 
 def _ours(obj: Any) -> bool:
@@ -412,6 +417,7 @@ class ReadSamples(BaseNode[Any]):
             self._task = _ReadTask(
                 read_fn_for(reader, collate, out=self.buffers),
                 collate,
+                read_many=read_many_fn_for(reader, collate, out=self.buffers),
                 read_is_ours=callable(getattr(reader, "read_batch", None)),
                 seeding="globals" if self.num_workers == 0 else "local",
             )
@@ -705,17 +711,25 @@ class ReadSamples(BaseNode[Any]):
     def _next_inline(self, timed: bool) -> Any:
         """The next batch, read by the calling thread (see :meth:`_quick_to_inline`): one at
         a time where a read gives batches of columns (each read into memory the allocator
-        just freed, see :meth:`_ReadTask.run`), else a chunk of them with one read, as a
-        worker would, delivered one by one. ``timed``: measure the batch (its time and CPU
-        share) and read the next ``_INLINE_SAMPLE - 1`` batches without a clock."""
+        just freed, see :meth:`_ReadTask.run`) unless the reader packs several together
+        (``read_arrays_many``: up to ``_COLUMN_CHUNK``), else a chunk of them with one read,
+        as a worker would; a chunk is delivered one by one. ``timed``: measure the batch
+        (its time and CPU share) and read the next ``_INLINE_SAMPLE - 1`` batches without a
+        clock."""
         if self._ready:
             # the rest of a chunk this thread read comes first (a chunk read now would only
             # pile up behind it, and at the source's end the batches left in it were lost)
             return self._deliver_ready()
         task = self._task
         assert task is not None
-        if task._columns is False and self._chunk_size() > 1:
-            return self._read_chunk_inline()
+        if task._columns is False:
+            chunk = self._chunk_size()
+            if chunk > 1:
+                return self._read_chunk_inline(chunk)
+        elif task._read_many is not None and task._columns:
+            chunk = self._chunk_size()
+            if chunk > 1:
+                return self._read_chunk_inline(min(chunk, _COLUMN_CHUNK))
         source = self.source
         try:
             ids = _to_ids(next(source))
@@ -762,13 +776,13 @@ class ReadSamples(BaseNode[Any]):
         self._delivered += 1
         return result
 
-    def _read_chunk_inline(self) -> Any:
-        """Read a chunk of batches in the calling thread (``_ReadTask.run``, one read for
-        them all), keep them in ``_ready`` and deliver the first."""
+    def _read_chunk_inline(self, size: int) -> Any:
+        """Read a chunk of ``size`` batches in the calling thread (``_ReadTask.run``, one
+        read for them all), keep them in ``_ready`` and deliver the first."""
         task = self._task
         assert task is not None
         batch_seeds = self.batch_seeds
-        batches, snapshots, seeds = self._take(self._chunk_size())
+        batches, snapshots, seeds = self._take(size)
         if not batches:
             return self._next_from_workers()
         cpu = time.thread_time()
