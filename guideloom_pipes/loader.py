@@ -48,7 +48,12 @@ from guideloom_pipes.pipes._pool import (
     after_orphaned_jobs,
     seconds_text,
 )
-from guideloom_pipes.pipes._worker import Seeding, batch_seed, seeded
+from guideloom_pipes.pipes._worker import (
+    Seeding,
+    batch_seed,
+    hold_small_object_reserve,
+    seeded,
+)
 from guideloom_pipes.pipes.read import _CHUNK_SECONDS, ReadFigures, _mp_context, _together
 from guideloom_pipes.pipes.shards import (
     BatchSamples,
@@ -271,6 +276,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         # The worker processes, one pool per loader (started at the first iter()).
         self._process_pool: _ProcessPool | None = None
         self._pool_finalizer: weakref.finalize[Any, Any] | None = None
+        # the small-object reserve this loader holds while open (reading in this process)
+        self._reserve: weakref.finalize[Any, Any] | None = None
         # torch's attributes, as torch code reads them
         self.generator = generator
         self.prefetch_factor = prefetch_factor
@@ -465,6 +472,11 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         self._is_open = True
         self._fingerprint = reader_fingerprint(reader)
         self._spans, self._plan_cache = None, None
+        if not (self.num_workers > 0 and self.parallel_method == "process"):
+            # samples are decoded in this process: keep small-object memory mapped for
+            # them while the loader is open (see reserve_small_object_memory); released by
+            # close(), or when the loader is garbage-collected
+            self._reserve = weakref.finalize(self, hold_small_object_reserve())
 
     def _too_few_samples(self, reader: Any, n: int) -> str:
         """Why a dataset of ``n`` samples cannot fill a global batch, and the fix."""
@@ -509,6 +521,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         ring, self._ring = self._ring, None
         if ring is not None:
             ring.close()  # waits for copies still running out of its buffers
+        reserve, self._reserve = self._reserve, None
+        if reserve is not None:
+            reserve()
         if self._is_open:
             reader, self._reader = self._reader, None
             self._is_open = False

@@ -66,3 +66,37 @@ def test_process_workers_keep_small_object_memory_for_their_batches():
         faults = list(loader)[5:]  # after the worker's start
     # without the reserve each batch maps ~3 MB of fresh arenas: ~500 faults
     assert sum(faults) / len(faults) < 100, faults
+
+
+def test_a_loader_reading_in_this_process_holds_one_shared_reserve_while_open():
+    import gc
+
+    from guideloom_pipes.pipes import _worker
+
+    gc.collect()  # (loaders of earlier tests left open are released)
+    holders = _worker._reserve_holders  # (0 unless a loader elsewhere is still open)
+    options = {"local_batch_size": 4, "prefetch": 1}
+    inline = StatefulDataLoader(ListsOfInts(200), faults_collate, **options)
+    threads = StatefulDataLoader(ListsOfInts(200), faults_collate, num_workers=2, **options)
+    processes = StatefulDataLoader(
+        ListsOfInts(200), faults_collate, num_workers=1, parallel_method="process", **options
+    )
+    processes.open()  # its samples are decoded in the workers: it holds no reserve
+    assert _worker._reserve_holders == holders
+    inline.open()
+    reserve = _worker._reserve
+    assert reserve is not None and len(reserve) >= 16  # a block in each arena of 16 MiB
+    threads.open()
+    assert _worker._reserve is reserve and _worker._reserve_holders == holders + 2
+    inline.close()
+    inline.close()  # (a second close releases nothing more)
+    assert _worker._reserve is reserve and _worker._reserve_holders == holders + 1
+    threads.close()
+    assert _worker._reserve_holders == holders
+    assert (_worker._reserve is None) == (holders == 0)  # the last holder drops it
+    processes.close()
+    inline.open()
+    assert _worker._reserve_holders == holders + 1
+    del inline  # a loader garbage-collected while open releases it too
+    gc.collect()
+    assert _worker._reserve_holders == holders

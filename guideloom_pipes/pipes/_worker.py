@@ -533,6 +533,36 @@ def reserve_small_object_memory(nbytes: int = SMALL_OBJECT_RESERVE) -> list[byte
     return [blocks[index] for index in first.tolist()]
 
 
+_reserve_lock = threading.Lock()
+_reserve_holders = 0
+_reserve: list[bytes] | None = None
+
+
+def hold_small_object_reserve() -> Callable[[], None]:
+    """Keep :func:`reserve_small_object_memory`'s reserve in this process until the function
+    returned is called (once; later calls do nothing). One reserve serves every holder:
+    loaders that read in the training process hold it while they are open."""
+    global _reserve, _reserve_holders
+    with _reserve_lock:
+        if _reserve is None:
+            _reserve = reserve_small_object_memory()
+        _reserve_holders += 1
+    released = False
+
+    def release() -> None:
+        global _reserve, _reserve_holders
+        nonlocal released
+        with _reserve_lock:
+            if released:
+                return
+            released = True
+            _reserve_holders -= 1
+            if _reserve_holders == 0:
+                _reserve = None
+
+    return release
+
+
 def _dump_outcomes(outcomes: list[Any], ring: ResultRing | None) -> tuple[bytes, list[Any]]:
     """Pickle a chunk's outcomes; an outcome that cannot be pickled fails its batch."""
     try:
