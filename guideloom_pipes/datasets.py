@@ -286,9 +286,9 @@ class StreamDatasetReader(_DatasetReaderBase):
                 and min(listed) >= 0
                 and max(listed) < self._length
             ):
-                windows = self._storage_reader._few_windows(listed, self.sequence_length)
+                windows = self._storage_reader._few_windows(listed, self.sequence_length, one[1])
                 if windows is not None:
-                    return Batch.of_columns({one[0]: windows.view(one[1])})
+                    return Batch.of_columns({one[0]: windows})
         self._check_open()
         reader = self._storage_reader
         unpack_columns = getattr(reader.storage.format, "unpack_columns", None)

@@ -53,23 +53,19 @@ def default_collate(samples: Sequence[Any] | Batch) -> Any:
             for name, column in columns.items():
                 if not len(column):
                     return []
-                tensors[name] = _as_tensor(column)
+                # a tensor sharing the column's memory; a column torch.from_numpy refuses
+                # (strings, another byte order) goes through torch's function, row by row,
+                # which then does what it does with such samples
+                try:
+                    tensors[name] = torch.from_numpy(column)
+                except (TypeError, ValueError):
+                    tensors[name] = _torch_collate(list(column), collate_fn_map=_COLLATE_FN_MAP)
             return tensors
         samples = samples.samples()
     if len(samples) == 0:
         return []
     samples = samples if isinstance(samples, list) else list(samples)
     return _torch_collate(samples, collate_fn_map=_COLLATE_FN_MAP)
-
-
-def _as_tensor(column: np.ndarray) -> Any:
-    """A column as torch's ``default_collate`` stacks it: a tensor sharing its memory (a
-    column ``torch.from_numpy`` refuses, e.g. strings or another byte order, goes through
-    torch's function, row by row, which then does what it does with such samples)."""
-    try:
-        return torch.from_numpy(column)
-    except (TypeError, ValueError):
-        return _torch_collate(list(column), collate_fn_map=_COLLATE_FN_MAP)
 
 
 def _int64_list(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:

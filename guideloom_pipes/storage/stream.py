@@ -53,6 +53,8 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 #: of 2048 1.35 / 0.91; 16 of 2048 2.9 / 1.0; 512 of 2048 0.94 / 0.96; 512 of 128
 #: 0.19 / 0.36; 256 of 32 0.20 / 0.28; 4096 of 16 0.11 / 0.39.
 _GATHER_ROWS = 128
+#: ... and fewer windows than this always.
+_FEW_ROWS = 16
 #: Windows of at least this many bytes are copied row by row however many there are (a
 #: row's copy runs at memory speed; a gather is no faster and costs its index arrays)...
 _ROW_BYTES = 4096
@@ -532,20 +534,24 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
                 self._copy(shard, offset, length, out[row])
         return out.view(self.dtype)
 
-    def _few_windows(self, numbers: list[int], length: int) -> np.ndarray | None:
+    def _few_windows(
+        self, numbers: list[int], length: int, dtype: np.dtype[Any] | None = None
+    ) -> np.ndarray | None:
         """Windows ``[n * length, (n + 1) * length)`` for the ``numbers`` (Python ints, checked
-        to lie inside the stream) as a recycled ``(len(numbers), length)`` ``_raw`` array,
-        copied row by row, where they are few and their shards mapped; else None (then
-        :meth:`_windows` reads them)."""
-        if not self._by_rows(len(numbers), length):
+        to lie inside the stream) as a recycled ``(len(numbers), length)`` array, copied row
+        by row, where they are few and their shards mapped; else None (then
+        :meth:`_windows` reads them). The array is of ``dtype`` (one as wide as the
+        element: a column's own), by default the opaque ``_raw``."""
+        count = len(numbers)
+        if count >= _FEW_ROWS and not self._by_rows(count, length):
             return None
-        out = self._pool.take((len(numbers), length), self._raw)
+        out = self._pool.take((count, length), self._raw if dtype is None else dtype)
         return out if self._copy_rows(out, numbers, length, length) else None
 
     def _by_rows(self, count: int, length: int) -> bool:
         """Whether ``count`` windows of ``length`` are copied row by row (see
         ``_GATHER_ROWS``) rather than gathered a shard at a time: always a handful of them."""
-        if count < 16:
+        if count < _FEW_ROWS:
             return True
         width = length * self.dtype.itemsize
         return count * width <= _ROWS_AT_MOST and (count < _GATHER_ROWS or width >= _ROW_BYTES)
@@ -573,7 +579,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
                 offset = (start - bounds[shard]) * size
                 rows[begin : begin + width] = view[offset : offset + width]
             else:
-                self._copy_across(out[begin // width], start, shard, length)
+                self._copy_across(out[begin // width].view(self._raw), start, shard, length)
             begin += width
         return True
 
