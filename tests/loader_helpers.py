@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import multiprocessing
 import os
 import signal
 import socket
 import threading
 import time
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import numpy as np
@@ -292,13 +294,21 @@ def our_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("guideloom")]
 
 
-def threads_end(timeout: float = 5) -> list[threading.Thread]:
-    """Our threads still alive after waiting up to ``timeout`` seconds for them to end (a
-    worker thread finishing a batch of a closed iterator ends with that batch)."""
+def threads_end(
+    timeout: float = 5, ignore: Collection[threading.Thread] = ()
+) -> list[threading.Thread]:
+    """Our threads (but those in ``ignore``) still alive after waiting up to ``timeout``
+    seconds for them to end (a worker thread finishing a batch of a closed iterator ends
+    with that batch)."""
     deadline = time.monotonic() + timeout
     for thread in our_threads():
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return our_threads()
+        if thread not in ignore:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return [thread for thread in our_threads() if thread not in ignore]
+
+
+#: Threads of ours found alive when a test began, already reported (see closed_at_the_end).
+_REPORTED: set[int] = set()
 
 
 @contextlib.contextmanager
@@ -321,6 +331,14 @@ def closed_at_the_end(monkeypatch: Any, classes: tuple[type, ...]) -> Iterator[N
     thread or worker process of ours may be left. So a failing test cannot leave threads
     behind that fail the next tests' own checks. (Held weakly: garbage collection still
     closes what a test drops.)"""
+    # threads left by an earlier test (one that does not use this) are not this test's:
+    # reported once, by name, and not held against it
+    gc.collect()  # (what earlier tests dropped is closed by its finalizer)
+    earlier = set(our_threads())
+    new = [t.name for t in earlier if t.ident not in _REPORTED]
+    if new:
+        _REPORTED.update(t.ident for t in earlier if t.ident is not None)
+        warnings.warn(f"threads of ours left by an earlier test: {sorted(new)}", stacklevel=3)
     made: list[weakref.ref[Any]] = []
     for cls in classes:
         init = cls.__init__
@@ -340,7 +358,8 @@ def closed_at_the_end(monkeypatch: Any, classes: tuple[type, ...]) -> Iterator[N
             if obj is not None:
                 with contextlib.suppress(Exception):  # the test reports its own failures
                     obj.close()
-    left = threads_end()
+    gc.collect()  # (what the test dropped is closed by its finalizer, as for a user)
+    left = threads_end(ignore=earlier)
     assert left == [], f"threads of this test outlived it: {[t.name for t in left]}"
     assert multiprocessing.active_children() == [], "worker processes outlived the test"
 
