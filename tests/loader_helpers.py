@@ -333,8 +333,10 @@ def closed_at_the_end(monkeypatch: Any, classes: tuple[type, ...]) -> Iterator[N
     closes what a test drops.)"""
     # threads left by an earlier test (one that does not use this) are not this test's:
     # reported once, by name, and not held against it
-    gc.collect()  # (what earlier tests dropped is closed by its finalizer)
     earlier = set(our_threads())
+    if earlier:
+        gc.collect()  # (what earlier tests dropped is closed by its finalizer)
+        earlier = set(threads_end(timeout=0.5))
     new = [t.name for t in earlier if t.ident not in _REPORTED]
     if new:
         _REPORTED.update(t.ident for t in earlier if t.ident is not None)
@@ -358,8 +360,10 @@ def closed_at_the_end(monkeypatch: Any, classes: tuple[type, ...]) -> Iterator[N
             if obj is not None:
                 with contextlib.suppress(Exception):  # the test reports its own failures
                     obj.close()
-    gc.collect()  # (what the test dropped is closed by its finalizer, as for a user)
     left = threads_end(ignore=earlier)
+    if left:
+        gc.collect()  # (what the test dropped is closed by its finalizer, as for a user)
+        left = threads_end(ignore=earlier)
     assert left == [], f"threads of this test outlived it: {[t.name for t in left]}"
     assert multiprocessing.active_children() == [], "worker processes outlived the test"
 
