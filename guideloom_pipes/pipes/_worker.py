@@ -513,7 +513,7 @@ _BYTES_HEADER = sys.getsizeof(b"")
 
 def reserve_small_object_memory(nbytes: int = SMALL_OBJECT_RESERVE) -> list[bytes]:
     """Keep about ``nbytes`` of CPython's small-object memory mapped in this process, free
-    for any later objects; returns the few floats that hold it (keep them alive).
+    for any later objects; returns the few blocks that hold it (keep them alive).
 
     CPython takes small objects (ints, floats, short lists and dicts) from *arenas* it maps
     from the system, and unmaps an arena as soon as it is empty, keeping at most one empty

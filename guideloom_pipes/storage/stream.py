@@ -59,7 +59,8 @@ _FEW_ROWS = 16
 #: row's copy runs at memory speed; a gather is no faster and costs its index arrays)...
 _ROW_BYTES = 4096
 #: ... up to this many bytes in all: a row copy holds the GIL (numpy's large copies let other
-#: threads run, also while a cold page of the mapping is read from disk).
+#: threads run, also while a cold page of the mapping is read from disk). Beyond it, 128 or
+#: more windows are gathered a shard at a time, fewer copied by numpy one window at a time.
 _ROWS_AT_MOST = 1 << 20
 #: Up to this many indexes are checked as a Python list (numpy's min and max cost more).
 _FEW = 64
