@@ -32,6 +32,7 @@ from guideloom_pipes.pipes import (
     close_pipeline,
 )
 from guideloom_pipes.pipes._pool import _ThreadPool
+from guideloom_pipes.pipes.shuffle import state_marks
 
 
 @pytest.fixture(autouse=True)
@@ -236,3 +237,67 @@ def test_mixed_with_torchdata_nodes():
 
     expected = [[[x * 10 for x in b] for b in epoch] for epoch in _ids(23, 5, **shard)]
     assert run_save_load_state(make) == expected
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["positions", "shuffled"])
+@pytest.mark.parametrize("shard", SHARDS)
+def test_the_mark_of_our_sources_gives_their_state_at_every_step(shard, seeded):
+    node = Shuffle(_positions(23, shard), 5) if seeded else _positions(23, shard)
+    marks = state_marks(node)
+    assert marks is not None
+    mark, state_at = marks
+    node.reset()
+    for _epoch_number in range(2):
+        seen = []
+        while True:
+            seen.append((mark(), node.state_dict()))
+            try:
+                next(node)
+            except StopIteration:
+                seen.append((mark(), node.state_dict()))
+                break
+        assert [state_at(m) for m, _ in seen] == [state for _, state in seen]
+        node.reset()
+    # a state taken mid-epoch and loaded: the marks go on from it
+    node.reset(seen[3][1])
+    assert state_at(mark()) == seen[3][1]
+
+
+def test_a_shuffle_that_adopts_a_seed_gives_marks_of_that_seed():
+    unseeded = Shuffle(_positions(23, SHARDS[0]), None)
+    mark, state_at = state_marks(unseeded)  # type: ignore[misc]
+    saved = Shuffle(_positions(23, SHARDS[0]), 7)
+    saved.reset()
+    next(saved)
+    unseeded.reset(saved.state_dict())
+    assert state_at(mark()) == saved.state_dict()
+    assert state_at(mark())[Shuffle.SEED_KEY] == 7
+
+
+def test_other_sources_and_subclasses_of_ours_give_no_marks():
+    class MyPositions(RankPositions):
+        def get_state(self) -> dict[str, Any]:
+            return {**super().get_state(), "mine": 1}
+
+    assert state_marks(MyPositions(23, 2)) is None
+    assert state_marks(Shuffle(MyPositions(23, 2), 1)) is None
+    assert state_marks(tn.IterableWrapper(range(3))) is None
+
+
+@pytest.mark.parametrize("workers", [{"num_workers": 1}, {"num_workers": 2, "max_chunk": 3}])
+def test_read_samples_keeps_the_state_of_a_source_of_its_own_kind(workers):
+    """A source none of ours (its own state kept after each batch) and a RankPositions
+    alone (marks): both resume exactly."""
+    shard = SHARDS[1]
+    expected = _ids(23, None, **shard)
+
+    def make_ours() -> ReadSamples:
+        return ReadSamples(_positions(23, shard), Ids(23), collate_fn=ids_collate, **workers)
+
+    assert run_save_load_state(make_ours) == expected
+
+    def make_other() -> ReadSamples:
+        source = tn.Mapper(_positions(23, shard), lambda item: item.positions)
+        return ReadSamples(source, Ids(23), collate_fn=ids_collate, **workers)
+
+    assert run_save_load_state(make_other) == expected

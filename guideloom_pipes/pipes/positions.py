@@ -186,8 +186,18 @@ class RankPositions(BaseNode[Positions]):
         return Positions(self._epoch, n, positions, self.world_size)
 
     def get_state(self) -> dict[str, Any]:
+        return self.state_at(self.mark())
+
+    def mark(self) -> tuple[int, int]:
+        """Where the node is, without building its state: ``(epoch, offset)``. A stage that
+        keeps the state after every batch (``ReadSamples``) keeps these and builds the state
+        of the one asked for (:meth:`state_at`)."""
+        return self._epoch, self._start + self._step * self.global_batch_size
+
+    def state_at(self, mark: tuple[int, int]) -> dict[str, Any]:
+        """The state (as :meth:`state_dict`) of the node when it gave ``mark``."""
         return {
-            self.EPOCH_KEY: self._epoch,
-            self.OFFSET_KEY: self._start + self._step * self.global_batch_size,
+            self.EPOCH_KEY: mark[0],
+            self.OFFSET_KEY: mark[1],
             self.NUM_SAMPLES_KEY: self.num_samples,
         }

@@ -36,6 +36,7 @@ from guideloom_pipes.pipes._worker import (
     read_many_fn_for,
 )
 from guideloom_pipes.pipes.positions import Positions
+from guideloom_pipes.pipes.shuffle import state_marks
 
 __all__ = ["ReadSamples"]
 
@@ -397,8 +398,13 @@ class ReadSamples(BaseNode[Any]):
         self._ready: collections.deque[tuple[Any, Any]] = collections.deque()
         self._returned = 0.0  # when next() last returned (0: not since reset)
         self._delivered = 0  # batches delivered since reset
-        self._snapshot: Any = None  # the source's state after the last delivered batch
-        self._previous: Any = None  # ... and before it (None: none delivered since reset)
+        # the source's state after the last delivered batch, and before it (None: none
+        # delivered since reset); each a state or, where the source gives marks (ours, see
+        # state_marks), a mark of one (_state() makes the state)
+        self._snapshot: Any = None
+        self._previous: Any = None
+        self._mark: Callable[[], Any] = self.source.state_dict
+        self._state_at: Callable[[Any], Any] | None = None
         self._drained = False  # the source's end was delivered
         self._read_ahead = False  # workers may have read the source ahead of the caller
         self._end_snapshot: Any = None
@@ -457,6 +463,11 @@ class ReadSamples(BaseNode[Any]):
             self.open()
         if self.num_workers == 0:
             return
+        marks = state_marks(self.source)
+        if marks is None:
+            self._mark, self._state_at = self.source.state_dict, None
+        else:
+            self._mark, self._state_at = marks
         self._snapshot = self.source.state_dict()
         self._previous = None
         self._drained = False
@@ -572,9 +583,9 @@ class ReadSamples(BaseNode[Any]):
             source.reset()
             return
         if self._previous is None:
-            source.reset(self._snapshot)  # nothing delivered
+            source.reset(self._state(self._snapshot))  # nothing delivered
         else:
-            source.reset(self._previous)
+            source.reset(self._state(self._previous))
             next(source)
         source.reset()
 
@@ -750,7 +761,7 @@ class ReadSamples(BaseNode[Any]):
             self._source_done = True
             self._source_error = error
             return self._next_from_workers()  # raises it
-        snapshot = source.state_dict()
+        snapshot = self._mark()
         if not timed:
             return self._read_inline(task, ids, snapshot)
         cpu = time.thread_time()
@@ -868,7 +879,13 @@ class ReadSamples(BaseNode[Any]):
     def get_state(self) -> dict[str, Any]:
         if self.num_workers == 0:
             return {self.SOURCE_KEY: self.source.state_dict()}
-        return {self.SOURCE_KEY: self._snapshot}
+        return {self.SOURCE_KEY: self._state(self._snapshot)}
+
+    def _state(self, snapshot: Any) -> Any:
+        """The source's state kept as ``snapshot`` (a state, or a mark of one)."""
+        if self._state_at is None or type(snapshot) is not tuple:
+            return snapshot
+        return self._state_at(snapshot)
 
     # -- workers --------------------------------------------------------------------------
 
@@ -954,7 +971,7 @@ class ReadSamples(BaseNode[Any]):
         """Up to ``size`` batches of ids from the source, each with the source's state after
         it and (with ``batch_seeds``) its seed. The source's end or error is kept, to be
         raised once the batches before it are delivered."""
-        source, batch_seeds = self.source, self.batch_seeds
+        source, batch_seeds, mark = self.source, self.batch_seeds, self._mark
         batches: list[_I64] = []
         snapshots: list[Any] = []
         seeds: list[int] = []
@@ -970,7 +987,7 @@ class ReadSamples(BaseNode[Any]):
                 self._source_error = error
                 break
             batches.append(ids)
-            snapshots.append(source.state_dict())
+            snapshots.append(mark())
             if batch_seeds is not None:
                 seeds.append(batch_seeds(self._taken))
                 self._taken += 1

@@ -5,16 +5,17 @@ from __future__ import annotations
 import operator
 import secrets
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.pipes.positions import Positions
+from guideloom_pipes.pipes.positions import Positions, RankPositions
 from guideloom_pipes.shuffle import FeistelPermutation
 
-__all__ = ["Shuffle", "draw_seed"]
+__all__ = ["Shuffle", "draw_seed", "state_marks"]
 
 _I64 = npt.NDArray[np.int64]
 _EMPTY = np.empty(0, dtype=np.int64)
@@ -144,3 +145,27 @@ class Shuffle(BaseNode[_I64]):
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict(), self.SEED_KEY: self.seed}
+
+
+def state_marks(
+    node: BaseNode[Any],
+) -> tuple[Callable[[], Any], Callable[[Any], dict[str, Any]]] | None:
+    """``(mark, state_at)`` for a source whose state a stage keeps after every batch:
+    ``mark()`` says cheaply where the source is now, ``state_at(m)`` is the state it had
+    then (its ``state_dict()`` then, built only when asked for). For this package's
+    :class:`RankPositions` and a :class:`Shuffle` of one (their ``state_dict()`` builds two
+    dicts, ~0.5 us of a quick batch's ~15); None for any other node (its ``state_dict()``
+    is kept). A mark holds while the node is not reset (the seed a :class:`Shuffle` adopts
+    on a reset is the state's)."""
+    shuffle = node if type(node) is Shuffle else None
+    positions = node.source if shuffle is not None else node
+    if type(positions) is not RankPositions:
+        return None
+    inner = positions.state_at
+    if shuffle is None:
+        return positions.mark, inner
+
+    def state_at(mark: Any) -> dict[str, Any]:
+        return {Shuffle.SOURCE_KEY: inner(mark), Shuffle.SEED_KEY: shuffle.seed}
+
+    return positions.mark, state_at
