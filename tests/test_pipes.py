@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("torch")
 
@@ -231,6 +233,66 @@ def test_shuffle_batches_are_read_only_views():
     ids = next(Shuffle(RankPositions(50, 4), seed=1))
     with pytest.raises(ValueError, match="read-only"):
         ids[0] = 3
+
+
+class _TheirPositions(RankPositions):
+    """RankPositions as a node of another kind: Shuffle takes its Positions from next()."""
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    n=st.integers(1, 300),
+    batch=st.integers(1, 9),
+    world=st.integers(1, 4),
+    drop_last=st.booleans(),
+    offset=st.integers(0, 320),
+    block=st.integers(1, 40),
+    resume_after=st.integers(0, 12),
+    data=st.data(),
+)
+def test_shuffle_reads_our_positions_as_spans_as_it_reads_any_positions(
+    n, batch, world, drop_last, offset, block, resume_after, data
+):
+    """Over RankPositions the stage takes each step as (first, count) (next_span); the
+    batches, states and resumes are those it makes from any source's Positions."""
+    rank = data.draw(st.integers(0, world - 1))
+
+    def make(kind: type[RankPositions]) -> Shuffle:
+        positions = kind(
+            n, batch, rank=rank, world_size=world, drop_last=drop_last, observation_offset=offset
+        )
+        return Shuffle(positions, seed=11, block_size=block)
+
+    ours, theirs = make(RankPositions), make(_TheirPositions)
+    for _epoch in range(2):
+        got, want = [], []
+        for node, out in ((ours, got), (theirs, want)):
+            while True:
+                state = node.state_dict()
+                try:
+                    out.append((next(node).tolist(), state))
+                except StopIteration:
+                    out.append((None, node.state_dict()))
+                    break
+        assert got == want
+        ours.reset()
+        theirs.reset()
+    state = want[min(resume_after, len(want) - 1)][1]
+    resumed, again = make(RankPositions), make(_TheirPositions)
+    resumed.reset(state)
+    again.reset(state)
+    assert [ids.tolist() for ids in resumed] == [ids.tolist() for ids in again]
+
+
+def test_shuffle_takes_our_positions_without_making_their_arrays(monkeypatch):
+    def no_positions(self):
+        raise AssertionError("Positions made for a Shuffle of RankPositions")
+
+    monkeypatch.setattr(RankPositions, "next", no_positions)
+    node = Shuffle(RankPositions(22, 3, rank=1, world_size=2, drop_last=False), seed=7)
+    perm = FeistelPermutation.for_epoch(22, 7, 0)
+    want = [perm(1 + 2 * np.arange(i, min(i + 3, 11))).tolist() for i in range(0, 11, 3)]
+    assert [ids.tolist() for ids in node] == want
 
 
 def test_shuffle_accepts_positions_that_are_not_evenly_spaced():

@@ -160,6 +160,23 @@ class RankPositions(BaseNode[Positions]):
             self._begin(self._epoch, self._start)
         self._started = False
 
+    def next_span(self) -> tuple[int, int]:
+        """:meth:`next` as ``(first, count)``: the step's positions are ``first + world_size
+        * i`` for ``i < count`` (for a stage that needs no array of them: a
+        :class:`~guideloom_pipes.pipes.Shuffle` slices its block of permuted positions).
+        The node moves on exactly as :meth:`next` moves it."""
+        step = self._step
+        if step >= self._steps:
+            self._exhausted = True
+            raise StopIteration()
+        self._step = step + 1
+        self._started = True
+        n = self.num_samples
+        base = self._start + step * self.global_batch_size + self.rank
+        if base + self._last_lane >= n:
+            return base, 0 if base >= n else (n - 1 - base) // self.world_size + 1
+        return base, self.local_batch_size
+
     def next(self) -> Positions:
         step = self._step
         if step >= self._steps:

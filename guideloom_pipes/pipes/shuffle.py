@@ -110,7 +110,21 @@ class Shuffle(BaseNode[_I64]):
         return self._perm
 
     def next(self) -> _I64:
-        item = next(self.source)
+        source = self.source
+        if type(source) is RankPositions:
+            # (reset with this stage: its positions as ints, no array or Positions made)
+            first, count = source.next_span()
+            if count == 0:
+                return _EMPTY
+            stride = source.world_size
+            if self._block_key == (source._epoch, source.num_samples, stride):
+                index, rem = divmod(first - self._block_start, stride)
+                if rem == 0 and index >= 0 and index + count <= len(self._block):
+                    return self._block[index : index + count]
+            positions = first + stride * np.arange(count, dtype=np.int64)
+            item = Positions(source._epoch, source.num_samples, positions, stride)
+            return self._compute(item, first, count)
+        item = next(source)
         positions = item.positions
         count = len(positions)
         if count == 0:
