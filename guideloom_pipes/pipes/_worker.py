@@ -225,11 +225,7 @@ class _Deferred:
 
     def finish(self) -> Any:
         """The batch's result (raises what its decode or collate raises)."""
-        task = self.task
-        if self.seed is None:
-            return task._collated(self.rows[self.begin : self.end])
-        with seeded(self.seed, task.seeding):
-            return task._collated(self.rows[self.begin : self.end])
+        return self.task._collated_under(self.rows[self.begin : self.end], self.seed)
 
 
 class _ReadTask:
@@ -346,9 +342,7 @@ class _ReadTask:
             or self._columns is not False
             or (seeds is not None and not self._read_is_ours)
         ):
-            if seeds is None:
-                return [self._one(ids) for ids in batches]
-            return [self._one(ids, seed) for ids, seed in zip(batches, seeds, strict=True)]
+            return self._each_alone(batches, seeds)
         sizes = [len(ids) for ids in batches]
         total = sum(sizes)
         try:
@@ -356,9 +350,7 @@ class _ReadTask:
             if len(samples) != total:
                 raise ValueError("a read returned the wrong number of samples")
         except Exception:
-            if seeds is None:
-                return [self._one(ids) for ids in batches]
-            return [self._one(ids, seed) for ids, seed in zip(batches, seeds, strict=True)]
+            return self._each_alone(batches, seeds)
         collate = self._collate
         out: list[Any] = []
         start = 0
@@ -381,14 +373,7 @@ class _ReadTask:
             if collate is None:
                 out.append(part)
                 continue
-            try:
-                if seeds is None:
-                    out.append(collate(part))
-                else:
-                    with seeded(seeds[index], self.seeding):
-                        out.append(collate(part))
-            except Exception as error:
-                out.append(_Failed(error))
+            out.append(self._collate_one(part, None if seeds is None else seeds[index]))
         return out
 
     def _run_many(self, batches: list[_Ids], seeds: list[int] | None) -> list[Any]:
@@ -404,20 +389,30 @@ class _ReadTask:
             except Exception:
                 reads = None
         if reads is None:
-            if seeds is None:
-                return [self._one(ids) for ids in batches]
-            return [self._one(ids, seed) for ids, seed in zip(batches, seeds, strict=True)]
-        out: list[Any] = []
-        for index, samples in enumerate(reads):
-            try:
-                if seeds is None:
-                    out.append(self._collated(samples))
-                else:
-                    with seeded(seeds[index], self.seeding):
-                        out.append(self._collated(samples))
-            except Exception as error:
-                out.append(_Failed(error))
-        return out
+            return self._each_alone(batches, seeds)
+        if seeds is None:
+            return [self._collate_one(samples, None) for samples in reads]
+        return [self._collate_one(samples, seed) for samples, seed in zip(reads, seeds)]
+
+    def _each_alone(self, batches: list[_Ids], seeds: list[int] | None) -> list[Any]:
+        """Each batch read and collated by itself (under its seed): an error is its own."""
+        if seeds is None:
+            return [self._one(ids) for ids in batches]
+        return [self._one(ids, seed) for ids, seed in zip(batches, seeds, strict=True)]
+
+    def _collated_under(self, samples: Any, seed: int | None) -> Any:
+        """:meth:`_collated` under ``seed`` (see :func:`seeded`), if one is given."""
+        if seed is None:
+            return self._collated(samples)
+        with seeded(seed, self.seeding):
+            return self._collated(samples)
+
+    def _collate_one(self, samples: Any, seed: int | None) -> Any:
+        """:meth:`_collated_under`, or a :class:`_Failed` for the ``Exception`` it raises."""
+        try:
+            return self._collated_under(samples, seed)
+        except Exception as error:
+            return _Failed(error)
 
 
 class WorkerSetup(NamedTuple):
