@@ -100,3 +100,43 @@ def test_a_loader_reading_in_this_process_holds_one_shared_reserve_while_open():
     del inline  # a loader garbage-collected while open releases it too
     gc.collect()
     assert _worker._reserve_holders == holders
+
+
+def test_a_forked_worker_keeps_the_reserve_its_parent_holds(tmp_path, monkeypatch):
+    """A worker forked while this process holds a reserve shares it (copy-on-write) and
+    makes none of its own (that would map another 16 MiB in every worker)."""
+    import multiprocessing
+
+    from guideloom_pipes.pipes import _worker
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    made = tmp_path / "made"
+    reserve = _worker.reserve_small_object_memory
+
+    def counted(*args, **kwargs):
+        with open(made, "a") as handle:  # (seen from the forked worker too)
+            handle.write("x")
+        return reserve(*args, **kwargs)
+
+    monkeypatch.setattr(_worker, "reserve_small_object_memory", counted)
+    release = _worker.hold_small_object_reserve()  # (made here, unless already held)
+    try:
+        before = made.read_text() if made.exists() else ""
+        loader = StatefulDataLoader(
+            ListsOfInts(40),
+            faults_collate,
+            local_batch_size=4,
+            shuffle=False,
+            device="cpu",
+            num_workers=1,
+            parallel_method="process",
+            multiprocessing_context="fork",
+            prefetch=1,
+        )
+        with loader:
+            assert len(list(loader)) == 10
+        after = made.read_text() if made.exists() else ""
+    finally:
+        release()
+    assert after == before, "the forked worker made a reserve of its own"

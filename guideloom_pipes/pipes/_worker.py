@@ -604,8 +604,9 @@ def _process_worker(
     """
     ring = None
     state = _ProcessWorkerState(setup)
-    # held for the worker's life: its batches' small objects reuse this memory
-    reserve = reserve_small_object_memory()
+    # held for the worker's life: its batches' small objects reuse this memory (a worker
+    # forked from a process that holds one keeps that one: a second would only add 16 MiB)
+    release_reserve = hold_small_object_reserve()
     try:
         try:
             state.start(dataset, collate_fn)
@@ -646,6 +647,6 @@ def _process_worker(
     except (KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
         return  # interrupted, or the parent is gone
     finally:
-        del reserve
+        release_reserve()
         if ring is not None:
             ring.close()
