@@ -11,9 +11,20 @@ import numpy as np
 import pytest
 
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
+from guideloom_pipes.storage import recycle
 from guideloom_pipes.storage.recycle import BufferPool, Lease
 
 U4 = np.dtype(np.uint32)
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["counted", "leases"])
+def _both_ways(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Every test runs with buffers lent by counting references (CPython with a GIL) and
+    with a lease per buffer (the way elsewhere, and for a reader's own lease type)."""
+    if request.param and not recycle._COUNTS:
+        pytest.skip("this interpreter's references are not counted under a GIL")
+    monkeypatch.setattr(recycle, "_COUNTS", request.param)
+    return bool(request.param)
 
 
 def _address(array: np.ndarray) -> int:
@@ -149,3 +160,54 @@ def test_windows_read_again_reuse_the_memory_of_dropped_batches_only(tmp_path: P
         assert _address(again) == address
         assert again[:, 0].tolist() == [30, 1500, 990, 1000]  # rewritten, not the old rows
         assert all(a[:, 0].tolist() == [30, 1500, 990, 1000] for a in held)
+
+
+def test_a_lent_array_changed_in_place_does_not_change_the_next_one() -> None:
+    pool = BufferPool()
+    lent = pool.take((4, 8), U4)
+    address = _address(lent)
+    lent.shape = (8, 4)
+    lent.flags.writeable = False
+    del lent
+    again = pool.take((4, 8), U4)
+    assert _address(again) == address
+    assert again.shape == (4, 8) and again.flags.writeable
+    again[:] = 1
+
+
+def test_the_plain_lease_lends_views_of_kept_buffers_where_references_count(
+    _both_ways: bool,
+) -> None:
+    pool = BufferPool()
+    lent = pool.take((4,), U4)
+    if _both_ways:
+        assert type(lent.base) is np.ndarray and lent.base.flags.owndata
+    else:
+        assert type(lent.base) is Lease
+    assert type(pool.take((4,), U4, Lease).base) is type(lent.base)
+
+
+def test_threads_taking_and_dropping_at_once_never_share_a_buffer() -> None:
+    pool = BufferPool(limit=8 * 4 * 64 * 8, shelves=8)  # 8 kept: fewer than are wanted
+    errors: list[str] = []
+    start = threading.Barrier(4)
+
+    def work(me: int) -> None:
+        start.wait()
+        held = []
+        for step in range(400):
+            array = pool.take((64,), U4)
+            array[:] = me
+            held.append(array)
+            if len(held) > 3:
+                old = held.pop(0)
+                if not (old == me).all():
+                    errors.append(f"thread {me} step {step}: its buffer was lent again")
+            del array
+
+    threads = [threading.Thread(target=work, args=(me,)) for me in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
