@@ -1310,6 +1310,8 @@ class _LoaderIterator(Iterator[Any]):
         except BaseException:
             close_pipeline(root)
             raise
+        # reset above: the node's own next(), without BaseNode.__next__'s check that it was
+        self._next_batch = root.next
         self._active = True
 
     def _position(self) -> int:
@@ -1331,7 +1333,7 @@ class _LoaderIterator(Iterator[Any]):
         if not self._active:
             raise StopIteration
         try:
-            batch = next(self._root)
+            batch = self._next_batch()
         except StopIteration:
             self._finish(self._epoch + 1, 0)
             raise
