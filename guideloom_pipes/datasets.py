@@ -276,19 +276,10 @@ class StreamDatasetReader(_DatasetReaderBase):
         from a loader's ring); where :meth:`reads_into_buffers` is True the columns are
         views of it. Ignored where the list is returned."""
         one = self._one_field
-        if one is not None and out is None and type(ids) is np.ndarray and ids.ndim == 1:
-            # a loader's batch of a one-field stream: its few windows copied row by row
-            # into the batch's array, which is the column (nothing else per batch)
-            listed = ids.tolist()
-            if (
-                listed
-                and ids.dtype.kind in "iu"
-                and min(listed) >= 0
-                and max(listed) < self._length
-            ):
-                windows = self._storage_reader._few_windows(listed, self.sequence_length, one[1])
-                if windows is not None:
-                    return Batch.of_columns({one[0]: windows})
+        if one is not None and out is None:
+            windows = self.read_column(ids)
+            if windows is not None:
+                return Batch.of_columns({one[0]: windows})
         self._check_open()
         reader = self._storage_reader
         unpack_columns = getattr(reader.storage.format, "unpack_columns", None)
@@ -299,6 +290,28 @@ class StreamDatasetReader(_DatasetReaderBase):
         return Batch.of_columns(
             unpack_columns(reader._windows(ids * length, length, out, recycle=True))
         )
+
+    def column_field(self) -> tuple[str, np.dtype[Any]] | None:
+        """``(name, dtype)`` of the one field of a stream whose batches :meth:`read_column`
+        reads (see :meth:`read_arrays`), or None for any other format (or an unopened
+        reader)."""
+        return self._one_field
+
+    def read_column(self, ids: Any) -> np.ndarray | None:
+        """The one column of a one-field stream's batch at ``ids`` (a 1-D integer array of
+        ids inside the dataset): its few windows copied row by row into a recycled array
+        of the field's dtype, which is the column; nothing else per batch. None where the
+        batch takes :meth:`read_arrays`' general read (another format, other ids, many
+        windows): that read also names what is wrong with the ids."""
+        one = self._one_field
+        if one is None or type(ids) is not np.ndarray or ids.ndim != 1:
+            return None
+        listed = ids.tolist()
+        if not listed or ids.dtype.kind not in "iu" or min(listed) < 0:
+            return None
+        if max(listed) >= self._length:
+            return None
+        return self._storage_reader._few_windows(listed, self.sequence_length, one[1])
 
     def reads_into_buffers(self) -> bool:
         """Whether :meth:`read_arrays` with ``out`` returns columns that are views of the

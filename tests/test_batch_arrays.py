@@ -585,3 +585,56 @@ def test_only_our_readers_are_asked_for_lazy_rows(tmp_path: Path) -> None:
         assert type(rows) is LazyRows
         assert [s["stream"] for s in rows[:]] == [[8, 9, 10, 11], [0, 1, 2, 3]]
         assert type(batch_read_fn(reader)(np.array([0]))) is list
+
+
+# -- a one-field stream with default_collate: read and collated in one step --------------------
+
+
+@pytest.mark.parametrize("mode", MODES[:3], ids=["inline", "prefetch", "threads"])
+def test_a_one_field_stream_with_default_collate_is_read_straight_into_its_tensor(
+    tmp_path: Path, mode: tuple[int, str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dataset = _datasets(tmp_path)["tokens"]
+    expected = _epoch(dataset, torch_default_collate, mode)
+
+    def no_batch(cls: Any, columns: Any) -> Any:
+        raise AssertionError("a Batch was made for a one-field stream's default_collate")
+
+    monkeypatch.setattr(Batch, "of_columns", classmethod(no_batch))
+    ours = _epoch(dataset, None, mode)
+    assert len(ours) == len(expected) > 1 and all(map(_equal, ours, expected))
+    # drop_last=False on 2 ranks: the short and empty last batches take the general path
+    common = {"local_batch_size": 7, "world_size": 2, "rank": 1, "drop_last": False}
+    short = _epoch(dataset, None, mode, **common)
+    assert short[-1] == [] or len(short[-1]["tokens"]) <= 7
+
+
+def test_the_one_step_read_is_only_for_default_collate_over_one_numeric_field(
+    tmp_path: Path,
+) -> None:
+    from guideloom_pipes.pipes.collate import collated_read_fn
+
+    datasets = _datasets(tmp_path)
+    swapped = StreamDataset(_stream(tmp_path / "swapped", np.dtype([("tokens", ">i4")])), LENGTH)
+    readers = {name: dataset.sync_reader() for name, dataset in datasets.items()}
+    readers["big-endian"] = swapped.sync_reader()
+    for reader in readers.values():
+        reader.open()
+    try:
+        tokens = readers["tokens"]
+        read = collated_read_fn(tokens, default_collate)
+        assert read is not None
+        ids = np.array([3, 62, 0, 64, 158], dtype=np.int64)  # 62, 64, 158: across shards
+        got = read(ids)
+        want = default_collate(tokens.read_arrays(ids.copy()))
+        assert _equal(got, want)
+        # batches it does not read: the general read takes them (and names bad ids)
+        for other in (ids[:0], np.array([len(tokens)]), np.array([-1]), ids.astype(float)):
+            assert read(other) is None
+        assert collated_read_fn(tokens, list_collate) is None
+        assert collated_read_fn(tokens, default_collate, out=lambda shape, dtype: None) is None
+        for name in ("two fields", "meta", "documents", "big-endian"):
+            assert collated_read_fn(readers[name], default_collate) is None, name
+    finally:
+        for reader in readers.values():
+            reader.close()

@@ -97,7 +97,8 @@ class Readers:
         self.reads: list[tuple[str, int]] = []  # (thread, ids) of each read call
         self.fail_on: int | None = None
         self.interrupt_on: int | None = None
-        for name in ("read_batch", "read_arrays"):
+        # (read_column: a one-field stream's batches for default_collate, read in one step)
+        for name in ("read_batch", "read_arrays", "read_column"):
             setattr(self.reader, name, self._noting(getattr(self.reader, name)))
 
     def _noting(self, read: Any) -> Any:

@@ -249,6 +249,7 @@ class _ReadTask:
         "_collate",
         "_columns",
         "_read",
+        "_read_collated",
         "_read_is_ours",
         "_read_many",
         "seeding",
@@ -260,11 +261,15 @@ class _ReadTask:
         collate_fn: Callable[..., Any] | None,
         *,
         read_many: Callable[[list[_Ids]], list[Any]] | None = None,
+        read_collated: Callable[[_Ids], Any] | None = None,
         read_is_ours: bool = True,
         seeding: Seeding = "local",
     ):
         self._read = read
         self._read_many = read_many
+        # read and collate in one step, where that applies (None for a batch it does not
+        # read: the read and collate above take it); see pipes.collate.collated_read_fn
+        self._read_collated = read_collated
         self._collate = collate_fn
         self._arrays = accepts_batch_arrays(collate_fn)
         # whether the read gives batches of columns (None: not known before the first read)
@@ -289,6 +294,11 @@ class _ReadTask:
         return self._plain(ids)
 
     def _plain(self, ids: _Ids) -> Any:
+        read_collated = self._read_collated
+        if read_collated is not None:
+            batch = read_collated(ids)
+            if batch is not None:
+                return batch
         if not len(ids):
             samples: Any = []
         else:

@@ -35,6 +35,7 @@ from guideloom_pipes.pipes._worker import (
     read_fn_for,
     read_many_fn_for,
 )
+from guideloom_pipes.pipes.collate import collated_read_fn
 from guideloom_pipes.pipes.positions import Positions
 from guideloom_pipes.pipes.shuffle import state_marks
 
@@ -424,6 +425,7 @@ class ReadSamples(BaseNode[Any]):
                 read_fn_for(reader, collate, out=self.buffers),
                 collate,
                 read_many=read_many_fn_for(reader, collate, out=self.buffers),
+                read_collated=collated_read_fn(reader, collate, out=self.buffers),
                 read_is_ours=callable(getattr(reader, "read_batch", None)),
                 seeding="globals" if self.num_workers == 0 else "local",
             )
