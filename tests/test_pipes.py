@@ -396,6 +396,23 @@ def test_read_samples_takes_id_arrays_positions_and_lists():
     assert list(ReadSamples(source, list("abcdef"))) == [["e", "c"], ["b", "d"], ["f"]]
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_read_samples_takes_our_shuffles_ids_from_its_own_next(monkeypatch, workers):
+    """Reset with the stage, our Shuffle is asked for ids with its next() (no
+    BaseNode.__next__ check, no conversion); any other source through next()."""
+
+    def wrapper_used(self):
+        raise AssertionError("BaseNode.__next__ of the Shuffle was called")
+
+    node = ReadSamples(Shuffle(RankPositions(23, 3), seed=7), list(range(23)), num_workers=workers)
+    monkeypatch.setattr(Shuffle, "__next__", wrapper_used)
+    got = list(node)
+    close_pipeline(node)
+    assert got == expected_batches(
+        23, world_size=1, local_batch_size=3, rank=0, drop_last=True, shuffle_seed=7
+    )
+
+
 def test_read_samples_never_reads_an_empty_batch():
     dataset = _BatchReader(22)
     node = ReadSamples(RankPositions(22, 1, rank=2, world_size=3, drop_last=False), dataset)

@@ -37,7 +37,7 @@ from guideloom_pipes.pipes._worker import (
 )
 from guideloom_pipes.pipes.collate import collated_read_fn
 from guideloom_pipes.pipes.positions import Positions
-from guideloom_pipes.pipes.shuffle import state_marks
+from guideloom_pipes.pipes.shuffle import Shuffle, state_marks
 
 __all__ = ["ReadSamples"]
 
@@ -322,6 +322,11 @@ class ReadSamples(BaseNode[Any]):
     ) -> None:
         super().__init__()
         self.source = source
+        # the next batch's ids: our Shuffle's own next() gives them as an int64 array (it is
+        # reset with this stage, so BaseNode.__next__'s check is not needed, nor _to_ids)
+        self._next_ids: Callable[[], _I64] = (
+            source.next if type(source) is Shuffle else lambda: _to_ids(next(source))
+        )
         self.dataset = dataset
         if isinstance(num_workers, bool):
             raise TypeError(f"num_workers must be an int, got {num_workers!r}")
@@ -595,7 +600,7 @@ class ReadSamples(BaseNode[Any]):
         if self.num_workers == 0:
             task = self._task
             assert task is not None
-            ids = _to_ids(next(self.source))
+            ids = self._next_ids()
             try:
                 seeds = self.batch_seeds
                 if seeds is None:
@@ -752,7 +757,7 @@ class ReadSamples(BaseNode[Any]):
                 return self._read_chunk_inline(min(chunk, _COLUMN_CHUNK))
         source = self.source
         try:
-            ids = _to_ids(next(source))
+            ids = self._next_ids()
         except StopIteration:
             self._inline_left = 0
             self._source_done = True
@@ -974,12 +979,13 @@ class ReadSamples(BaseNode[Any]):
         it and (with ``batch_seeds``) its seed. The source's end or error is kept, to be
         raised once the batches before it are delivered."""
         source, batch_seeds, mark = self.source, self.batch_seeds, self._mark
+        next_ids = self._next_ids
         batches: list[_I64] = []
         snapshots: list[Any] = []
         seeds: list[int] = []
         while len(batches) < size:
             try:
-                ids = _to_ids(next(source))
+                ids = next_ids()
             except StopIteration:
                 self._source_done = True
                 self._end_snapshot = source.state_dict()
