@@ -167,19 +167,6 @@ class RankPositions(BaseNode[Positions]):
         The node moves on exactly as :meth:`next` moves it."""
         step = self._step
         if step >= self._steps:
-            self._exhausted = True
-            raise StopIteration()
-        self._step = step + 1
-        self._started = True
-        n = self.num_samples
-        base = self._start + step * self.global_batch_size + self.rank
-        if base + self._last_lane >= n:
-            return base, 0 if base >= n else (n - 1 - base) // self.world_size + 1
-        return base, self.local_batch_size
-
-    def next(self) -> Positions:
-        step = self._step
-        if step >= self._steps:
             # The epoch is over; the state stays at its end ("exhausted"), and a reset()
             # without a state starts the next one.
             self._exhausted = True
@@ -188,8 +175,14 @@ class RankPositions(BaseNode[Positions]):
         self._started = True
         n = self.num_samples
         base = self._start + step * self.global_batch_size + self.rank
-        if base + self._last_lane >= n:
-            count = 0 if base >= n else (n - 1 - base) // self.world_size + 1
+        if base + self._last_lane >= n:  # (only then can a position reach past n)
+            return base, 0 if base >= n else (n - 1 - base) // self.world_size + 1
+        return base, self.local_batch_size
+
+    def next(self) -> Positions:
+        step = self._step
+        base, count = self.next_span()
+        if count < self.local_batch_size:
             positions = (self._lane + base)[:count]
         else:
             row = step - self._block_step
@@ -200,7 +193,7 @@ class RankPositions(BaseNode[Positions]):
                 self._block.flags.writeable = False
                 self._block_step, row = step, 0
             positions = self._block[row]
-        return Positions(self._epoch, n, positions, self.world_size)
+        return Positions(self._epoch, self.num_samples, positions, self.world_size)
 
     def get_state(self) -> dict[str, Any]:
         return self.state_at(self.mark())
