@@ -200,13 +200,14 @@ def test_a_loader_running_while_the_dataset_is_rewritten_delivers_only_old_sampl
     )
     delivered, refused = 0, False
     try:
-        for number, batch in enumerate(loader):
-            if number == 0:
-                write("stream", tmp_path, {k: [-1] * 13 for k in range(3)})  # fewer, shorter
-            for sample in batch:
-                position = delivered * length
-                assert sample == stream[position : position + length]
-                delivered += 1
+        with loader:
+            for number, batch in enumerate(loader):
+                if number == 0:
+                    write("stream", tmp_path, {k: [-1] * 13 for k in range(3)})  # fewer
+                for sample in batch:
+                    position = delivered * length
+                    assert sample == stream[position : position + length]
+                    delivered += 1
     except DatasetChangedError as error:
         assert "replaced" in str(error)
         refused = True

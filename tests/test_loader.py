@@ -1074,3 +1074,31 @@ def test_big_jobs_and_big_answers_through_the_pipes_do_not_deadlock(monkeypatch)
         prefetch=3,
     )
     assert [int(batch[0]) for batch in loader] == list(range(0, 400_000, 40_000))
+
+
+@pytest.mark.filterwarnings("ignore:prefetch \\* local_batch_size")
+@pytest.mark.parametrize("kw", [{"num_workers": 2}, {"prefetch": 2}, {}], ids=str)
+def test_a_loop_stopped_by_a_failed_batch_frees_the_iterator_without_the_collector(kw):
+    """The error of a failed batch, raised out of the loop, holds no cycle back to the
+    read stage: dropping the loop's iterator ends its worker threads at once (it was kept
+    alive until the garbage collector ran, so a test that stopped at a read error left
+    its threads to the tests after it)."""
+
+    class FailsAt(_Recording):
+        def read_batch(self, ids: np.ndarray) -> list[int]:
+            if 5 in ids:
+                raise ValueError("sample 5 cannot be read")
+            return super().read_batch(ids)
+
+    loader = _loader(FailsAt(22), **kw)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="sample 5"):
+            for _batch in loader:
+                pass
+        assert loader._active_iterator() is None
+        assert threads_end(timeout=5) == []
+    finally:
+        gc.enable()
+        loader.close()

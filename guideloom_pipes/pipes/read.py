@@ -129,6 +129,19 @@ def _to_ids(item: Any) -> _I64:
     return np.asarray(item, dtype=np.int64).reshape(-1)
 
 
+def _failed_error(failed: _Failed) -> BaseException:
+    """A failed batch's error, marked as its batch's own, to raise. The caller drops its
+    references to it and to ``failed`` as it raises it (``try: raise error finally: del
+    error``): a frame of the stage that still held it would make a cycle (error ->
+    traceback -> that frame -> error) that keeps the stage, its iterator and its worker
+    threads alive until the garbage collector runs, after a loop that stopped at it."""
+    error = failed.error
+    if failed.remote is not None:
+        error.__cause__ = _RemoteTraceback(failed.remote)
+    mark_batch_failure(error)
+    return error
+
+
 def _together(batches: int) -> str:
     """What a timeout message says of a job of several batches."""
     if batches <= 1:
@@ -659,7 +672,10 @@ class ReadSamples(BaseNode[Any]):
         if not self._pending:
             if self._source_error is not None:
                 error, self._source_error = self._source_error, None
-                raise error
+                try:
+                    raise error
+                finally:
+                    del error  # (see _failed_error)
             if self._end_snapshot is not None:
                 self._snapshot = self._end_snapshot
                 self._drained = True
@@ -697,11 +713,12 @@ class ReadSamples(BaseNode[Any]):
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
         if type(result) is _Failed:
-            error = result.error
-            if result.remote is not None:
-                error.__cause__ = _RemoteTraceback(result.remote)
-            mark_batch_failure(error)
-            raise error
+            error = _failed_error(result)
+            del result, outcomes
+            try:
+                raise error
+            finally:
+                del error
         return result
 
     def _library_only(self) -> bool:
@@ -840,8 +857,12 @@ class ReadSamples(BaseNode[Any]):
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
         if type(result) is _Failed:
-            mark_batch_failure(result.error)
-            raise result.error
+            raised = _failed_error(result)
+            del result
+            try:
+                raise raised
+            finally:
+                del raised
         return result
 
     def _timeout_message(self, together: int) -> str:
