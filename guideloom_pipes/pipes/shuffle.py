@@ -116,26 +116,29 @@ class Shuffle(BaseNode[_I64]):
             first, count = source.next_span()
             if count == 0:
                 return _EMPTY
-            stride = source.world_size
-            if self._block_key == (source._epoch, source.num_samples, stride):
-                index, rem = divmod(first - self._block_start, stride)
-                if rem == 0 and index >= 0 and index + count <= len(self._block):
-                    return self._block[index : index + count]
+            epoch, n, stride = source._epoch, source.num_samples, source.world_size
+            ids = self._from_block(epoch, n, stride, first, count)
+            if ids is not None:
+                return ids
             positions = first + stride * np.arange(count, dtype=np.int64)
-            item = Positions(source._epoch, source.num_samples, positions, stride)
-            return self._compute(item, first, count)
+            return self._compute(Positions(epoch, n, positions, stride), first, count)
         item = next(source)
         positions = item.positions
         count = len(positions)
         if count == 0:
             return _EMPTY
         first = int(positions[0])
-        stride = item.stride
-        if self._block_key == (item.epoch, item.num_samples, stride):
+        ids = self._from_block(item.epoch, item.num_samples, item.stride, first, count)
+        return ids if ids is not None else self._compute(item, first, count)
+
+    def _from_block(self, epoch: int, n: int, stride: int, first: int, count: int) -> _I64 | None:
+        """The ids of ``count`` positions from ``first`` (``stride`` apart) out of the block
+        computed ahead, or None where the block does not hold them."""
+        if self._block_key == (epoch, n, stride):
             index, rem = divmod(first - self._block_start, stride)
             if rem == 0 and index >= 0 and index + count <= len(self._block):
                 return self._block[index : index + count]
-        return self._compute(item, first, count)
+        return None
 
     def _compute(self, item: Positions, first: int, count: int) -> _I64:
         n, stride = item.num_samples, item.stride
