@@ -211,3 +211,29 @@ def test_threads_taking_and_dropping_at_once_never_share_a_buffer() -> None:
     for thread in threads:
         thread.join()
     assert errors == []
+
+
+def test_a_loop_after_a_burst_reuses_the_same_few_buffers() -> None:
+    """After a worker's chunk held many batches at once, a loop holding one batch at a time
+    takes turns with two buffers (still in the CPU's caches), not all the burst made."""
+    pool = BufferPool()
+    burst = [pool.take((8, 16), U4) for _ in range(20)]
+    assert len({_address(array) for array in burst}) == 20
+    del burst
+    held = pool.take((8, 16), U4)
+    seen = set()
+    for _ in range(40):
+        batch = pool.take((8, 16), U4)  # the previous batch is still held meanwhile
+        seen.add(_address(batch))
+        held = batch
+    assert len(seen) == 2, f"the loop used {len(seen)} buffers"
+    del held, batch
+
+
+def test_a_second_burst_reuses_the_first_bursts_buffers() -> None:
+    pool = BufferPool()
+    first = [pool.take((8, 16), U4) for _ in range(12)]
+    addresses = {_address(array) for array in first}
+    del first
+    again = [pool.take((8, 16), U4) for _ in range(12)]
+    assert {_address(array) for array in again} == addresses

@@ -102,35 +102,52 @@ _COUNTS = (
 )
 
 
+#: How many of a stock's buffers are looked at first, lowest first (see :class:`_Stock`).
+_HOT = 4
+
+
 class _Stock:
     """The buffers of one shape and dtype lent by counting references: each one is lent
     as a view, and lent again once only :attr:`arrays` refers to it. At most ``keep`` are
-    kept; beyond them a buffer is the caller's alone (freed when its arrays are)."""
+    kept; beyond them a buffer is the caller's alone (freed when its arrays are).
+
+    The first :data:`_HOT` buffers are looked at first, lowest first: a loop that holds a
+    few batches at a time reuses the same few buffers, whose memory is still in the CPU's
+    caches. A burst of batches held together (a worker's chunk) makes more buffers; the
+    rest are then lent in turn (:attr:`next`: the one lent longest ago first), so a burst
+    finds a free one without counting the held ones again, and a steady loop after it
+    goes back to the first few instead of cycling through them all (64 buffers of a
+    64 KiB batch cycled through 4 MiB: every batch's copy then wrote memory out of the
+    caches, 20% slower)."""
 
     __slots__ = ("arrays", "dtype", "keep", "next", "shape")
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], keep: int) -> None:
         self.shape, self.dtype, self.keep = shape, dtype, keep
         self.arrays: list[np.ndarray] = []
-        self.next = 0  # where the next search starts: the buffer lent longest ago
+        self.next = _HOT  # where the search past the first _HOT starts
 
     def take(self) -> np.ndarray:
         arrays = self.arrays  # (close() replaces the list: this one stays whole)
         count = len(arrays)
+        hot = _HOT if count > _HOT else count
+        for index in range(hot):
+            lent = _lend(arrays, index)
+            if lent is not None:
+                return lent
         index = self.next
-        for _ in range(count):
+        for _ in range(count - hot):
             if index >= count:
-                index = 0
+                index = hot
             lent = _lend(arrays, index)
             if lent is not None:
                 self.next = index + 1
                 return lent
             index += 1
         buffer = np.empty(self.shape, dtype=self.dtype)
-        if len(arrays) >= self.keep:
+        if count >= self.keep:
             return buffer
         arrays.append(buffer)
-        self.next = count + 1
         return buffer[...]
 
     def close(self) -> None:
