@@ -19,6 +19,7 @@ pytest.importorskip("torch")
 
 import numpy as np
 from loader_helpers import closed_at_the_end
+from torchdata.nodes import BaseNode
 
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.datasets import open_reader
@@ -664,3 +665,90 @@ def test_a_batch_made_at_delivery_that_fails_counts_as_delivered_and_the_next_fo
     got += list(node)
     node.close()
     _same_meta_batches(got, expected[:failing] + expected[failing + 1 :])
+
+
+def test_batches_read_one_by_one_skip_the_policy_between_timed_calls(
+    readers: Readers, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batches of columns that the calling thread reads one at a time: after a timed call
+    # decided so, the next _INLINE_SAMPLE - 2 go straight to the read (next() -> _read_next),
+    # not through _next_here's checks; the batches and the states are the same.
+    expected = _reference(readers)
+    node = _stage(readers)
+    got = _drained_quick(node)
+    policy: list[int] = []
+    here = ReadSamples._next_here
+
+    def counted(self: ReadSamples) -> Any:
+        policy.append(self._delivered)
+        return here(self)
+
+    monkeypatch.setattr(ReadSamples, "_next_here", counted)
+    states = []
+    while True:
+        try:
+            got.append(next(node))
+        except StopIteration:
+            break
+        states.append(node.get_state())
+    node.close()
+    assert list(map(_tokens, got)) == list(map(_tokens, expected))
+    reference = ReadSamples(_ids(), readers.dataset, reader=readers.reader)
+    reference.reset()
+    for _ in range(len(got) - len(states)):
+        next(reference)
+    for state in states:
+        next(reference)
+        assert state == reference.get_state()
+    reference.close()
+    taken = len(states) + 1  # (the end, too)
+    # per _INLINE_SAMPLE batches: the timed one and the last untimed one decide again
+    assert len(policy) <= 2 * (taken // read_module._INLINE_SAMPLE + 1) + 1, len(policy)
+
+
+class _IdsFailingAt(BaseNode[Any]):
+    """The ids of :func:`_ids`, and a ``ValueError`` in place of batch ``at``."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.source = _ids()
+        self.at = at
+        self.taken = 0
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(None if initial_state is None else initial_state["source"])
+        self.taken = 0 if initial_state is None else initial_state["taken"]
+
+    def next(self) -> Any:
+        if self.taken == self.at:
+            self.taken += 1
+            raise ValueError(f"the ids of batch {self.at} cannot be made")
+        self.taken += 1
+        return next(self.source)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict(), "taken": self.taken}
+
+
+def test_a_source_error_while_the_calling_thread_reads_follows_the_batches_before_it(
+    readers: Readers, clock: FakeClock
+) -> None:
+    expected = _reference(readers)
+    at = 300  # past the jobs submitted before the figures were known (at most 2 x 64)
+    node = ReadSamples(
+        _IdsFailingAt(at),
+        readers.dataset,
+        num_workers=2,
+        reader=readers.reader,
+        collate_fn=default_collate,
+    )
+    got = _drained_quick(node)
+    with pytest.raises(ValueError, match=f"batch {at} cannot be made"):
+        while True:
+            got.append(next(node))
+    assert readers.threads[-100:] == [threading.current_thread().name] * 100
+    assert list(map(_tokens, got)) == list(map(_tokens, expected[:at]))
+    with pytest.raises(StopIteration):
+        next(node)
+    node.close()

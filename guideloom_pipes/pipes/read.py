@@ -412,6 +412,7 @@ class ReadSamples(BaseNode[Any]):
         self._stand_in: list[Any] | None = None
         self._gap = -1.0  # the caller's time between next() calls (moving average; -1: unknown)
         self._inline_left = 0  # calls the calling thread reads without a clock (_next_inline)
+        self._solo = False  # ... each batch by itself (no chunk): next() goes to _read_next
         # batches the calling thread read as a chunk, not delivered yet: (result, source
         # state after it), oldest first
         self._ready: collections.deque[tuple[Any, Any]] = collections.deque()
@@ -627,6 +628,12 @@ class ReadSamples(BaseNode[Any]):
             return self._next_from_workers()
         infos = self._stand_in
         if infos is None:
+            left = self._inline_left
+            if left > 1 and self._solo and not self._ready:
+                # the calling thread reads batch after batch by itself, as decided at the
+                # last timed call: _next_here's way without its checks (1-2 us a batch)
+                self._inline_left = left - 1
+                return self._read_next()
             return self._next_here()
         # (as _as_worker does, without a context manager's ~1.5 us per batch: this is the
         # path of every quick batch that runs a user's code)
@@ -762,32 +769,20 @@ class ReadSamples(BaseNode[Any]):
             # the rest of a chunk this thread read comes first (a chunk read now would only
             # pile up behind it, and at the source's end the batches left in it were lost)
             return self._deliver_ready()
-        task = self._task
-        assert task is not None
-        if task._columns is False:
-            chunk = self._chunk_size()
-            if chunk > 1:
-                return self._read_chunk_inline(chunk)
-        elif task._read_many is not None and task._columns:
-            chunk = self._chunk_size()
-            if chunk > 1:
-                return self._read_chunk_inline(min(chunk, _COLUMN_CHUNK))
-        source = self.source
+        chunk = self._inline_chunk()
+        if chunk > 1:
+            return self._read_chunk_inline(chunk)
+        if not timed:
+            return self._read_next()
         try:
             ids = self._next_ids()
         except StopIteration:
-            self._inline_left = 0
-            self._source_done = True
-            self._end_snapshot = source.state_dict()
-            return self._next_from_workers()  # delivers the end
+            return self._source_ended(None)
         except Exception as error:
-            self._inline_left = 0
-            self._source_done = True
-            self._source_error = error
-            return self._next_from_workers()  # raises it
+            return self._source_ended(error)
         snapshot = self._mark()
-        if not timed:
-            return self._read_inline(task, ids, snapshot)
+        task = self._task
+        assert task is not None
         cpu = time.thread_time()
         started = time.perf_counter()
         try:
@@ -798,6 +793,45 @@ class ReadSamples(BaseNode[Any]):
             self._learn(elapsed, share)
             if self._quick_to_inline():
                 self._inline_left = _INLINE_SAMPLE - 1
+                self._solo = self._inline_chunk() == 1
+
+    def _inline_chunk(self) -> int:
+        """How many batches the calling thread reads with one read (see :meth:`_next_inline`):
+        1 where a read gives batches of columns (or may: not known before the first read),
+        unless the reader packs several together (``read_many``: up to ``_COLUMN_CHUNK``);
+        else a chunk, as a worker would read it."""
+        task = self._task
+        assert task is not None
+        if task._columns is False:
+            return self._chunk_size()
+        if task._read_many is not None and task._columns:
+            return min(self._chunk_size(), _COLUMN_CHUNK)
+        return 1
+
+    def _read_next(self) -> Any:
+        """The source's next batch, read by the calling thread by itself (untimed)."""
+        try:
+            ids = self._next_ids()
+        except StopIteration:
+            return self._source_ended(None)
+        except Exception as error:
+            return self._source_ended(error)
+        task = self._task
+        assert task is not None
+        return self._read_inline(task, ids, self._mark())
+
+    def _source_ended(self, error: Exception | None) -> Any:
+        """The source ran out (``error`` None) or raised ``error`` as the calling thread took
+        the next batch's ids: delivered as the workers' path delivers it, after the batches
+        before it (there are none left: the calling thread read them)."""
+        self._inline_left = 0
+        self._source_done = True
+        if error is None:
+            self._end_snapshot = self.source.state_dict()
+            return self._next_from_workers()  # delivers the end
+        self._source_error = error
+        del error  # (see _failed_error)
+        return self._next_from_workers()  # raises it
 
     def _read_inline(self, task: _ReadTask, ids: _I64, snapshot: Any) -> Any:
         """One batch read by the calling thread; it counts as delivered, also when it fails
