@@ -403,7 +403,8 @@ def test_a_caller_that_slows_or_reads_that_wait_go_back_to_the_workers(
     turned = len(got)
     if change == "the reads wait":
         clock.waiting = True  # reads that take no CPU time: they wait on I/O
-    # told at the next timed batch (one in _INLINE_SAMPLE); waiting, after a few of them
+    # told at the timed batches (one in _INLINE_SAMPLE): a slow caller at the third in a row
+    # (one late call is not enough, see the test below); waiting, after a few of them
     for _ in range(8 * read_module._INLINE_SAMPLE):
         if change == "the caller slows":
             clock.advance(1.0)  # a training step of its own before it asks for a batch
@@ -411,7 +412,7 @@ def test_a_caller_that_slows_or_reads_that_wait_go_back_to_the_workers(
         if not node._quick_to_inline():
             break
     assert not node._quick_to_inline()
-    assert change == "the reads wait" or len(got) - turned <= read_module._INLINE_SAMPLE
+    assert change == "the reads wait" or len(got) - turned <= 3 * read_module._INLINE_SAMPLE
     got.append(next(node))  # through the workers again
     assert node._jobs > 0 or node._job is not None
     got += list(node)
@@ -751,4 +752,44 @@ def test_a_source_error_while_the_calling_thread_reads_follows_the_batches_befor
     assert list(map(_tokens, got)) == list(map(_tokens, expected[:at]))
     with pytest.raises(StopIteration):
         next(node)
+    node.close()
+
+
+@pytest.mark.parametrize("late", [1e-3, 10.0])
+def test_one_late_call_keeps_the_calling_thread_reading(
+    readers: Readers, clock: FakeClock, late: float
+) -> None:
+    # A caller the machine paused once (or that was away once: another loader's turn, an
+    # evaluation) is waiting for the batches again right after: they are not handed to the
+    # workers (whose chunks it would wait for), however long the pause.
+    expected = _reference(readers)
+    node = _stage(readers)
+    got = _drained_quick(node)
+    for _ in range(2 * read_module._INLINE_SAMPLE):
+        got.append(next(node))
+    while node._inline_left:  # (calls between timed ones measure nothing)
+        got.append(next(node))
+    clock.advance(late)
+    got.append(next(node))  # timed: it measures the caller's time since the last call
+    assert node._gap > 0 and node._quick_to_inline() and not node._pending and node._jobs == 0
+    got += list(node)
+    node.close()
+    assert list(map(_tokens, got)) == list(map(_tokens, expected))
+    assert readers.threads[-300:] == [threading.current_thread().name] * 300
+
+
+def test_a_caller_back_within_the_gap_floor_keeps_reading_quicker_batches(
+    readers: Readers, clock: FakeClock
+) -> None:
+    # Batches quicker than twice the caller's time between them (10 us each, a caller's
+    # loop of 8 us): a worker thread's handoff would cost more than the gap holds.
+    node = _stage(readers)
+    got = _drained_quick(node)
+    clock.read = 10e-6
+    node._batch_seconds = clock.read
+    for _ in range(8 * read_module._INLINE_SAMPLE):
+        clock.advance(8e-6)
+        got.append(next(node))
+        assert node._quick_to_inline() and node._jobs == 0
+    assert node._gap > read_module._GAP_SHARE * node._batch_seconds
     node.close()

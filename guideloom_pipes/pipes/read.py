@@ -55,6 +55,16 @@ _CHUNK_SECONDS = 0.002
 #: ahead under the same GIL only adds a handoff (and colder memory) to every batch (8 windows
 #: of 2048 tokens: 16 us of CPU read by the calling thread, 24 us through a worker thread).
 _GAP_SHARE = 0.5
+#: ... and always while it comes back within this many seconds, however quick the batches:
+#: a handoff to a worker thread costs more CPU than such a gap holds, and the workers'
+#: chunks (up to 128 batches in flight) made a caller whose loop took 10 us between 18 us
+#: batches wait for them.
+_GAP_FLOOR = 50e-6
+#: One late call counts as at most this many times the gap that keeps the calling thread
+#: reading (:meth:`ReadSamples._gap_bound`): a caller that the machine paused once, or that
+#: was away once (another loader's turn, an evaluation), keeps reading; one that is late
+#: at two or three timed calls in a row is handed the workers' batches.
+_GAP_OUTLIER = 2.0
 #: One in this many batches read one at a time by the calling thread is timed (its time and
 #: CPU share, the caller's time before it) and decides whether the calling thread goes on.
 _INLINE_SAMPLE = 16
@@ -662,6 +672,8 @@ class ReadSamples(BaseNode[Any]):
         now = time.perf_counter()
         if self._returned:
             gap = now - self._returned
+            if self._batch_seconds > 0:
+                gap = min(gap, _GAP_OUTLIER * self._gap_bound())
             self._gap = gap if self._gap < 0 else 0.75 * self._gap + 0.25 * gap
             if self._figures is not None:
                 self._figures.gap = self._gap
@@ -739,9 +751,10 @@ class ReadSamples(BaseNode[Any]):
     def _quick_to_inline(self) -> bool:
         """Whether the calling thread reads the next batch itself rather than a worker
         thread: the batches compute (they do not wait on I/O), and the caller comes back
-        for the next one within ``_GAP_SHARE`` of a batch's read time, so it is waiting for
-        them. Thread workers run computing jobs one at a time (see :meth:`_side_by_side`),
-        so reading ahead in a thread only adds a handoff under the same GIL. A caller with
+        for the next one within ``_GAP_SHARE`` of a batch's read time (or ``_GAP_FLOOR``),
+        so it is waiting for them. Thread workers run computing jobs one at a time (see
+        :meth:`_side_by_side`), so reading ahead in a thread only adds a handoff under the
+        same GIL. A caller with
         work of its own between batches (a training step) keeps the workers reading ahead.
         Only where nothing can tell: the batches run only this library's code, or the
         workers are not told who they are (torch's ``get_worker_info()``, with no
@@ -754,8 +767,12 @@ class ReadSamples(BaseNode[Any]):
             and not self._source_done
             and self._batch_seconds > 0
             and self._cpu_share >= _WAITING
-            and 0 <= self._gap < _GAP_SHARE * self._batch_seconds
+            and 0 <= self._gap < self._gap_bound()
         )
+
+    def _gap_bound(self) -> float:
+        """The caller's time between batches under which the calling thread reads them."""
+        return max(_GAP_SHARE * self._batch_seconds, _GAP_FLOOR)
 
     def _next_inline(self, timed: bool) -> Any:
         """The next batch, read by the calling thread (see :meth:`_quick_to_inline`): one at
