@@ -749,18 +749,18 @@ class ReadSamples(BaseNode[Any]):
         )
 
     def _quick_to_inline(self) -> bool:
-        """Whether the calling thread reads the next batch itself rather than a worker
-        thread: the batches compute (they do not wait on I/O), and the caller comes back
-        for the next one within ``_GAP_SHARE`` of a batch's read time (or ``_GAP_FLOOR``),
-        so it is waiting for them. Thread workers run computing jobs one at a time (see
+        """Whether the calling thread reads the next batch itself rather than a worker thread: the
+        batches compute (they do not wait on I/O), and the caller comes back for the next
+        one within ``_GAP_SHARE`` of a batch's read time (or ``_GAP_FLOOR``), so it is
+        waiting for them. Thread workers run computing jobs one at a time (see
         :meth:`_side_by_side`), so reading ahead in a thread only adds a handoff under the
-        same GIL. A caller with
-        work of its own between batches (a training step) keeps the workers reading ahead.
-        Only where nothing can tell: the batches run only this library's code, or the
-        workers are not told who they are (torch's ``get_worker_info()``, with no
-        ``base_seed`` or ``worker_init_fn``). The calling thread takes over once the jobs
-        already submitted are delivered; the batches it reads keep the figures current, so
-        batches that start to wait, or a caller that slows, go back to the workers."""
+        same GIL. A caller with work of its own between batches (a training step) keeps the
+        workers reading ahead. Only where nothing can tell: the batches run only this
+        library's code, or the workers are not told who they are (torch's
+        ``get_worker_info()``, with no ``base_seed`` or ``worker_init_fn``). The calling
+        thread takes over once the jobs already submitted are delivered; the batches it
+        reads keep the figures current, so batches that start to wait, or a caller that
+        slows, go back to the workers."""
         return (
             self._may_inline
             and not self._probing
