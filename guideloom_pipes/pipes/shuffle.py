@@ -161,7 +161,11 @@ class Shuffle(BaseNode[_I64]):
         return block[:count]
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict(), self.SEED_KEY: self.seed}
+        return self.state_over(self.source.state_dict())
+
+    def state_over(self, source_state: dict[str, Any]) -> dict[str, Any]:
+        """This stage's state when its source's is ``source_state`` (see :func:`state_marks`)."""
+        return {self.SOURCE_KEY: source_state, self.SEED_KEY: self.seed}
 
 
 def state_marks(
@@ -183,6 +187,6 @@ def state_marks(
         return positions.mark, inner
 
     def state_at(mark: Any) -> dict[str, Any]:
-        return {Shuffle.SOURCE_KEY: inner(mark), Shuffle.SEED_KEY: shuffle.seed}
+        return shuffle.state_over(inner(mark))
 
     return positions.mark, state_at
