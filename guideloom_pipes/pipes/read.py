@@ -789,28 +789,7 @@ class ReadSamples(BaseNode[Any]):
         chunk = self._inline_chunk()
         if chunk > 1:
             return self._read_chunk_inline(chunk)
-        if not timed:
-            return self._read_next()
-        try:
-            ids = self._next_ids()
-        except StopIteration:
-            return self._source_ended(None)
-        except Exception as error:
-            return self._source_ended(error)
-        snapshot = self._mark()
-        task = self._task
-        assert task is not None
-        cpu = time.thread_time()
-        started = time.perf_counter()
-        try:
-            return self._read_inline(task, ids, snapshot)
-        finally:
-            elapsed = time.perf_counter() - started
-            share = min(1.0, (time.thread_time() - cpu) / elapsed) if elapsed > 0 else None
-            self._learn(elapsed, share)
-            if self._quick_to_inline():
-                self._inline_left = _INLINE_SAMPLE - 1
-                self._solo = self._inline_chunk() == 1
+        return self._read_next(timed)
 
     def _inline_chunk(self) -> int:
         """How many batches the calling thread reads with one read (see :meth:`_next_inline`):
@@ -825,8 +804,9 @@ class ReadSamples(BaseNode[Any]):
             return min(self._chunk_size(), _COLUMN_CHUNK)
         return 1
 
-    def _read_next(self) -> Any:
-        """The source's next batch, read by the calling thread by itself (untimed)."""
+    def _read_next(self, timed: bool = False) -> Any:
+        """The source's next batch, read by the calling thread by itself; ``timed``: measured
+        (see :meth:`_next_inline`)."""
         try:
             ids = self._next_ids()
         except StopIteration:
@@ -835,12 +815,25 @@ class ReadSamples(BaseNode[Any]):
             return self._source_ended(error)
         task = self._task
         assert task is not None
-        return self._read_inline(task, ids, self._mark())
+        if not timed:
+            return self._read_inline(task, ids, self._mark())
+        snapshot = self._mark()
+        cpu = time.thread_time()
+        started = time.perf_counter()
+        try:
+            return self._read_inline(task, ids, snapshot)
+        finally:
+            elapsed = time.perf_counter() - started
+            share = min(1.0, (time.thread_time() - cpu) / elapsed) if elapsed > 0 else None
+            self._learn(elapsed, share)
+            if self._quick_to_inline():
+                self._inline_left = _INLINE_SAMPLE - 1
+                self._solo = self._inline_chunk() == 1
 
     def _source_ended(self, error: Exception | None) -> Any:
         """The source ran out (``error`` None) or raised ``error`` as the calling thread took
-        the next batch's ids: delivered as the workers' path delivers it, after the batches
-        before it (there are none left: the calling thread read them)."""
+        the next batch's ids: delivered as the workers' path delivers it, after any batches
+        before it still to deliver."""
         self._inline_left = 0
         self._source_done = True
         if error is None:
