@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -284,3 +285,20 @@ def test_slow_storage_backend_reads_what_the_default_backend_reads(
     with plain.sync_reader() as expected, slow.sync_reader() as reader:
         # a read across shards that wraps around to shard 0
         assert reader.read_raw(990, 20)[0].tolist() == expected.read_raw(990, 20)[0].tolist()
+
+
+def test_a_rounds_wall_time_leaves_out_the_clocks_own_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from guideloom_pipes.bench import harness
+
+    def slow_children() -> float:
+        time.sleep(0.5)  # (reading /proc for the children's CPU takes time of its own)
+        return 0.0
+
+    monkeypatch.setattr(harness, "_descendant_cpu", slow_children)
+    contender = bench.Contender("c", lambda: iter(range(10)), lambda batch: (1, 1))
+    contender.restart()
+    round_ = contender.run(3)
+    assert round_.samples == 3
+    assert round_.wall_s < 0.5

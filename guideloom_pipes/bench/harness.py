@@ -112,11 +112,11 @@ class _Clock:
         self._marks: tuple[float, float, float] | None = None
 
     def start(self) -> None:
-        self._marks = (
-            time.perf_counter(),
-            time.process_time(),
-            _descendant_cpu() + _reaped_children_cpu(),
-        )
+        # (the wall clock last: reading /proc for the children's CPU takes a millisecond or
+        # more, which is not the round's)
+        children = _descendant_cpu() + _reaped_children_cpu()
+        cpu = time.process_time()
+        self._marks = (time.perf_counter(), cpu, children)
 
     def stop(self) -> None:
         assert self._marks is not None
