@@ -229,6 +229,10 @@ def _patched_speck(self: FeistelPermutation, r: np.ndarray, j: int) -> np.ndarra
     return np.array([_huge_f(j, int(x)) for x in r], dtype=np.uint64)
 
 
+def _patched_speck_rounds(self: FeistelPermutation, r: np.ndarray) -> np.ndarray:
+    return np.stack([_patched_speck(self, r, j) for j in range(self.rounds)])
+
+
 def _patched_speck_scalar(self: FeistelPermutation, j: int, value: int) -> int:
     return _huge_f(j, value)
 
@@ -249,6 +253,7 @@ def test_round_sums_wrap_around_2_to_the_64(monkeypatch: pytest.MonkeyPatch, kin
     assert 2**64 % a != 0  # so the wrap-around changes the result modulo a
 
     monkeypatch.setattr(FeistelPermutation, "_speck", _patched_speck)
+    monkeypatch.setattr(FeistelPermutation, "_speck_rounds", _patched_speck_rounds)
     monkeypatch.setattr(FeistelPermutation, "_speck_scalar", _patched_speck_scalar)
     perm = make(n, 0, kind)
     expected = [_reference_pass(v, a, 5) for v in range(n)]
@@ -390,3 +395,14 @@ def test_import_does_not_import_torch() -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=REPO_ROOT)
+
+
+@pytest.mark.parametrize("n", [2, 48_828, 10**9, 2**40 + 17])
+def test_the_tables_of_all_rounds_at_once_equal_each_rounds_own_speck_pass(n: int) -> None:
+    perm = FeistelPermutation.for_epoch(n, 7, 3)
+    r = np.arange(min(perm._a, 3000), dtype=np.uint64)
+    rows = perm._speck_rounds(r)
+    assert rows.shape == (perm.rounds, len(r))
+    for j in range(perm.rounds):
+        assert rows[j].tolist() == perm._speck(r, j).tolist()
+        assert rows[j][:50].tolist() == [perm._speck_scalar(j, int(x)) for x in r[:50]]
