@@ -307,9 +307,12 @@ class StreamDatasetReader(_DatasetReaderBase):
         if one is None or type(ids) is not np.ndarray or ids.ndim != 1:
             return None
         listed = ids.tolist()
-        if not listed or ids.dtype.kind not in "iu" or min(listed) < 0:
-            return None
-        if max(listed) >= self._length:
+        if (
+            not listed
+            or ids.dtype.kind not in "iu"
+            or min(listed) < 0
+            or max(listed) >= self._length
+        ):
             return None
         return self._storage_reader._few_windows(listed, self.sequence_length, one[1])
 

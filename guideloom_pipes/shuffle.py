@@ -342,8 +342,7 @@ class FeistelPermutation:
 
     def _speck_rounds(self, r: _U64) -> _U64:
         """``F_j(r)`` of every round ``j`` as the rows of a ``(rounds, len(r))`` uint64
-        array, for values ``r < a``: one Speck pass, each row under its
-        round's keys."""
+        array, for values ``r < a``: one Speck pass, each row under its round's keys."""
         keys = [np.array(step, dtype=np.uint32)[:, None] for step in zip(*self._int_keys)]
         return _speck_block(np.broadcast_to(r, (self.rounds, len(r))), keys)
 

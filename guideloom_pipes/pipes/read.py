@@ -749,9 +749,9 @@ class ReadSamples(BaseNode[Any]):
         )
 
     def _quick_to_inline(self) -> bool:
-        """Whether the calling thread reads the next batch itself rather than a worker thread: the
-        batches compute (they do not wait on I/O), and the caller comes back for the next
-        one within ``_GAP_SHARE`` of a batch's read time (or ``_GAP_FLOOR``), so it is
+        """Whether the calling thread reads the next batch itself rather than a worker
+        thread: the batches compute (they do not wait on I/O), and the caller comes back for
+        the next one within ``_GAP_SHARE`` of a batch's read time (or ``_GAP_FLOOR``), so it is
         waiting for them. Thread workers run computing jobs one at a time (see
         :meth:`_side_by_side`), so reading ahead in a thread only adds a handoff under the
         same GIL. A caller with work of its own between batches (a training step) keeps the
