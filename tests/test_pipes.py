@@ -696,11 +696,43 @@ def test_the_first_job_is_judged_after_running_for_chunk_seconds_itself_not_from
 
 def _idle_pool(fn: Any, workers: int) -> _ThreadPool:
     pool = _ThreadPool(fn, workers)
+    pool._launch()  # (they start with the first job otherwise)
     deadline = time.monotonic() + 30
     while pool._idle < workers:  # every worker asleep, waiting for work
         assert time.monotonic() < deadline
         time.sleep(0.001)
     return pool
+
+
+def test_a_pools_threads_start_with_its_first_job():
+    pool = _ThreadPool(lambda arg: threading.current_thread().name, 2, caller_runs=False)
+    assert len(pool._threads) == 2
+    assert all(thread.ident is None for thread in pool._threads)  # nothing started yet
+    job = pool.submit("first")
+    assert pool.result(job, 30)[0].startswith("guideloom-read-")  # a worker ran it
+    assert all(thread.ident is not None for thread in pool._threads)
+    pool.close()
+    assert not any(thread.is_alive() for thread in pool._threads)
+
+
+def test_a_pool_never_given_a_job_closes_without_starting_threads():
+    pool = _ThreadPool(str, 2)
+    pool.close()
+    assert all(thread.ident is None for thread in pool._threads)
+
+
+def test_workers_with_an_init_start_with_the_pool():
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    def init(index: int) -> None:
+        with lock:
+            ran.append(index)
+
+    pool = _ThreadPool(str, 2, init=init)
+    pool._wait_for_inits(30)  # no job submitted: each worker ran its init all the same
+    assert sorted(ran) == [0, 1]
+    pool.close()
 
 
 def test_a_job_the_caller_runs_runs_inside_caller_as_standing_in_for_a_worker():

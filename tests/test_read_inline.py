@@ -221,6 +221,9 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
     second.reset()
     assert not second._pending and not second._probing  # no job, no timing alone
     got = [next(second) for _ in range(3)]
+    # and its worker threads never started (a start and a join at every epoch, for nothing)
+    assert second._pool is not None and second._pool._threads
+    assert all(thread.ident is None for thread in second._pool._threads)
     second.close()
     main = threading.current_thread().name
     assert readers.threads == [main] * 3

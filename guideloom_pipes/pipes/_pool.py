@@ -196,7 +196,9 @@ class _ThreadPool:
 
     Wake-ups are what a handoff costs (tens of microseconds of CPU each on a small VM), so
     there are as few as the work allows: a job wakes a worker only if one is asleep, and a
-    finished job wakes the caller only if it is the job the caller sleeps on.
+    finished job wakes the caller only if it is the job the caller sleeps on. For the same
+    reason the threads start with the first job, not with the pool (unless they run an
+    ``init``).
     """
 
     def __init__(
@@ -231,6 +233,17 @@ class _ThreadPool:
             threading.Thread(target=self._loop, args=(i,), name=f"guideloom-read-{i}", daemon=True)
             for i in range(num_workers)
         ]
+        # The workers start with the first job (a pool whose jobs the calling thread reads
+        # itself, quick batches, never starts them: a thread's start and join cost a
+        # scheduling round each, milliseconds on a busy machine, at every epoch), or now
+        # where each runs an ``init`` (torch runs worker_init_fn as an epoch starts).
+        self._launched = False
+        if init is not None:
+            self._launch()
+
+    def _launch(self) -> None:
+        """Start the worker threads (once; only the calling thread submits jobs)."""
+        self._launched = True
         for thread in self._threads:
             thread.start()
 
@@ -299,6 +312,8 @@ class _ThreadPool:
             self._queue.append(job)
             if self._idle and self._running < self._limit:
                 self._work.notify()
+        if not self._launched:
+            self._launch()
         return job
 
     def set_limit(self, limit: int) -> None:
@@ -401,7 +416,9 @@ class _ThreadPool:
                 _orphaned(len(busy))  # under the pool's lock: before any of them can end
         current = threading.current_thread()
         for thread in self._threads:
-            if thread is not current and thread not in busy:
+            # (a thread never started, or started by a submit racing this close: it sees
+            # _stopping and exits by itself)
+            if thread is not current and thread not in busy and thread.ident is not None:
                 thread.join()
 
 
