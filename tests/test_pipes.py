@@ -716,12 +716,29 @@ def test_a_pools_threads_start_with_its_first_job():
 
 
 def test_a_pool_never_given_a_job_closes_without_starting_threads():
-    pool = _ThreadPool(str, 2)
+    pool = _ThreadPool(str, 2, init=lambda index: None)
     pool.close()
     assert all(thread.ident is None for thread in pool._threads)
 
 
-def test_workers_with_an_init_start_with_the_pool():
+def test_workers_started_by_a_job_run_their_init_before_it():
+    ran: list[tuple[str, int]] = []
+
+    def init(index: int) -> None:
+        ran.append(("init", index))
+
+    def fn(arg: int) -> int:
+        ran.append(("job", arg))
+        return arg
+
+    pool = _ThreadPool(fn, 1, caller_runs=False, init=init)
+    assert ran == []
+    assert pool.result(pool.submit(7), 30)[0] == 7
+    assert ran == [("init", 0), ("job", 7)]
+    pool.close()
+
+
+def test_workers_started_now_run_their_init_before_any_job():
     ran: list[int] = []
     lock = threading.Lock()
 
@@ -729,7 +746,7 @@ def test_workers_with_an_init_start_with_the_pool():
         with lock:
             ran.append(index)
 
-    pool = _ThreadPool(str, 2, init=init)
+    pool = _ThreadPool(str, 2, init=init, start_now=True)
     pool._wait_for_inits(30)  # no job submitted: each worker ran its init all the same
     assert sorted(ran) == [0, 1]
     pool.close()

@@ -202,8 +202,9 @@ def test_quick_batches_of_our_code_are_read_by_the_calling_thread(
     assert readers.threads[-300:] == [main] * 300
 
 
+@pytest.mark.parametrize("told", [False, True], ids=["workers not told", "told who they are"])
 def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_first_batch(
-    readers: Readers, clock: FakeClock
+    readers: Readers, clock: FakeClock, told: bool
 ) -> None:
     expected = _reference(readers)
     figures = read_module.ReadFigures()
@@ -217,7 +218,9 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
     first.close()
 
     readers.threads.clear()
-    second = _stage(readers, figures=figures)  # the next epoch's stage, the same figures
+    # the next epoch's stage, the same figures (its workers told who they are, for torch's
+    # get_worker_info(), or not: either way they would only read batches)
+    second = _stage(readers, figures=figures, base_seed=5 if told else None)
     second.reset()
     assert not second._pending and not second._probing  # no job, no timing alone
     got = [next(second) for _ in range(3)]

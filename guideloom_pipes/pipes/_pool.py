@@ -197,8 +197,8 @@ class _ThreadPool:
     Wake-ups are what a handoff costs (tens of microseconds of CPU each on a small VM), so
     there are as few as the work allows: a job wakes a worker only if one is asleep, and a
     finished job wakes the caller only if it is the job the caller sleeps on. For the same
-    reason the threads start with the first job, not with the pool (unless they run an
-    ``init``).
+    reason the threads start (and run ``init``) with the first job, not with the pool,
+    unless ``start_now``.
     """
 
     def __init__(
@@ -208,6 +208,7 @@ class _ThreadPool:
         caller_runs: bool = True,
         init: Callable[[int], None] | None = None,
         caller_as: Callable[[int], Any] | None = None,
+        start_now: bool = False,
     ):
         self._fn = fn
         self._init = init
@@ -236,9 +237,9 @@ class _ThreadPool:
         # The workers start with the first job (a pool whose jobs the calling thread reads
         # itself, quick batches, never starts them: a thread's start and join cost a
         # scheduling round each, milliseconds on a busy machine, at every epoch), or now
-        # where each runs an ``init`` (torch runs worker_init_fn as an epoch starts).
+        # with ``start_now`` (a user's worker_init_fn: torch runs it as an epoch starts).
         self._launched = False
-        if init is not None:
+        if start_now:
             self._launch()
 
     def _launch(self) -> None:

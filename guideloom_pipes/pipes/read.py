@@ -538,6 +538,9 @@ class ReadSamples(BaseNode[Any]):
                 caller_runs=self.timeout is None and (unseen or self.worker_init_fn is None),
                 init=self._init_thread if told else None,
                 caller_as=None if self._stand_in is None else self._as_worker,
+                # (only a user's init is seen before a job runs: ours only tells the thread
+                # who it is)
+                start_now=self.worker_init_fn is not None,
             )
         elif self._process_pool is not None:
             if self._process_pool.closed:
