@@ -417,9 +417,9 @@ class _ThreadPool:
                 _orphaned(len(busy))  # under the pool's lock: before any of them can end
         current = threading.current_thread()
         for thread in self._threads:
-            # (a thread never started, or started by a submit racing this close: it sees
-            # _stopping and exits by itself)
-            if thread is not current and thread not in busy and thread.ident is not None:
+            # (one not alive was never started, has ended, or is being started by a submit
+            # racing this close: it then sees _stopping and exits by itself)
+            if thread is not current and thread not in busy and thread.is_alive():
                 thread.join()
 
 
