@@ -188,6 +188,9 @@ def nginx_server(tmp: Path) -> Iterator[HttpServer]:
     listener = socket.socket()
     listener.bind((LOOPBACK, 0))
     listener.listen(512)
+    # nginx takes an inherited socket as it is: a blocking one leaves a worker that lost
+    # the race for a connection blocked in accept(), the connections it holds unanswered
+    listener.setblocking(False)
     port = int(listener.getsockname()[1])
     user = "user root root;\n" if os.geteuid() == 0 else ""
     conf = tmp / "nginx.conf"

@@ -76,6 +76,10 @@ def nginx(root: Path, workdir: Path) -> Iterator[str]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(512)
+    # nginx takes an inherited socket as it is: a blocking one left a worker that lost the
+    # race for a connection blocked in accept(), its own accepted connections unanswered
+    # until the next one came (a 60 s stall, 1 cold start in 13 here)
+    listener.setblocking(False)
     port = int(listener.getsockname()[1])
     user = "user root root;\n" if os.geteuid() == 0 else ""
     conf = workdir / "nginx.conf"
