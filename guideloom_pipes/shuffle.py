@@ -326,14 +326,14 @@ class FeistelPermutation:
         exactly; this happens with probability about ``a**2 / 2**64``).
         """
         if self._tables is None:
+            r = np.arange(self._a, dtype=np.uint64)
             if self._a <= _ROUNDS_TOGETHER:
                 # every round's table in one Speck pass over a (rounds, a) array: for a small
                 # side the numpy calls are the cost (a pass per round: 1.5 ms an epoch, 0.65
                 # this way, at a = 221); for a large one, rows under a column of keys are
                 # slower than one row under scalar keys (2x at a = 10,000)
-                f = self._speck_rounds(np.arange(self._a, dtype=np.uint64))
+                f = self._speck_rounds(r)
             else:
-                r = np.arange(self._a, dtype=np.uint64)
                 f = np.stack([self._speck(r, j) for j in range(self.rounds)])
             self._wraps = [bool((row > self._wrap_from).any()) for row in f]
             np.remainder(f, self._a64, out=f)
