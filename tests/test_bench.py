@@ -347,12 +347,8 @@ def test_the_benchmarks_nginx_answers_every_request_of_concurrent_bursts(
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "f").write_bytes(b"x" * 1000)
     try:
-        server = nginx(tmp_path / "www", tmp_path / "conf")
-        url = server.__enter__()
-    except Unavailable as error:
+        with nginx(tmp_path / "www", tmp_path / "conf") as url:
+            port = int(url.rpartition(":")[2])
+            assert sum(_burst_of_heads(port, 8, timeout=10.0) for _ in range(60)) == 0
+    except Unavailable as error:  # (raised only by the start: nginx is not installed)
         unavailable(str(error))
-    try:
-        port = int(url.rpartition(":")[2])
-        assert sum(_burst_of_heads(port, 8, timeout=10.0) for _ in range(60)) == 0
-    finally:
-        server.__exit__(None, None, None)
