@@ -248,6 +248,33 @@ def test_memmap_documents_baseline_matches_our_reader(tmp_path: Path) -> None:
         assert [reader[i] for i in range(50)] == [baseline[i] for i in range(50)]
 
 
+def test_the_parallel_ceiling_counts_batches_its_processes_collate_and_stops_them(
+    tmp_path: Path,
+) -> None:
+    from guideloom_pipes.bench.data import _count_padded
+
+    storage, _ = bench.build_documents(tmp_path / "d", 40, 2)
+    documents = bench.MemmapDocuments(storage)
+    lengths = {len(documents[i]) for i in range(40)}
+    ceiling = bench.ParallelCeiling(documents, bench.collate_pad, _count_padded, 4)
+    ceiling.start()
+    processes = list(ceiling._processes)
+    try:
+        counts = [count for count, _ in zip(ceiling, range(12))]
+    finally:
+        ceiling.stop()
+    assert len(counts) == 12
+    for rows, tokens in counts:
+        assert rows == 4
+        assert 4 * min(lengths) <= tokens <= 4 * max(lengths)
+    assert len(processes) == 2 and not any(process.is_alive() for process in processes)
+
+
+def test_the_documents_scenario_measures_the_parallel_ceiling(report: dict[str, Any]) -> None:
+    rows = report["scenarios"]["documents"]["rows"]
+    assert bench.CEILING_2P in [row["contender"] for row in rows]
+
+
 def test_a_round_takes_what_was_read_ahead_off_the_clock() -> None:
     taken: list[int] = []
 

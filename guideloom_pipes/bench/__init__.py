@@ -14,7 +14,8 @@ alternating rounds (A B C A B C ...), reporting the median round:
     stream with metadata (a payload per chunk of about 100 tokens), ``L=2048`` batch 8.
 ``documents``
     pickled documents of 100-4000 token ids, batch 32, a padding collate; 2 workers as threads
-    and as processes.
+    and as processes; and the *ceiling* of 2 processes each running torch's ``workers=0``
+    loop and sending back only counts (what two cores give at that minute).
 ``slow-storage``
     a read backend that sleeps 1 ms per read (a parallel file system: one blocking call per
     read, the bytes then copied from the page cache), ``L=2048`` batch 32, 1, 8 and 32
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 from guideloom_pipes.bench.cli import main
 from guideloom_pipes.bench.contenders import (
+    CEILING_2P,
     CPU,
     OURS_0,
     OURS_2,
@@ -59,6 +61,7 @@ from guideloom_pipes.bench.contenders import (
     MemmapDocuments,
     MemmapMetaWindows,
     MemmapWindows,
+    ParallelCeiling,
     SlowIO,
 )
 from guideloom_pipes.bench.data import (
@@ -97,12 +100,14 @@ __all__ = [
     "collate_pad",
     "collate_tokens",
     "CPU",
+    "CEILING_2P",
     "OURS_0",
     "OURS_2",
     "OURS_2P",
     "SLOW_PREAD",
     "HandLoop",
     "MemmapDocuments",
+    "ParallelCeiling",
     "MemmapMetaWindows",
     "MemmapWindows",
     "SlowIO",

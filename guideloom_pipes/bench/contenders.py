@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePath
@@ -35,6 +36,8 @@ OURS_2P_PAD = "ours workers=2 processes prefetch=4, pad_collate"
 OURS_2_PAD = "ours workers=2 threads prefetch=4, pad_collate"
 OURS_0_PAD = "ours workers=0 prefetch=4, pad_collate"
 COPY_LIMIT = "copy limit"
+#: The documents scenario's parallel ceiling (see ``ParallelCeiling``).
+CEILING_2P = "ceiling: 2 processes each running torch's workers=0 loop, nothing sent back"
 SLOW_PREAD = "ours workers=32 threads prefetch=32, sleep then pread"
 #: The kinds of rows of the mixture and packed scenarios (see ``dataset_row``).
 SINGLE = "single stream"
@@ -245,6 +248,126 @@ class MemmapDocuments(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_maps": None}
+
+
+#: Seconds a ``ParallelCeiling`` batch may take before its processes count as failed.
+_CEILING_WAIT = 120.0
+
+
+def _ceiling_worker(
+    dataset: torch.utils.data.Dataset,
+    collate: Callable[[Any], Any],
+    count: Callable[[Any], tuple[int, int]],
+    batch: int,
+    seed: int,
+    permits: Any,
+    done: Any,
+) -> None:
+    """A ``ParallelCeiling`` process: one batch of random samples per permit; sends back
+    only its ``count``."""
+    generator = np.random.default_rng(seed)
+    size = len(dataset)  # type: ignore[arg-type]
+    while permits.get():
+        samples = [dataset[int(index)] for index in generator.integers(0, size, batch)]
+        done.put(count(collate(samples)))
+
+
+class ParallelCeiling:
+    """What ``workers`` cores give the baseline's own loop at this minute: that many
+    processes, each reading and collating whole batches of random samples as torch's
+    ``workers=0`` loop does, and sending back only each batch's ``(samples, tokens)``.
+    No loader can hand batches over for less, so a parallel loader's rate against this
+    row is its share of what the machine gives (on a machine of 2 vCPUs shared with
+    others, that varies from minute to minute; it is measured in the same rounds).
+
+    Each batch asked for releases one permit; ``ahead`` more are given at the start, so
+    every process has one batch to work on while the last one is handed over."""
+
+    def __init__(
+        self,
+        dataset: torch.utils.data.Dataset,
+        collate: Callable[[Any], Any],
+        count: Callable[[Any], tuple[int, int]],
+        batch: int,
+        workers: int = 2,
+    ) -> None:
+        self.args = (dataset, collate, count, batch)
+        self.workers = workers
+        self.ahead = 2 * workers
+        self._processes: list[Any] = []
+        self._permits: Any = None
+        self._done: Any = None
+
+    def start(self) -> None:
+        import multiprocessing
+
+        # (not fork: the benchmark's loaders have threads by then)
+        methods = multiprocessing.get_all_start_methods()
+        context: Any = multiprocessing.get_context(
+            "forkserver" if "forkserver" in methods else "spawn"
+        )
+        self._permits, self._done = context.SimpleQueue(), context.Queue()
+        self._processes = [
+            context.Process(
+                target=_ceiling_worker,
+                args=(*self.args, SEED + worker, self._permits, self._done),
+                daemon=True,
+            )
+            for worker in range(self.workers)
+        ]
+        for process in self._processes:
+            process.start()
+        for _ in range(self.ahead):
+            self._permits.put(True)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        permits, done = self._permits, self._done
+        if permits is None:
+            raise RuntimeError("ParallelCeiling.start() was not called")
+        while True:
+            permits.put(True)
+            try:
+                yield done.get(timeout=_CEILING_WAIT)
+            except queue.Empty:
+                dead = [p.exitcode for p in self._processes if not p.is_alive()]
+                raise RuntimeError(
+                    f"the parallel ceiling's processes sent no batch in {_CEILING_WAIT} s "
+                    f"(exit codes of those that ended: {dead})"
+                ) from None
+
+    def stop(self) -> None:
+        processes, self._processes = self._processes, []
+        if not processes:
+            return
+        for _ in processes:
+            self._permits.put(False)
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._permits.close()
+        self._done.close()
+        self._done.join_thread()
+
+
+def ceiling_contender(
+    dataset: torch.utils.data.Dataset,
+    collate: Callable[[Any], Any],
+    count: Callable[[Any], tuple[int, int]],
+    batch: int,
+    workers: int = 2,
+) -> Contender:
+    """The ``ParallelCeiling`` row: its batches are the ``(samples, tokens)`` counts."""
+    ceiling = ParallelCeiling(dataset, collate, count, batch, workers)
+    return Contender(
+        CEILING_2P,
+        lambda: iter(ceiling),
+        lambda counted: counted,
+        setup=ceiling.start,
+        teardown=ceiling.stop,
+        ahead=ceiling.ahead,
+    )
 
 
 def _torch_contender(

@@ -47,6 +47,7 @@ from guideloom_pipes.bench.contenders import (
     _slow_name,
     _slow_prefetch,
     _torch_contender,
+    ceiling_contender,
     dataset_row,
 )
 from guideloom_pipes.bench.data import (
@@ -279,6 +280,9 @@ class Bench:
                 2,
                 _count_padded,
             ),
+            # what two cores give torch's workers=0 loop in the same rounds: the processes
+            # rows' room on this machine at this minute
+            ceiling_contender(MemmapDocuments(storage), collate_pad, _count_padded, batch),
         ]
         self.rows += measure("documents", contenders, self.sizes, self.log)
 
