@@ -190,6 +190,41 @@ def test_delivered_batches_never_share_memory_and_stay_valid(tmp_path: Path) -> 
             assert torch.equal(batch["mask"].to(torch.int32), tokens % 251)
 
 
+@pytest.mark.parametrize("view_bytes", [None, 100_000], ids=["views", "views then copies"])
+def test_batches_from_process_workers_stay_valid_while_held_and_after_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, view_bytes: int | None
+) -> None:
+    # 32 KiB batches go through the workers' result rings; every batch of two epochs is
+    # held while later ones are read, and after the loader is closed
+    from guideloom_pipes.pipes import _transport
+
+    if view_bytes is not None:  # beyond 3 batches held, batches are copied out of the ring
+        monkeypatch.setattr(_transport, "VIEW_BYTES", view_bytes)
+    storage = StreamStorage(tmp_path / "s", StreamNumpyFormat(TOKENS))
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(0, 120_000)})
+        writer.append(1, {"tokens": np.arange(120_000, 200_000)})
+    dataset = StreamDataset(storage, 1024)
+
+    def two_epochs(**options: Any) -> list[Any]:
+        loader: StatefulDataLoader[Any, Any] = StatefulDataLoader(
+            dataset, None, local_batch_size=8, shuffle=True, shuffle_seed=3, **options
+        )
+        with loader:
+            return list(loader) + list(loader)
+
+    held = two_epochs(num_workers=2, parallel_method="process", prefetch=2)
+    expected = two_epochs()
+    assert len(held) == len(expected) == 2 * (200_000 // 1024 // 8)
+    steps = torch.arange(1024, dtype=torch.int32)
+    for batch, want in zip(held, expected):
+        assert torch.equal(batch["tokens"], want["tokens"])
+        assert torch.equal(batch["tokens"], batch["tokens"][:, :1] + steps)
+    first = held[0]["tokens"]
+    first += 1  # writable, its own
+    assert torch.equal(first - 1, expected[0]["tokens"])
+
+
 def test_a_stage_with_arrays_and_no_collate_hands_on_the_batch(tmp_path: Path) -> None:
     dataset = StreamDataset(_stream(tmp_path, TOKENS), LENGTH)
     with dataset.sync_reader() as reader:

@@ -995,9 +995,10 @@ def test_process_results_come_back_through_shared_memory_intact_and_leave_nothin
     batches += list(it)
     assert len(batches) == len(inline) == 10
     assert all(_same(a, b) for a, b in zip(inline, batches))
-    for batch in batches:  # each batch owns its memory: writable, not shared with workers
+    for batch in batches:  # writable: ring memory the workers leave alone while it is held
         batch["big"] += 1
         assert not batch["big"].is_shared()
+    del batch
     it = iter(loader)  # the same workers and rings serve the next epoch
     next(it)
     it.close()  # closed early, results still in flight
@@ -1005,6 +1006,10 @@ def test_process_results_come_back_through_shared_memory_intact_and_leave_nothin
     assert all(_same(a, b) for a, b in zip(inline, loader))  # answers in flight are dropped
     loader.close()
     assert multiprocessing.active_children() == []
+    # the batches still held keep their rings mapped, and stay intact
+    assert _memfds()
+    assert all(_same({**a, "big": a["big"] + 1}, b) for a, b in zip(inline, batches))
+    del batches
     assert _memfds() == []  # the rings were the only shared memory, and they are gone
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from guideloom_pipes.pipes import _transport
 from guideloom_pipes.pipes._transport import (
     MIN_RING_BUFFER,
     ResultRing,
@@ -86,24 +87,131 @@ def test_small_buffers_stay_in_the_pickle_and_big_ones_that_do_not_fit_too():
     parent.close()
 
 
-def test_arrays_come_back_writable_owning_their_memory():
+def _in_ring(array: np.ndarray, ring: ResultRing) -> bool:
+    start = ring._data.__array_interface__["data"][0]
+    address = array.__array_interface__["data"][0]
+    return start <= address < start + ring.size
+
+
+def test_arrays_come_back_writable_and_their_space_is_not_reused_while_they_live():
     parent, worker = _rings(4 << 20)
     sent = np.arange(100_000, dtype=np.float32).reshape(100, 1000)[:, ::2].copy()
     data, places = dump_result([sent, sent.T], worker)  # C and Fortran order
     out = load_result(data, places, parent)
     assert len(places) == 2
     assert all(np.array_equal(a, b) for a, b in zip(out, [sent, sent.T]))
-    out[0] += 1  # writable, and no longer in the ring (the worker may reuse the space)
-    data, places = dump_result(np.zeros(200_000, dtype=np.uint8), worker)
-    assert np.array_equal(out[0], sent + 1)
+    assert all(_in_ring(a, parent) for a in out)  # handed on where they lie
+    out[0] += 1  # writable, and its space stays its own while it lives
+    for _ in range(20):
+        data, places = dump_result(np.zeros(200_000, dtype=np.uint8), worker)
+        load_result(data, places, parent)
+    assert np.array_equal(out[0], sent + 1) and np.array_equal(out[1], sent.T)
     worker.close()
     parent.close()
 
 
-def test_the_parent_reuses_the_memory_of_results_that_are_gone_and_only_those() -> None:
+def test_a_results_space_is_free_once_its_last_view_is_gone_in_whatever_order():
+    parent, worker = _rings(8 << 20)
+    held = [load_result(*dump_result(np.full(100_000, n), worker), parent) for n in range(5)]
+    assert int(parent._header[0]) == 0
+    tail = held[0][-10:]  # a view keeps its result's space
+    del held[0]  # (held[i] is now result i + 1)
+    assert int(parent._header[0]) == 0
+    del held[1]  # result 2: not the first, so nothing is free from the first on yet
+    assert int(parent._header[0]) == 0
+    del tail  # result 0: free, result 1 still held
+    assert int(parent._header[0]) == 1
+    del held[0]  # result 1: free, and 2 was already
+    assert int(parent._header[0]) == 3
+    assert [int(a[0]) for a in held] == [3, 4]
+    held.clear()
+    assert int(parent._header[0]) == 5
+    # everything free: the worker starts at the front again
+    assert dump_result(np.ones(100_000), worker)[1][0][0] == 0
+    worker.close()
+    parent.close()
+
+
+def test_results_held_in_any_pattern_are_never_overwritten():
+    parent, worker = _rings(4 << 20)
+    rng = random.Random(7)
+    held: list[tuple[int, np.ndarray]] = []
+    placed = 0
+    for step in range(800):
+        data, places = dump_result(np.full(rng.randint(3000, 40_000), step), worker)
+        placed += len(places)  # (one the ring has no room for goes in the pickle)
+        held.append((step, load_result(data, places, parent)))
+        while held and rng.random() < 0.55:  # dropped in a random order, some held long
+            held.pop(rng.randrange(len(held)))
+        for kept, array in held:
+            assert (array == kept).all(), kept
+    del array
+    held.clear()
+    assert placed > 600 and int(parent._header[0]) == placed
+    worker.close()
+    parent.close()
+
+
+def test_a_result_dropped_in_another_thread_frees_its_space():
+    parent, worker = _rings(4 << 20)
+    out = [load_result(*dump_result(np.ones(100_000), worker), parent)]
+    thread = threading.Thread(target=out.clear)
+    thread.start()
+    thread.join()
+    assert int(parent._header[0]) == 1
+    worker.close()
+    parent.close()
+
+
+def test_a_result_dropped_while_its_ring_publishes_is_folded_in_by_the_publisher():
+    # (the garbage collector may drop a batch inside _gone, in the same thread)
+    parent, worker = _rings(4 << 20)
+    first = load_result(*dump_result(np.ones(100_000), worker), parent)
+    second = load_result(*dump_result(np.ones(100_000), worker), parent)
+    with parent._publishing:  # someone is folding numbers in: this one is only queued
+        del first
+        assert int(parent._header[0]) == 0
+    del second  # the next one folds both in
+    assert int(parent._header[0]) == 2
+    worker.close()
+    parent.close()
+
+
+def test_results_outlive_their_ring():
+    parent, worker = _rings(4 << 20)
+    out = load_result(*dump_result(np.arange(100_000), worker), parent)
+    worker.close()
+    parent.close()
+    assert np.array_equal(out, np.arange(100_000))
+    out += 1
+    del out  # (frees nothing: the ring is closed)
+
+
+def test_beyond_view_bytes_results_are_copies_whose_space_is_free_at_once(monkeypatch):
+    monkeypatch.setattr(_transport, "VIEW_BYTES", 2_000_000)  # two of 800,000 bytes
+    parent, worker = _rings(8 << 20)
+    views = [load_result(*dump_result(np.full(100_000, n), worker), parent) for n in range(2)]
+    copies = [load_result(*dump_result(np.full(100_000, n), worker), parent) for n in (2, 3)]
+    assert all(_in_ring(a, parent) for a in views)
+    assert not any(_in_ring(a, parent) for a in copies)
+    assert int(parent._header[0]) == 0  # results 2 and 3 are free, 0 is still held
+    del views[0]
+    assert int(parent._header[0]) == 1
+    views.clear()
+    assert int(parent._header[0]) == 4
+    assert [int(a[0]) for a in copies] == [2, 3]
+    again = load_result(*dump_result(np.full(100_000, 4), worker), parent)
+    assert _in_ring(again, parent)  # the views' bytes came back
+    worker.close()
+    parent.close()
+
+
+def test_copies_reuse_the_memory_of_results_that_are_gone_and_only_those(monkeypatch) -> None:
+    monkeypatch.setattr(_transport, "VIEW_BYTES", 0)  # every result copied out
     parent, worker = _rings(8 << 20)
     first = np.arange(300_000, dtype=np.int32)
     kept = load_result(*dump_result(first, worker), parent)
+    assert not _in_ring(kept, parent)
     address = kept.__array_interface__["data"][0]
     view = kept[10:]
     del kept

@@ -5,8 +5,14 @@ name, so nothing can leak: the memory goes when the last process holding it exit
 the worker and by the parent. The worker pickles a chunk's results with protocol 5; every
 large buffer (a numpy array's data, a CPU tensor's data: tensors travel as numpy arrays) is
 copied into the ring instead of into the pickle, and only the small pickle and the buffers'
-places in the ring go through the pipe. The parent copies each buffer out into memory of its
-own (the batch the user gets owns its memory, as with threads) and marks the space free.
+places in the ring go through the pipe. The parent hands each buffer on where it lies: the
+arrays and tensors of the batch the user gets are views of the ring, and the space of a
+buffer is marked free once the last of them is gone (its numbers come back in any order; the
+worker is told how many are free from the first on). Nothing is ever written over memory a
+batch still refers to, so batches stay valid as long as they are held, also after the loader
+is closed (the mapping lives as long as a view of it). Beyond ``VIEW_BYTES`` of buffers
+still held (a user keeping many batches), the parent copies buffers out into memory of its
+own and frees their space at once, so the ring's pages stay near what is in flight.
 
 The ring is a byte range written front to back; a buffer that does not fit before the end
 starts again at the front, and the worker starts at the front whenever everything written
@@ -29,6 +35,7 @@ import os
 import pickle
 import sys
 import tempfile
+import threading
 from typing import Any
 
 import numpy as np
@@ -39,7 +46,10 @@ _HEADER = 64  # bytes before the data: the int64 count of bytes the parent has t
 _ALIGN = 64
 #: Buffers smaller than this stay inside the pickle (the ring's bookkeeping costs more).
 MIN_RING_BUFFER = 16 * 1024
-#: Buffers taken out of a ring come from a pool of sizes rounded up to this many bytes...
+#: Bytes of a ring's buffers that batches held by the user may keep as views; beyond them
+#: buffers are copied out (see the module docstring).
+VIEW_BYTES = 64 * 1024 * 1024
+#: Buffers copied out of a ring come from a pool of sizes rounded up to this many bytes...
 _TAKE_ROUNDING = 64 * 1024
 #: ... that keeps at most this many bytes of released buffers (per ring, parent side).
 TAKE_POOL_BYTES = 64 * 1024 * 1024
@@ -102,7 +112,17 @@ class ResultRing:
         self._placed: collections.deque[tuple[int, int, int]] = collections.deque()
         self._count = 0
         self._peak = 0
-        # Parent side: the memory buffers are copied out into, recycled (see take)
+        # Parent side: buffers handed on so far (numbered in the worker's order); those free
+        # from the first on (published in the header); numbers that came back, to fold in
+        # (any thread appends, see _gone), and those folded in beyond the first not free;
+        # bytes lent as views and bytes of them back; the memory copies go into (see take).
+        self._handed = 0
+        self._freed = 0
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()
+        self._back: set[int] = set()
+        self._lent_bytes = 0
+        self._back_bytes = 0
+        self._publishing = threading.Lock()
         self._pool = BufferPool(limit=TAKE_POOL_BYTES)
 
     @classmethod
@@ -141,9 +161,10 @@ class ResultRing:
     def close(self) -> None:
         """Unmap and close (the memory is freed once every process has closed it)."""
         self._pool.clear()
-        self._header = self._data = None  # type: ignore[assignment]
+        with self._publishing:  # (views alive keep the mapping; nothing to free any more)
+            self._header = self._data = None  # type: ignore[assignment]
         if not self._map.closed:
-            # A view still alive (pragma: no cover) keeps the mapping until it is freed.
+            # A batch still held keeps the mapping until its views are gone.
             with contextlib.suppress(BufferError):
                 self._map.close()
         if self.fd >= 0:
@@ -204,18 +225,75 @@ class ResultRing:
     # -- parent side ------------------------------------------------------------------------
 
     def take(self, position: int, size: int) -> np.ndarray:
-        """Copy the next buffer out (into memory of the parent's own) and give its space
-        back. The memory is recycled once the batch made of it is gone (a
-        :class:`~guideloom_pipes.storage.recycle.BufferPool` of sizes rounded up to
-        ``_TAKE_ROUNDING``: batches of padded documents differ a little in size), rather
+        """The next buffer, as a view of the ring whose space is freed when the view is
+        gone (see the module docstring); a copy in memory of the parent's own (its space
+        freed at once) where views of more than ``VIEW_BYTES`` would be held. Copies come
+        from a :class:`~guideloom_pipes.storage.recycle.BufferPool` of sizes rounded up to
+        ``_TAKE_ROUNDING`` (batches of padded documents differ a little in size), rather
         than fresh pages faulted in for each batch."""
+        number = self._handed
+        self._handed = number + 1
+        if self._lent_bytes - self._back_bytes + size <= VIEW_BYTES:
+            self._lent_bytes += size
+            return np.asarray(_Lent(self, number, self._data[position : position + size]))
         rounded = -(-size // _TAKE_ROUNDING) * _TAKE_ROUNDING
         out = self._pool.take((rounded,), _BYTES)
         if rounded != size:
             out = out[:size]
         out[:] = self._data[position : position + size]
-        self._header[0] += 1
+        self._gone(number, 0)
         return out
+
+    def _gone(self, number: int, size: int) -> None:
+        """Buffer ``number`` (``size`` bytes lent as a view, else 0) is free again. Called
+        in whichever thread drops a batch's last view, the garbage collector's included,
+        maybe while another call of it runs in this thread: the number is queued, and
+        whoever holds the lock folds in every queued number before letting go."""
+        self._returned.append((number, size))
+        lock = self._publishing
+        while self._returned:
+            if not lock.acquire(blocking=False):
+                return  # the holder folds this one in (it looks again after releasing)
+            try:
+                self._fold()
+            finally:
+                lock.release()
+
+    def _fold(self) -> None:
+        """Fold the returned numbers in and publish how many are free from the first on
+        (under ``_publishing``)."""
+        returned, back = self._returned, self._back
+        while returned:
+            number, size = returned.popleft()
+            back.add(number)
+            self._back_bytes += size
+        freed = self._freed
+        while freed in back:
+            back.remove(freed)
+            freed += 1
+        self._freed = freed
+        header = self._header
+        if header is not None:
+            header[0] = freed
+
+
+class _Lent:
+    """A buffer of a ring lent as a view: the base of the array :meth:`ResultRing.take`
+    returns, so every array and tensor made of it refers to it (numpy stops collapsing
+    bases at an object that is not an array), and it dies with the last of them; its space
+    is then free (:meth:`ResultRing._gone`). It holds the slice of the ring, which holds the
+    mapping."""
+
+    __slots__ = ("__array_interface__", "_buffer", "_number", "_ring")
+
+    def __init__(self, ring: ResultRing, number: int, buffer: np.ndarray) -> None:
+        self._ring = ring
+        self._number = number
+        self._buffer = buffer
+        self.__array_interface__ = buffer.__array_interface__
+
+    def __del__(self) -> None:
+        self._ring._gone(self._number, self._buffer.nbytes)
 
 
 # -- pickling ---------------------------------------------------------------------------------

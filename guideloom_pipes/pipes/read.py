@@ -262,8 +262,9 @@ class ReadSamples(BaseNode[Any]):
     ``max_in_flight`` asks for more batches ahead.
 
     Process workers hand results back through shared memory: a CPU tensor or numpy
-    array travels as one copy into the worker's result ring and one copy out, not as a
-    pickle through a pipe (see :mod:`guideloom_pipes.pipes._transport`). The default start method
+    array travels as one copy into the worker's result ring and is delivered as that memory
+    (freed for the worker when the batch is gone), not as a pickle through a pipe (see
+    :mod:`guideloom_pipes.pipes._transport`). The default start method
     is ``forkserver`` (``spawn`` where there is none), and the fork server preloads the
     modules of ``dataset`` and ``collate_fn``, so workers start in milliseconds per
     iterator after the first.
