@@ -30,6 +30,16 @@ def _rings(size: int) -> tuple[ResultRing, ResultRing]:
     return parent, ResultRing(os.dup(parent.fd), size)
 
 
+#: Where the first buffer placed in an empty ring lies (after its slot's in-use word).
+FRONT = _transport._SLOT
+
+
+def _held(worker: ResultRing) -> list[int]:
+    """The positions of the buffers the worker placed that are not free yet, in order."""
+    words = worker._words
+    return [slot + FRONT for _, slot, _ in worker._placed if words[slot >> 3]]
+
+
 @pytest.mark.parametrize("ring_size", [1 << 20, 5 << 20, 64 << 20])
 def test_buffers_in_flight_never_overwrite_each_other(ring_size):
     parent, worker = _rings(ring_size)
@@ -55,7 +65,7 @@ def test_the_ring_starts_at_the_front_when_everything_was_taken():
     parent, worker = _rings(8 << 20)
     for _ in range(5):
         data, places = dump_result(np.ones(1 << 20, dtype=np.uint8), worker)
-        assert places == [(0, 1 << 20)]
+        assert places == [(FRONT, 1 << 20)]
         load_result(data, places, parent)
     worker.close()
     parent.close()
@@ -112,22 +122,42 @@ def test_arrays_come_back_writable_and_their_space_is_not_reused_while_they_live
 
 def test_a_results_space_is_free_once_its_last_view_is_gone_in_whatever_order():
     parent, worker = _rings(8 << 20)
-    held = [load_result(*dump_result(np.full(100_000, n), worker), parent) for n in range(5)]
-    assert int(parent._header[0]) == 0
+    sent = [dump_result(np.full(100_000, n), worker) for n in range(5)]
+    positions = [places[0][0] for _, places in sent]
+    held = [load_result(data, places, parent) for data, places in sent]
+    assert _held(worker) == positions
     tail = held[0][-10:]  # a view keeps its result's space
     del held[0]  # (held[i] is now result i + 1)
-    assert int(parent._header[0]) == 0
-    del held[1]  # result 2: not the first, so nothing is free from the first on yet
-    assert int(parent._header[0]) == 0
-    del tail  # result 0: free, result 1 still held
-    assert int(parent._header[0]) == 1
-    del held[0]  # result 1: free, and 2 was already
-    assert int(parent._header[0]) == 3
-    assert [int(a[0]) for a in held] == [3, 4]
+    assert _held(worker) == positions
+    del held[1]  # result 2
+    assert _held(worker) == positions[:2] + positions[3:]
+    del tail  # result 0
+    assert _held(worker) == [positions[1], *positions[3:]]
+    # the next result goes in the first gap from the front that holds it: result 0's
+    data, places = dump_result(np.full(100_000, 9), worker)
+    assert places[0][0] == positions[0]
+    load_result(data, places, parent)  # (dropped at once)
+    assert [int(a[0]) for a in held] == [1, 3, 4]
     held.clear()
-    assert int(parent._header[0]) == 5
-    # everything free: the worker starts at the front again
-    assert dump_result(np.ones(100_000), worker)[1][0][0] == 0
+    assert _held(worker) == []
+    assert dump_result(np.ones(100_000), worker)[1][0][0] == FRONT
+    worker.close()
+    parent.close()
+
+
+def test_a_result_held_for_good_leaves_a_hole_not_a_wall():
+    parent, worker = _rings(4 << 20)
+    kept = load_result(*dump_result(np.full(100_000, 7), worker), parent)  # 800 KB, kept
+    highest = 0
+    for step in range(300):
+        data, places = dump_result(np.full(100_000, step), worker)
+        assert places, step  # every one through the ring: its space is reused
+        highest = max(highest, places[0][0] + 800_000)
+        pending = load_result(data, places, parent)
+        assert int(pending[0]) == step
+        del pending
+    assert highest <= 2 * (800_000 + FRONT) + FRONT  # the kept one and one more
+    assert (kept == 7).all()
     worker.close()
     parent.close()
 
@@ -147,7 +177,7 @@ def test_results_held_in_any_pattern_are_never_overwritten():
             assert (array == kept).all(), kept
     del array
     held.clear()
-    assert placed > 600 and int(parent._header[0]) == placed
+    assert placed > 600 and _held(worker) == []
     worker.close()
     parent.close()
 
@@ -155,24 +185,11 @@ def test_results_held_in_any_pattern_are_never_overwritten():
 def test_a_result_dropped_in_another_thread_frees_its_space():
     parent, worker = _rings(4 << 20)
     out = [load_result(*dump_result(np.ones(100_000), worker), parent)]
+    assert len(_held(worker)) == 1
     thread = threading.Thread(target=out.clear)
     thread.start()
     thread.join()
-    assert int(parent._header[0]) == 1
-    worker.close()
-    parent.close()
-
-
-def test_a_result_dropped_while_its_ring_publishes_is_folded_in_by_the_publisher():
-    # (the garbage collector may drop a batch inside _gone, in the same thread)
-    parent, worker = _rings(4 << 20)
-    first = load_result(*dump_result(np.ones(100_000), worker), parent)
-    second = load_result(*dump_result(np.ones(100_000), worker), parent)
-    with parent._publishing:  # someone is folding numbers in: this one is only queued
-        del first
-        assert int(parent._header[0]) == 0
-    del second  # the next one folds both in
-    assert int(parent._header[0]) == 2
+    assert _held(worker) == []
     worker.close()
     parent.close()
 
@@ -194,11 +211,9 @@ def test_beyond_view_bytes_results_are_copies_whose_space_is_free_at_once(monkey
     copies = [load_result(*dump_result(np.full(100_000, n), worker), parent) for n in (2, 3)]
     assert all(_in_ring(a, parent) for a in views)
     assert not any(_in_ring(a, parent) for a in copies)
-    assert int(parent._header[0]) == 0  # results 2 and 3 are free, 0 is still held
-    del views[0]
-    assert int(parent._header[0]) == 1
+    assert len(_held(worker)) == 2  # results 2 and 3 are free, 0 and 1 held
     views.clear()
-    assert int(parent._header[0]) == 4
+    assert _held(worker) == []
     assert [int(a[0]) for a in copies] == [2, 3]
     again = load_result(*dump_result(np.full(100_000, 4), worker), parent)
     assert _in_ring(again, parent)  # the views' bytes came back
@@ -234,7 +249,7 @@ def test_a_result_that_cannot_be_pickled_gives_its_ring_space_back():
     with pytest.raises(TypeError):
         dump_result([np.ones(600_000, dtype=np.uint8), threading.Lock()], worker)
     data, places = dump_result(np.ones(900_000, dtype=np.uint8), worker)
-    assert places == [(0, 900_000)]  # the failed result's buffer was forgotten
+    assert places == [(FRONT, 900_000)]  # the failed result's buffer was forgotten
     load_result(data, places, parent)
     worker.close()
     parent.close()

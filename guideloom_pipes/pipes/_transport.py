@@ -6,19 +6,19 @@ the worker and by the parent. The worker pickles a chunk's results with protocol
 large buffer (a numpy array's data, a CPU tensor's data: tensors travel as numpy arrays) is
 copied into the ring instead of into the pickle, and only the small pickle and the buffers'
 places in the ring go through the pipe. The parent hands each buffer on where it lies: the
-arrays and tensors of the batch the user gets are views of the ring, and the space of a
-buffer is marked free once the last of them is gone (its numbers come back in any order; the
-worker is told how many are free from the first on). Nothing is ever written over memory a
-batch still refers to, so batches stay valid as long as they are held, also after the loader
-is closed (the mapping lives as long as a view of it). Beyond ``VIEW_BYTES`` of buffers
-still held (a user keeping many batches), the parent copies buffers out into memory of its
-own and frees their space at once, so the ring's pages stay near what is in flight.
+arrays and tensors of the batch the user gets are views of the ring, and a buffer's space is
+free again once the last of them is gone, in whatever order batches are dropped. Nothing is
+ever written over memory a batch still refers to, so batches stay valid as long as they are
+held, also after the loader is closed (the mapping lives as long as a view of it). Beyond
+``VIEW_BYTES`` of buffers held as views (a user keeping many batches), the parent copies
+buffers out into memory of its own and frees their space at once.
 
-The ring is a byte range written front to back; a buffer that does not fit before the end
-starts again at the front, and the worker starts at the front whenever everything written
-so far has been taken, so the memory it touches stays near the size of the results in
-flight. A buffer that does not fit at all goes the old way: in the pickle (numpy arrays) or
-as torch's own shared-memory tensor (tensors).
+Each buffer sits in a *slot*: a word that says whether the slot is in use (the worker sets
+it when it places the buffer, the parent clears it when the buffer is free), then the
+buffer. The worker places each buffer in the first gap from the front that is large enough
+(a batch held for good leaves a hole, not a wall), so the memory it touches stays near the
+size of the results in flight and held. A buffer that does not fit goes the old way: in the
+pickle (numpy arrays) or as torch's own shared-memory tensor (tensors).
 
 This module is torch-free: workers that do not need torch never import it.
 """
@@ -35,15 +35,16 @@ import os
 import pickle
 import sys
 import tempfile
-import threading
 from typing import Any
 
 import numpy as np
 
 from guideloom_pipes.storage.recycle import BufferPool
 
-_HEADER = 64  # bytes before the data: the int64 count of bytes the parent has taken
+_HEADER = 64  # bytes before the data (reserved)
 _ALIGN = 64
+#: Bytes before each buffer in the ring: its in-use word (1: in use, 0: free), aligned.
+_SLOT = 64
 #: Buffers smaller than this stay inside the pickle (the ring's bookkeeping costs more).
 MIN_RING_BUFFER = 16 * 1024
 #: Bytes of a ring's buffers that batches held by the user may keep as views; beyond them
@@ -105,24 +106,18 @@ class ResultRing:
         self.fd = fd
         self.size = size
         self._map = mmap.mmap(fd, _HEADER + size)
-        self._header = np.frombuffer(self._map, dtype=np.int64, count=1)
         self._data = np.frombuffer(self._map, dtype=np.uint8, offset=_HEADER, count=size)
-        # Worker side: the (number, position, end) of the buffers the parent may not have
-        # taken yet, oldest first; how many were placed; the most bytes ever outstanding.
-        self._placed: collections.deque[tuple[int, int, int]] = collections.deque()
+        # the ring as int64 words: a slot's in-use word is word slot // 8
+        self._words = np.frombuffer(self._map, dtype=np.int64, offset=_HEADER, count=size // 8)
+        # Worker side: the (number, slot, end) of the buffers placed that were not yet seen
+        # free, in the order placed; how many were placed.
+        self._placed: list[tuple[int, int, int]] = []
         self._count = 0
-        self._peak = 0
-        # Parent side: buffers handed on so far (numbered in the worker's order); those free
-        # from the first on (published in the header); numbers that came back, to fold in
-        # (any thread appends, see _gone), and those folded in beyond the first not free;
-        # bytes lent as views and bytes of them back; the memory copies go into (see take).
-        self._handed = 0
-        self._freed = 0
-        self._returned: collections.deque[tuple[int, int]] = collections.deque()
-        self._back: set[int] = set()
+        # Parent side: bytes lent as views, and bytes of views gone (appended in whatever
+        # thread drops a batch, summed by take); the memory copies go into (see take).
         self._lent_bytes = 0
         self._back_bytes = 0
-        self._publishing = threading.Lock()
+        self._returned: collections.deque[int] = collections.deque()
         self._pool = BufferPool(limit=TAKE_POOL_BYTES)
 
     @classmethod
@@ -161,8 +156,8 @@ class ResultRing:
     def close(self) -> None:
         """Unmap and close (the memory is freed once every process has closed it)."""
         self._pool.clear()
-        with self._publishing:  # (views alive keep the mapping; nothing to free any more)
-            self._header = self._data = None  # type: ignore[assignment]
+        # (views alive keep the mapping; nothing is freed in it any more)
+        self._words = self._data = None  # type: ignore[assignment]
         if not self._map.closed:
             # A batch still held keeps the mapping until its views are gone.
             with contextlib.suppress(BufferError):
@@ -175,106 +170,85 @@ class ResultRing:
 
     def room(self, size: int) -> bool:
         """Whether a buffer of ``size`` bytes fits now."""
-        return self._place(_aligned(size)) is not None
+        return self._place(_SLOT + _aligned(size)) is not None
 
     def _place(self, need: int) -> int | None:
-        """The position for ``need`` (aligned) bytes, or None when they do not fit now."""
+        """The slot for ``need`` (aligned) bytes: the first gap from the front between the
+        slots still in use that holds them; None when none does now."""
         if need > self.size:
             return None
-        placed = self._placed
-        taken = int(self._header[0])
-        while placed and placed[0][0] < taken:
-            placed.popleft()  # the parent took it
-        if not placed:
-            return 0  # all free: the front, so the pages in use stay few
-        oldest, newest = placed[0][1], placed[-1][2]
-        if newest <= oldest:  # wrapped: the free space is [newest, oldest)
-            return newest if newest + need <= oldest else None
-        # In use: [oldest, newest). Prefer the front once past twice the most ever in use,
-        # so the pages touched stay near what results in flight need.
-        outstanding = newest - oldest + need
-        self._peak = max(self._peak, outstanding)
-        if newest + need > min(self.size, 2 * self._peak) and need <= oldest:
-            return 0
-        if newest + need <= self.size:
-            return newest
-        return 0 if need <= oldest else None
+        words = self._words
+        placed = [entry for entry in self._placed if words[entry[1] >> 3]]  # (0: freed)
+        self._placed = placed
+        position = 0
+        for _, slot, end in sorted(placed, key=_slot_of):
+            if slot - position >= need:
+                return position
+            position = max(position, end)
+        return position if self.size - position >= need else None
 
     def put(self, raw: memoryview) -> int | None:
         """Copy ``raw`` (contiguous bytes) into the ring: its position, or None if full."""
         size = raw.nbytes
-        need = _aligned(size)
-        position = self._place(need)
-        if position is None:
+        need = _SLOT + _aligned(size)
+        slot = self._place(need)
+        if slot is None:
             return None
+        self._words[slot >> 3] = 1  # in use until the parent frees it
+        position = slot + _SLOT
         self._data[position : position + size] = np.frombuffer(raw, dtype=np.uint8)
-        self._placed.append((self._count, position, position + need))
+        self._placed.append((self._count, slot, slot + need))
         self._count += 1
         return position
 
-    def mark(self) -> tuple[int, int]:
+    def mark(self) -> int:
         """The worker's position, to :meth:`rollback` to if a result cannot be sent."""
-        return self._count, len(self._placed)
+        return self._count
 
-    def rollback(self, mark: tuple[int, int]) -> None:
+    def rollback(self, mark: int) -> None:
         """Forget the buffers placed since ``mark`` (the parent will never take them)."""
-        self._count, length = mark
-        while len(self._placed) > length:
-            self._placed.pop()
+        self._placed = [entry for entry in self._placed if entry[0] < mark]
+        self._count = mark
 
     # -- parent side ------------------------------------------------------------------------
 
     def take(self, position: int, size: int) -> np.ndarray:
-        """The next buffer, as a view of the ring whose space is freed when the view is
-        gone (see the module docstring); a copy in memory of the parent's own (its space
-        freed at once) where views of more than ``VIEW_BYTES`` would be held. Copies come
-        from a :class:`~guideloom_pipes.storage.recycle.BufferPool` of sizes rounded up to
-        ``_TAKE_ROUNDING`` (batches of padded documents differ a little in size), rather
+        """The buffer at ``position``, as a view of the ring whose space is freed when the
+        view is gone (see the module docstring); a copy in memory of the parent's own (its
+        space freed at once) where views of more than ``VIEW_BYTES`` would be held. Copies
+        come from a :class:`~guideloom_pipes.storage.recycle.BufferPool` of sizes rounded up
+        to ``_TAKE_ROUNDING`` (batches of padded documents differ a little in size), rather
         than fresh pages faulted in for each batch."""
-        number = self._handed
-        self._handed = number + 1
+        returned = self._returned
+        while returned:
+            self._back_bytes += returned.popleft()
         if self._lent_bytes - self._back_bytes + size <= VIEW_BYTES:
             self._lent_bytes += size
-            return np.asarray(_Lent(self, number, self._data[position : position + size]))
+            return np.asarray(_Lent(self, position, self._data[position : position + size]))
         rounded = -(-size // _TAKE_ROUNDING) * _TAKE_ROUNDING
         out = self._pool.take((rounded,), _BYTES)
         if rounded != size:
             out = out[:size]
         out[:] = self._data[position : position + size]
-        self._gone(number, 0)
+        self._free(position)
         return out
 
-    def _gone(self, number: int, size: int) -> None:
-        """Buffer ``number`` (``size`` bytes lent as a view, else 0) is free again. Called
-        in whichever thread drops a batch's last view, the garbage collector's included,
-        maybe while another call of it runs in this thread: the number is queued, and
-        whoever holds the lock folds in every queued number before letting go."""
-        self._returned.append((number, size))
-        lock = self._publishing
-        while self._returned:
-            if not lock.acquire(blocking=False):
-                return  # the holder folds this one in (it looks again after releasing)
-            try:
-                self._fold()
-            finally:
-                lock.release()
+    def _free(self, position: int) -> None:
+        """The buffer at ``position`` is free: clear its slot's in-use word (one store, from
+        any thread; nothing after the ring is closed)."""
+        words = self._words
+        if words is not None:
+            words[(position - _SLOT) >> 3] = 0
 
-    def _fold(self) -> None:
-        """Fold the returned numbers in and publish how many are free from the first on
-        (under ``_publishing``)."""
-        returned, back = self._returned, self._back
-        while returned:
-            number, size = returned.popleft()
-            back.add(number)
-            self._back_bytes += size
-        freed = self._freed
-        while freed in back:
-            back.remove(freed)
-            freed += 1
-        self._freed = freed
-        header = self._header
-        if header is not None:
-            header[0] = freed
+    def _gone(self, position: int, size: int) -> None:
+        """The last view of the ``size`` bytes at ``position`` is gone (called in whichever
+        thread drops it, the garbage collector's included)."""
+        self._free(position)
+        self._returned.append(size)  # (atomic; take sums them)
+
+
+def _slot_of(entry: tuple[int, int, int]) -> int:
+    return entry[1]
 
 
 class _Lent:
@@ -284,16 +258,16 @@ class _Lent:
     is then free (:meth:`ResultRing._gone`). It holds the slice of the ring, which holds the
     mapping."""
 
-    __slots__ = ("__array_interface__", "_buffer", "_number", "_ring")
+    __slots__ = ("__array_interface__", "_buffer", "_position", "_ring")
 
-    def __init__(self, ring: ResultRing, number: int, buffer: np.ndarray) -> None:
+    def __init__(self, ring: ResultRing, position: int, buffer: np.ndarray) -> None:
         self._ring = ring
-        self._number = number
+        self._position = position
         self._buffer = buffer
         self.__array_interface__ = buffer.__array_interface__
 
     def __del__(self) -> None:
-        self._ring._gone(self._number, self._buffer.nbytes)
+        self._ring._gone(self._position, self._buffer.nbytes)
 
 
 # -- pickling ---------------------------------------------------------------------------------
