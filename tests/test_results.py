@@ -194,6 +194,32 @@ def test_a_result_dropped_in_another_thread_frees_its_space():
     parent.close()
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_dropping_a_result_does_not_free_the_parents_space():
+    parent, worker = _rings(4 << 20)
+    out = load_result(*dump_result(np.full(100_000, 3), worker), parent)
+    position = _held(worker)
+    pid = os.fork()
+    if pid == 0:  # the child drops its copy of the batch, as a program's end would
+        code = 1
+        try:
+            import gc
+
+            del out
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert _held(worker) == position  # still the parent's
+    for step in range(10):
+        load_result(*dump_result(np.full(100_000, step + 10), worker), parent)
+    assert (out == 3).all()
+    worker.close()
+    parent.close()
+
+
 def test_results_outlive_their_ring():
     parent, worker = _rings(4 << 20)
     out = load_result(*dump_result(np.arange(100_000), worker), parent)

@@ -60,6 +60,20 @@ _BYTES = np.dtype(np.uint8)
 RING_BYTES = 256 * 1024 * 1024
 
 
+#: Incremented in a child forked from this process (``os.register_at_fork``): a ring
+#: frees buffers only in the process that took them, so a forked child that drops its copy
+#: of a batch leaves the parent's space alone.
+_forks = [0]
+
+
+def _forked() -> None:
+    _forks[0] += 1
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 def _anonymous_file() -> int:
     """A descriptor of shared memory with no name: ``memfd`` (Linux), else a file in
     ``/dev/shm`` (or the temp directory) unlinked at once. Nothing is left to clean up."""
@@ -118,6 +132,7 @@ class ResultRing:
         self._lent_bytes = 0
         self._back_bytes = 0
         self._returned: collections.deque[int] = collections.deque()
+        self._fork = _forks[0]
         self._pool = BufferPool(limit=TAKE_POOL_BYTES)
 
     @classmethod
@@ -235,9 +250,9 @@ class ResultRing:
 
     def _free(self, position: int) -> None:
         """The buffer at ``position`` is free: clear its slot's in-use word (one store, from
-        any thread; nothing after the ring is closed)."""
+        any thread; nothing after the ring is closed, nor in a forked child)."""
         words = self._words
-        if words is not None:
+        if words is not None and self._fork == _forks[0]:
             words[(position - _SLOT) >> 3] = 0
 
     def _gone(self, position: int, size: int) -> None:
