@@ -111,9 +111,10 @@ def _rebuild_fd(dup: Any) -> _RingFd:
 class ResultRing:
     """One worker's result ring, as the parent (:meth:`create`) or the worker sees it.
 
-    The worker places buffers at byte positions of the ring and numbers them 0, 1, 2, ...;
-    the parent takes them in that order and publishes how many it has taken (the int64 in
-    the header), which is all the worker needs to know what space is free again.
+    The worker places each buffer in a slot whose first word it sets (in use); the parent
+    takes the buffers in the order placed and clears a slot's word when its buffer is free
+    (at once for a copy, when the batch is gone for a view), which is all the worker needs
+    to know what space is free again.
     """
 
     def __init__(self, fd: int, size: int) -> None:
