@@ -225,6 +225,44 @@ def test_batches_from_process_workers_stay_valid_while_held_and_after_close(
     assert torch.equal(first - 1, expected[0]["tokens"])
 
 
+def test_a_batch_kept_for_good_does_not_stop_the_process_workers_rings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # rings of 1 MiB: 32 KiB batches wrap around each many times while the first is kept;
+    # every later batch still comes through its worker's ring (not torch's shared memory)
+    from guideloom_pipes.pipes import _pool, _transport
+
+    create = _transport.ResultRing.create
+    monkeypatch.setattr(
+        _pool.ResultRing, "create_if_supported", classmethod(lambda cls: create(1 << 20))
+    )
+    storage = StreamStorage(tmp_path / "s", StreamNumpyFormat(TOKENS))
+    with storage.sync_writer() as writer:
+        writer.append(0, {"tokens": np.arange(0, 200_000)})
+    dataset = StreamDataset(storage, 1024)
+    loader: StatefulDataLoader[Any, Any] = StatefulDataLoader(
+        dataset,
+        None,
+        local_batch_size=8,
+        shuffle=True,
+        shuffle_seed=3,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=2,
+    )
+    steps = torch.arange(1024, dtype=torch.int32)
+    with loader:
+        batches = iter(loader.steps(8 * 24))  # 8 epochs of 24 batches
+        kept = next(batches)["tokens"]
+        expected = kept.clone()
+        for batch in batches:
+            tokens = batch["tokens"]
+            assert not tokens.is_shared()  # (the slow way would be torch's shared memory)
+            assert torch.equal(tokens, tokens[:, :1] + steps)
+        del batch, tokens
+    assert torch.equal(kept, expected)
+
+
 def test_a_stage_with_arrays_and_no_collate_hands_on_the_batch(tmp_path: Path) -> None:
     dataset = StreamDataset(_stream(tmp_path, TOKENS), LENGTH)
     with dataset.sync_reader() as reader:
