@@ -41,7 +41,6 @@ import numpy as np
 
 from guideloom_pipes.storage.recycle import BufferPool
 
-_HEADER = 64  # bytes before the data (reserved)
 _ALIGN = 64
 #: Bytes before each buffer in the ring: its in-use word (1: in use, 0: free), aligned.
 _SLOT = 64
@@ -120,10 +119,10 @@ class ResultRing:
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
         self.size = size
-        self._map = mmap.mmap(fd, _HEADER + size)
-        self._data = np.frombuffer(self._map, dtype=np.uint8, offset=_HEADER, count=size)
+        self._map = mmap.mmap(fd, size)
+        self._data = np.frombuffer(self._map, dtype=np.uint8, count=size)
         # the ring as int64 words: a slot's in-use word is word slot // 8
-        self._words = np.frombuffer(self._map, dtype=np.int64, offset=_HEADER, count=size // 8)
+        self._words = np.frombuffer(self._map, dtype=np.int64, count=size // 8)
         # Worker side: the (number, slot, end) of the buffers placed that were not yet seen
         # free, in the order placed; how many were placed.
         self._placed: list[tuple[int, int, int]] = []
@@ -141,7 +140,7 @@ class ResultRing:
         """A new ring (parent side)."""
         fd = _anonymous_file()
         try:
-            os.ftruncate(fd, _HEADER + size)
+            os.ftruncate(fd, size)
             return cls(fd, size)
         except BaseException:
             os.close(fd)
