@@ -350,24 +350,16 @@ class ParallelCeiling:
         self._done.close()
         self._done.join_thread()
 
-
-def ceiling_contender(
-    dataset: torch.utils.data.Dataset,
-    collate: Callable[[Any], Any],
-    count: Callable[[Any], tuple[int, int]],
-    batch: int,
-    workers: int = 2,
-) -> Contender:
-    """The ``ParallelCeiling`` row: its batches are the ``(samples, tokens)`` counts."""
-    ceiling = ParallelCeiling(dataset, collate, count, batch, workers)
-    return Contender(
-        CEILING_2P,
-        lambda: iter(ceiling),
-        lambda counted: counted,
-        setup=ceiling.start,
-        teardown=ceiling.stop,
-        ahead=ceiling.ahead,
-    )
+    def contender(self) -> Contender:
+        """Its row (``CEILING_2P``): the batches are the ``(samples, tokens)`` counts."""
+        return Contender(
+            CEILING_2P,
+            lambda: iter(self),
+            lambda counted: counted,
+            setup=self.start,
+            teardown=self.stop,
+            ahead=self.ahead,
+        )
 
 
 def _torch_contender(

@@ -41,13 +41,13 @@ from guideloom_pipes.bench.contenders import (
     MemmapDocuments,
     MemmapMetaWindows,
     MemmapWindows,
+    ParallelCeiling,
     SlowIO,
     _ours_contender,
     _ours_dataset_contender,
     _slow_name,
     _slow_prefetch,
     _torch_contender,
-    ceiling_contender,
     dataset_row,
 )
 from guideloom_pipes.bench.data import (
@@ -282,7 +282,9 @@ class Bench:
             ),
             # what two cores give torch's workers=0 loop in the same rounds: the processes
             # rows' room on this machine at this minute
-            ceiling_contender(MemmapDocuments(storage), collate_pad, _count_padded, batch),
+            ParallelCeiling(
+                MemmapDocuments(storage), collate_pad, _count_padded, batch
+            ).contender(),
         ]
         self.rows += measure("documents", contenders, self.sizes, self.log)
 
