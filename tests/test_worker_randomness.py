@@ -191,6 +191,46 @@ def test_reading_inline_leaves_the_training_loops_draws_a_function_of_the_batch(
     assert len(set(whole)) == len(whole)  # and they differ from batch to batch
 
 
+def _global_draws() -> tuple[float, float, float]:
+    return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+
+def test_seeded_sets_the_batch_generators_and_restores_the_outer_ones():
+    from guideloom_pipes.pipes._worker import seed_globals, seeded
+
+    seed_globals(11)
+    expected = _global_draws()
+    assert batch_rng() is None
+    with seeded(7, "local"):
+        outer = batch_rng()
+        assert outer is not None and outer.seed == 7
+        with seeded(11, "globals"):  # nested: the inner batch's, and the globals seeded
+            assert batch_rng().seed == 11  # type: ignore[union-attr]
+            assert _global_draws() == expected
+        assert batch_rng() is outer
+        random.seed(3)
+        before = random.getstate()
+        with seeded(8, "local"):  # the global generators left alone
+            assert random.getstate() == before
+    assert batch_rng() is None
+
+
+def test_seeded_restores_the_batch_generators_when_its_body_or_seeding_raises(monkeypatch):
+    from guideloom_pipes.pipes import _worker
+
+    with pytest.raises(KeyError), _worker.seeded(5, "globals"):
+        raise KeyError("a collate's error")
+    assert batch_rng() is None
+
+    def refuse(seed: int) -> None:
+        raise RuntimeError(f"cannot seed {seed}")
+
+    monkeypatch.setattr(_worker, "seed_globals", refuse)
+    with pytest.raises(RuntimeError, match="cannot seed 5"), _worker.seeded(5, "globals"):
+        pytest.fail("the body ran although seeding failed")
+    assert batch_rng() is None
+
+
 # -- get_worker_info ----------------------------------------------------------------------------
 
 
