@@ -132,7 +132,7 @@ class seeded:  # (lowercase, as contextlib.suppress: used like a function)
     (threads share them); only :func:`batch_rng` is set.
 
     A class rather than a generator-based context manager: entering and leaving it costs
-    a third as much (it runs for every seeded batch).
+    less than half as much (0.8 against 1.8 µs; it runs for every seeded batch).
     """
 
     __slots__ = ("_previous", "_seed", "_seeding")
