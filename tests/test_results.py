@@ -35,7 +35,7 @@ FRONT = _transport._SLOT
 
 
 def _held(worker: ResultRing) -> list[int]:
-    """The positions of the buffers the worker placed that are not free yet, in order."""
+    """The positions of the buffers the worker placed that are not free yet, front first."""
     words = worker._words
     return [slot + FRONT for _, slot, _ in worker._placed if words[slot >> 3]]
 

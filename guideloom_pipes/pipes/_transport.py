@@ -25,6 +25,7 @@ This module is torch-free: workers that do not need torch never import it.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import copyreg
@@ -124,7 +125,8 @@ class ResultRing:
         # the ring as int64 words: a slot's in-use word is word slot // 8
         self._words = np.frombuffer(self._map, dtype=np.int64, count=size // 8)
         # Worker side: the (number, slot, end) of the buffers placed that were not yet seen
-        # free, in the order placed; how many were placed.
+        # free, sorted by slot (so a placement is one scan from the front); how many were
+        # placed.
         self._placed: list[tuple[int, int, int]] = []
         self._count = 0
         # Parent side: bytes lent as views, and bytes of views gone (appended in whatever
@@ -192,14 +194,17 @@ class ResultRing:
         slots still in use that holds them; None when none does now."""
         if need > self.size:
             return None
-        words = self._words
-        placed = [entry for entry in self._placed if words[entry[1] >> 3]]  # (0: freed)
-        self._placed = placed
-        position = 0
-        for _, slot, end in sorted(placed, key=_slot_of):
+        words, placed = self._words, self._placed
+        position = index = 0
+        while index < len(placed):
+            _, slot, end = placed[index]
+            if not words[slot >> 3]:  # freed since: forgotten
+                del placed[index]
+                continue
             if slot - position >= need:
                 return position
-            position = max(position, end)
+            position = end
+            index += 1
         return position if self.size - position >= need else None
 
     def put(self, raw: memoryview) -> int | None:
@@ -212,7 +217,7 @@ class ResultRing:
         self._words[slot >> 3] = 1  # in use until the parent frees it
         position = slot + _SLOT
         self._data[position : position + size] = np.frombuffer(raw, dtype=np.uint8)
-        self._placed.append((self._count, slot, slot + need))
+        bisect.insort(self._placed, (self._count, slot, slot + need), key=_slot_of)
         self._count += 1
         return position
 
