@@ -941,6 +941,47 @@ def test_a_sigkilled_process_worker_raises_instead_of_hanging(context):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kills", [False, True])
+def test_process_workers_without_poll_wait_with_multiprocessing_instead(monkeypatch, kills):
+    # where select has no poll() (Windows) the parent waits on a worker's pipe and its end
+    # with multiprocessing.connection.wait: the same batches, and a killed worker still fails
+    import guideloom_pipes.pipes._pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_POLL", None)
+    expected = list(_loader(Ids(22), local_batch_size=2))
+    loader = _loader(
+        KillsItsWorker(22, 6) if kills else Ids(22),
+        local_batch_size=2,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=1,
+    )
+    if kills:
+        with pytest.raises(BrokenProcessPool, match="exited unexpectedly"):
+            list(loader)
+    else:
+        assert list(loader) == expected
+    loader.close()
+    assert multiprocessing.active_children() == []
+
+
+def test_a_jobs_ids_travel_to_a_process_worker_as_bytes_and_come_out_as_they_went():
+    from guideloom_pipes.pipes._worker import pack_ids, unpack_ids
+
+    batches = [np.array([5, 1, 2**40], dtype=np.int64), np.array([], dtype=np.int64)]
+    batches.append(np.arange(7, dtype=np.int64)[::2])  # (not contiguous)
+    for job in (batches[:1], batches[1:2], batches):
+        data, sizes = pickle.loads(pickle.dumps(pack_ids(job), protocol=5))
+        assert isinstance(data, bytes)
+        out = unpack_ids(data, sizes)
+        assert [a.dtype for a in out] == [np.dtype(np.int64)] * len(job)
+        assert [a.tolist() for a in out] == [a.tolist() for a in job]
+        for array in out:
+            array[:] = -1  # the worker's own memory: writable
+    assert batches[0].tolist() == [5, 1, 2**40]
+
+
+@pytest.mark.timeout(120)
 def test_a_hung_process_worker_times_out_and_is_stopped():
     loader = _loader(
         HangsInWorker(22, 0), num_workers=1, parallel_method="process", prefetch=1, timeout=0.5

@@ -594,6 +594,27 @@ def _dump_outcomes(outcomes: list[Any], ring: ResultRing | None) -> tuple[bytes,
             return pickle.dumps([_Failed(replacement)] * len(outcomes), protocol=5), []
 
 
+def pack_ids(batches: list[_Ids]) -> tuple[bytes, list[int]]:
+    """A job's batches of ids as they travel to a process worker: the int64 ids of all of
+    them as bytes, and each batch's length. (Pickling the arrays themselves costs 10 us a
+    job here, and 7 us to load; the bytes 1 us each way.)"""
+    flat = batches[0] if len(batches) == 1 else np.concatenate(batches)
+    return flat.astype(np.int64, copy=False).tobytes(), [len(ids) for ids in batches]
+
+
+def unpack_ids(data: bytes, sizes: list[int]) -> list[_Ids]:
+    """The batches :func:`pack_ids` packed: writable int64 arrays of their own."""
+    flat = np.frombuffer(data, dtype=np.int64).copy()
+    if len(sizes) == 1:
+        return [flat]
+    out = []
+    start = 0
+    for size in sizes:
+        out.append(flat[start : start + size])
+        start += size
+    return out
+
+
 def _receive_jobs(conn: Any, jobs: queue.SimpleQueue[bytes | None]) -> None:
     """A worker's job reader: takes job messages off the pipe as soon as they come.
 
@@ -616,8 +637,8 @@ def _process_worker(
 ) -> None:
     """Main function of a process worker: jobs in from ``conn``, results out through it.
 
-    A job is ``(job_id, [ids, ...], seeds)`` (``seeds``: one per batch, or ``None``); its
-    answer ``(job_id, seconds, places, pickle)``, the chunk's outcomes pickled by
+    A job is ``(job_id, pack_ids([ids, ...]), seeds)`` (``seeds``: one per batch, or
+    ``None``); its answer ``(job_id, seconds, places, pickle)``, the chunk's outcomes pickled by
     :func:`dump_result` (large buffers in the result ring). ``(job_id, None, payload)`` hands
     the worker a new copy of the dataset (``payload`` pickles ``(dataset, collate_fn)``: a new
     epoch without persistent workers); it is answered with no outcomes. A failure to start
@@ -647,8 +668,8 @@ def _process_worker(
             message = jobs.get()
             if message is None:
                 return
-            job_id, batches, extra = pickle.loads(message)
-            if batches is None:  # a new copy of the dataset
+            job_id, packed, extra = pickle.loads(message)
+            if packed is None:  # a new copy of the dataset
                 try:
                     state.start(*pickle.loads(extra))
                 except Exception as error:
@@ -659,6 +680,7 @@ def _process_worker(
                 conn.send_bytes(pickle.dumps((job_id, 0.0, [], data), protocol=5))
                 continue
             started = time.perf_counter()
+            batches = unpack_ids(*packed)
             try:
                 outcomes = state.run(batches, extra)
             except BaseException as error:  # a KeyboardInterrupt or SystemExit of user code
