@@ -379,3 +379,28 @@ def test_the_benchmarks_nginx_answers_every_request_of_concurrent_bursts(
             assert sum(_burst_of_heads(port, 8, timeout=10.0) for _ in range(60)) == 0
     except Unavailable as error:  # (raised only by the start: nginx is not installed)
         unavailable(str(error))
+
+
+def test_the_processes_target_says_what_the_parallel_ceiling_allowed_in_the_same_run() -> None:
+    from guideloom_pipes.bench.contenders import OURS_2, OURS_2P
+    from guideloom_pipes.bench.harness import Row
+    from guideloom_pipes.bench.reporting import TORCH_0, report, targets
+
+    def rows(rates: dict[str, float]) -> list[Row]:
+        return [
+            Row("documents", name, rate, rate * 2000, 100.0, rate / 100, name == TORCH_0, 0.0, [])
+            for name, rate in rates.items()
+        ]
+
+    name = f"documents: {OURS_2P} / {TORCH_0}"
+    measured = rows({TORCH_0: 100.0, OURS_2: 100.0, OURS_2P: 130.0, bench.CEILING_2P: 180.0})
+    goal = next(goal for goal in targets(measured, {}) if goal.name == name)
+    assert goal.measured == pytest.approx(1.3) and not goal.passed
+    assert goal.note == "ceiling 1.80x; ours 0.72 of it"
+    table = report(measured, {}, targets(measured, {})).split("\n\n")[-1]
+    line = next(line for line in table.splitlines() if line.startswith(f"| {name}"))
+    assert line.split("|")[4].strip() == "MISS"
+    assert line.split("|")[5].strip() == "ceiling 1.80x; ours 0.72 of it"
+    # without the ceiling's row (an older JSON, a scenario cut short) there is nothing to say
+    alone = rows({TORCH_0: 100.0, OURS_2: 100.0, OURS_2P: 130.0})
+    assert next(goal for goal in targets(alone, {}) if goal.name == name).note == ""
