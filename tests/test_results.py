@@ -281,6 +281,32 @@ def test_a_result_that_cannot_be_pickled_gives_its_ring_space_back():
     parent.close()
 
 
+class _Marker:
+    """Something a result holds whose lifetime a test can watch (a weak reference)."""
+
+
+def test_a_worker_pickles_its_results_with_one_pickler_that_keeps_none_of_them():
+    import gc
+    import weakref
+
+    parent, worker = _rings(4 << 20)
+    markers = []
+    for step in range(3):
+        marker = _Marker()
+        markers.append(weakref.ref(marker))
+        data, places = dump_result({"marker": marker, "data": np.full(100_000, step)}, worker)
+        out = load_result(data, places, parent)
+        assert isinstance(out["marker"], _Marker) and out["data"][0] == step
+        if step == 0:
+            pickler = worker._dumper._pickler  # type: ignore[union-attr]
+        assert worker._dumper._pickler is pickler  # type: ignore[union-attr]
+        del marker, out
+    gc.collect()
+    assert [ref() for ref in markers] == [None, None, None]  # the memo was cleared each time
+    worker.close()
+    parent.close()
+
+
 def test_a_ring_travels_to_a_child_process_as_its_descriptor():
     import multiprocessing
 
@@ -343,6 +369,25 @@ def test_tensors_travel_as_arrays_and_come_back_as_the_same_tensors():
         assert got.requires_grad == tensor.requires_grad, key
         assert torch.equal(got.detach().resolve_conj().resolve_neg(), tensor.detach()), key
         assert not got.is_shared(), key
+    worker.close()
+    parent.close()
+
+
+def test_tensors_go_through_the_ring_when_torch_comes_after_the_workers_first_result(
+    monkeypatch,
+):
+    # a worker starts without torch; its first batch may import it (a collate that makes
+    # tensors): the pickler made before must not send tensors the slow way from then on
+    torch = pytest.importorskip("torch")
+    parent, worker = _rings(4 << 20)
+    with monkeypatch.context() as patch:
+        patch.delitem(sys.modules, "torch")
+        load_result(*dump_result(np.ones(100_000), worker), parent)
+    sent = torch.arange(100_000, dtype=torch.int64)
+    data, places = dump_result(sent, worker)
+    assert [size for _, size in places] == [800_000]  # in the ring, not the pickle
+    out = load_result(data, places, parent)
+    assert torch.equal(out, sent) and not out.is_shared()
     worker.close()
     parent.close()
 

@@ -136,6 +136,8 @@ class ResultRing:
         self._returned: collections.deque[int] = collections.deque()
         self._fork = _forks[0]
         self._pool = BufferPool(limit=TAKE_POOL_BYTES)
+        # Worker side: the pickler of the results placed here (see dump_result).
+        self._dumper: _ResultDumper | None = None
 
     @classmethod
     def create(cls, size: int = RING_BYTES) -> ResultRing:
@@ -344,11 +346,11 @@ class _ResultPickler(pickle.Pickler):
         torch = self._torch
         if torch is None or type(obj) is not torch.Tensor:
             return NotImplemented
-        if obj.layout != torch.strided or obj.device.type != "cpu" or obj.is_quantized:
+        if obj.layout != torch.strided or not obj.is_cpu or obj.is_quantized:
             return NotImplemented
         ring = self._ring
-        nbytes = obj.element_size() * obj.nelement()
-        source = obj.detach()
+        nbytes = obj.nbytes
+        source = obj.detach() if obj.requires_grad else obj
         lazy = source.is_conj() or source.is_neg()
         if lazy:  # a lazy conjugate or negative view: torch's own pickling drops the bit
             source = source.resolve_conj().resolve_neg()
@@ -368,12 +370,29 @@ class _ResultPickler(pickle.Pickler):
         return (_tensor_from_array, (array, dtype, obj.requires_grad))
 
 
-def dump_result(result: Any, ring: ResultRing | None) -> tuple[bytes, list[tuple[int, int]]]:
-    """Pickle ``result``; large buffers go into ``ring``. Returns the pickle and the
-    ``(position, size)`` of each buffer placed in the ring, in order."""
-    places: list[tuple[int, int]] = []
+class _ResultDumper:
+    """Pickles results for :func:`dump_result` with one pickler, made once per ring.
 
-    def out_of_band(buffer: pickle.PickleBuffer) -> bool:
+    Making a pickler copies a dispatch table of ~90 reductions (copyreg's, multiprocessing's,
+    torch's); in a worker, whose caches are cold after each batch's decoding, that took 30-40
+    us a result, about a tenth of pickling a batch of 32 padded documents (1 MB). The memo is
+    cleared after each result, so the pickler keeps no reference to one; a pickler stopped by
+    an error is not used again, nor one made before torch was imported or before more
+    reductions were registered with ``multiprocessing`` (torch registers its own on import,
+    which a worker may do with its first batch).
+    """
+
+    __slots__ = ("_pickler", "_places", "_reductions", "_ring", "_stream")
+
+    def __init__(self, ring: ResultRing | None) -> None:
+        self._ring = ring
+        self._stream = io.BytesIO()
+        self._places: list[tuple[int, int]] = []
+        self._pickler: _ResultPickler | None = None
+        self._reductions = -1
+
+    def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
+        ring = self._ring
         if ring is None:
             return True
         raw = buffer.raw()
@@ -382,18 +401,47 @@ def dump_result(result: Any, ring: ResultRing | None) -> tuple[bytes, list[tuple
         position = ring.put(raw)
         if position is None:
             return True
-        places.append((position, raw.nbytes))
+        self._places.append((position, raw.nbytes))
         return False
 
-    stream = io.BytesIO()
-    mark = ring.mark() if ring is not None else None
-    try:
-        _ResultPickler(stream, ring, out_of_band).dump(result)
-    except BaseException:
-        if ring is not None and mark is not None:
-            ring.rollback(mark)
-        raise
-    return stream.getvalue(), places
+    def dump(self, result: Any) -> tuple[bytes, list[tuple[int, int]]]:
+        stream = self._stream
+        stream.seek(0)
+        stream.truncate()
+        places: list[tuple[int, int]] = []
+        self._places = places
+        pickler = self._pickler
+        reductions = len(multiprocessing.reduction.ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+        if (
+            pickler is None
+            or reductions != self._reductions
+            or (pickler._torch is None and "torch" in sys.modules)
+        ):
+            pickler = self._pickler = _ResultPickler(stream, self._ring, self._out_of_band)
+            self._reductions = reductions
+        ring = self._ring
+        mark = ring.mark() if ring is not None else None
+        try:
+            pickler.dump(result)
+        except BaseException:
+            self._pickler = None
+            if ring is not None and mark is not None:
+                ring.rollback(mark)
+            raise
+        finally:
+            pickler.clear_memo()
+        return stream.getvalue(), places
+
+
+def dump_result(result: Any, ring: ResultRing | None) -> tuple[bytes, list[tuple[int, int]]]:
+    """Pickle ``result``; large buffers go into ``ring``. Returns the pickle and the
+    ``(position, size)`` of each buffer placed in the ring, in order."""
+    if ring is None:
+        return _ResultDumper(None).dump(result)
+    dumper = ring._dumper
+    if dumper is None:
+        dumper = ring._dumper = _ResultDumper(ring)
+    return dumper.dump(result)
 
 
 def load_result(data: bytes, places: list[tuple[int, int]], ring: ResultRing | None) -> Any:
