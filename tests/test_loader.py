@@ -965,6 +965,36 @@ def test_process_workers_without_poll_wait_with_multiprocessing_instead(monkeypa
     assert multiprocessing.active_children() == []
 
 
+def test_two_threads_can_wait_on_one_process_worker_at_once():
+    # a close in one thread (it reads the answers that came) racing a read in another: the
+    # second poll of the same worker must not fail ("concurrent poll() invocation")
+    import multiprocessing.connection
+    from types import SimpleNamespace
+
+    from guideloom_pipes.pipes._pool import _Worker
+
+    ours, theirs = multiprocessing.Pipe()
+    ended_r, ended_w = os.pipe()
+    worker = _Worker(SimpleNamespace(sentinel=ended_r), ours, None)
+    assert worker.wait(0) == (False, False)
+    waiting = threading.Thread(target=worker.wait, args=(5.0,))
+    waiting.start()
+    try:
+        for _ in range(50):
+            assert worker.wait(0.001) == (False, False)
+        theirs.send_bytes(b"answer")
+        assert worker.wait(0) == (True, False)
+        waiting.join(10)
+        assert not waiting.is_alive()
+        os.close(ended_w)  # the process's end
+        assert worker.wait(0) == (True, True)
+    finally:
+        waiting.join(10)
+        for conn in (ours, theirs):
+            conn.close()
+        os.close(ended_r)
+
+
 def test_a_jobs_ids_travel_to_a_process_worker_as_bytes_and_come_out_as_they_went():
     from guideloom_pipes.pipes._worker import pack_ids, unpack_ids
 

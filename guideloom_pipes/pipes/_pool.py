@@ -502,18 +502,25 @@ class _Worker:
         poller = self._poller
         if poller is None:
             if _POLL is None:  # (no poll(2): Windows)
-                ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], seconds)
-                return self.conn in ready, self.process.sentinel in ready
+                return self._wait_each_time(seconds)
             poller = self._poller = _POLL()
             poller.register(self.conn.fileno(), select.POLLIN)
             poller.register(self.process.sentinel, select.POLLIN)
+        try:
+            events = poller.poll(seconds * 1000.0)
+        except RuntimeError:  # another thread polls this worker (a close racing a read)
+            return self._wait_each_time(seconds)
         readable = ended = False
-        for fd, _ in poller.poll(seconds * 1000.0):
+        for fd, _ in events:
             if fd == self.process.sentinel:
                 ended = True
             else:
                 readable = True
         return readable, ended
+
+    def _wait_each_time(self, seconds: float) -> tuple[bool, bool]:
+        ready = multiprocessing.connection.wait([self.conn, self.process.sentinel], seconds)
+        return self.conn in ready, self.process.sentinel in ready
 
 
 #: ``select.poll`` where the platform has it.
