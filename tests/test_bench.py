@@ -150,10 +150,22 @@ def test_scale_resume_and_train_loop_figures_are_positive(report: dict[str, Any]
     for key in ("resume_offset0_s", "resume_near_end_s", "resume_ratio"):
         assert _positive(resume[key]), key
     loop = scenarios["train-loop"]["rows"]
-    assert [row["contender"].split()[0] for row in loop] == ["ours", "ours", "torch"]
+    assert [(row["data"], row["contender"].split()[0]) for row in loop] == [
+        ("tokens", "ours"),
+        ("tokens", "ours"),
+        ("tokens", "torch"),
+        ("documents", "ours"),  # threads
+        ("documents", "ours"),  # processes
+        ("documents", "torch"),  # workers=0
+        ("documents", "torch"),  # workers=2
+    ]
+    assert scenarios["train-loop"]["documents_batch"] == 32
     for row in loop:
         for key in ("wait_fraction", "next_cpu_ms_per_batch", "wall_s"):
             assert _positive(row[key]) or row[key] == 0, (key, row)
+        for key in ("step_alone_ms", "ms_per_step", "slowdown"):
+            assert _positive(row[key]), (key, row)
+        assert row["ms_per_step"] == pytest.approx(row["slowdown"] * row["step_alone_ms"])
 
 
 @pytest.mark.timeout(300)
@@ -173,6 +185,7 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "resume: near end",
         "train-loop: ours workers=0",
         "train-loop: ours workers=2",
+        "train-loop: documents, ours workers=2 processes prefetch=2: step / step alone",
         "mixture: blend of 3 streams / single stream, workers=0",
         "mixture: blend of 3 streams / single stream, workers=2",
         "packed: packed windows / plain windows, workers=0",
@@ -404,3 +417,40 @@ def test_the_processes_target_says_what_the_parallel_ceiling_allowed_in_the_same
     # without the ceiling's row (an older JSON, a scenario cut short) there is nothing to say
     alone = rows({TORCH_0: 100.0, OURS_2: 100.0, OURS_2P: 130.0})
     assert next(goal for goal in targets(alone, {}) if goal.name == name).note == ""
+
+
+def test_the_documents_train_loop_target_is_the_process_workers_step_time() -> None:
+    from guideloom_pipes.bench.reporting import report, targets
+    from guideloom_pipes.bench.scenarios import TRAIN_DOCUMENTS_OURS, TRAIN_DOCUMENTS_TORCH
+
+    def loop(slowdowns: dict[str, float]) -> dict[str, Any]:
+        figures = {
+            "wait_fraction": 0.01,
+            "next_cpu_ms_per_batch": 0.1,
+            "process_cpu_ms_per_batch": 1.0,
+            "wall_s": 3.0,
+        }
+        rows = [{"data": "tokens", "contender": "ours workers=0 prefetch=2", **figures}]
+        rows += [
+            {"data": "documents", "contender": name, "slowdown": slowdown, **figures}
+            for name, slowdown in slowdowns.items()
+        ]
+        return {"train-loop": {"rows": rows}}
+
+    threads, processes = TRAIN_DOCUMENTS_OURS["thread"], TRAIN_DOCUMENTS_OURS["process"]
+    name = f"train-loop: documents, {processes}: step / step alone"
+    extra = loop({threads: 1.35, processes: 1.03, TRAIN_DOCUMENTS_TORCH[0]: 1.47})
+    found = {goal.name: goal for goal in targets([], extra)}
+    assert found[name].measured == pytest.approx(1.03) and found[name].passed
+    slow = loop({processes: 1.2})
+    assert not next(g for g in targets([], slow) if g.name == name).passed
+    # threads and torch's rows are figures, not targets; the tokens rows keep their own
+    assert [n for n in found if "documents" in n] == [name]
+    assert "train-loop: ours workers=0 prefetch=2 waits" in found
+    # the latency table says which data a row read, and how much longer its steps took
+    table = report([], extra, targets([], extra))
+    line = next(line for line in table.splitlines() if f"| documents: {threads}" in line)
+    assert "steps 1.35x alone" in line
+    assert "| tokens: ours workers=0 prefetch=2" in table
+    # an older JSON (no documents rows, no slowdown) has no documents target
+    assert not [g for g in targets([], loop({})) if "documents" in g.name]

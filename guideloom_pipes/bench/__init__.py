@@ -28,8 +28,13 @@ alternating rounds (A B C A B C ...), reporting the median round:
     to the first batch, and the first batch after ``load_state_dict`` at offset 0 and at the
     last batch of the epoch.
 ``train-loop``
-    a training loop with a 10 ms step that releases the GIL, ``prefetch=2``: the fraction of
-    its time the training thread waits in ``next()`` and its CPU time inside ``next()``.
+    a training loop whose step is 50 calls that release the GIL over 10 ms (as a GPU step's
+    kernel launches and wait do), ``prefetch=2``, over the tokens (``L=2048`` batch 8) and
+    the documents (batch 32, the padding collate; ours with 2 threads and 2 processes,
+    torch's ``DataLoader`` with 0 and 2 workers): the fraction of its time the training
+    thread waits in ``next()``, its CPU time inside ``next()``, and how much longer its
+    steps take than the same steps alone (a reader thread holding the GIL delays each call
+    of the step that wants it back).
 ``mixture``
     a ``MixtureDataset`` of three token streams (weights 0.5/0.3/0.2, a third of the tokens
     each) against the single stream of the same size, ``L=2048`` batch 8, 0 and 2 threads.

@@ -68,7 +68,7 @@ from guideloom_pipes.bench.data import (
 from guideloom_pipes.bench.harness import Contender, Row, Sizes, _close_iterator, measure
 from guideloom_pipes.datasets import StreamDataset
 from guideloom_pipes.formats import StreamNumpyFormat
-from guideloom_pipes.storage import StreamStorage
+from guideloom_pipes.storage import DocumentStorage, StreamStorage
 
 SCENARIOS = (
     "tokens-2048",
@@ -89,6 +89,18 @@ SCENARIOS = (
     "shard-order",
     "pinned-ring",
 )
+#: What the train-loop scenario's rows read (its ``data`` field).
+TOKENS, DOCUMENTS = "tokens", "documents"
+#: The train-loop scenario's documents rows, and their batch.
+TRAIN_DOCUMENTS_OURS = {
+    "thread": "ours workers=2 threads prefetch=2",
+    "process": "ours workers=2 processes prefetch=2",
+}
+TRAIN_DOCUMENTS_TORCH = {
+    0: "torch DataLoader workers=0",
+    2: "torch DataLoader workers=2 prefetch_factor=2",
+}
+DOCUMENTS_BATCH = 32
 #: The end-of-document token of the packed scenario's stream.
 PACKED_EOS = 0
 
@@ -104,6 +116,7 @@ class Bench:
     extra: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     _tokens: StreamStorage | None = None
+    _documents: DocumentStorage | None = None
 
     def tokens(self) -> StreamStorage:
         if self._tokens is None:
@@ -111,6 +124,15 @@ class Bench:
             self._tokens = build_tokens(self.root / "tokens", self.sizes.tokens, self.sizes.shards)
             self.timings["build tokens"] = time.perf_counter() - started
         return self._tokens
+
+    def documents(self) -> DocumentStorage:
+        if self._documents is None:
+            started = time.perf_counter()
+            self._documents, _ = build_documents(
+                self.root / "documents", self.sizes.documents, self.sizes.shards
+            )
+            self.timings["build documents"] = time.perf_counter() - started
+        return self._documents
 
     def stream_scenario(self, name: str, length: int, batch: int) -> None:
         storage = self.tokens()
@@ -216,12 +238,8 @@ class Bench:
     def documents_scenario(self) -> None:
         from guideloom_pipes.pipes.collate import pad_collate
 
-        started = time.perf_counter()
-        storage, _ = build_documents(
-            self.root / "documents", self.sizes.documents, self.sizes.shards
-        )
-        self.timings["build documents"] = time.perf_counter() - started
-        batch = 32
+        storage = self.documents()
+        batch = DOCUMENTS_BATCH
         common = {"local_batch_size": batch, "prefetch": 4}
         contenders = [
             _torch_contender(
@@ -548,8 +566,9 @@ class Bench:
         storage = self.tokens()
         length, batch, steps = 2048, 8, self.sizes.train_steps
         results = []
-        configurations: list[tuple[str, Callable[[], Any]]] = [
+        configurations: list[tuple[str, str, Callable[[], Any]]] = [
             (
+                TOKENS,
                 f"ours workers={workers} prefetch=2",
                 lambda workers=workers: StatefulDataLoader.from_storage(  # type: ignore[misc]
                     storage,
@@ -568,6 +587,7 @@ class Bench:
         ]
         configurations.append(
             (
+                TOKENS,
                 "torch DataLoader workers=2 prefetch_factor=2",
                 lambda: torch.utils.data.DataLoader(
                     MemmapWindows(storage, length),
@@ -580,33 +600,98 @@ class Bench:
                 ),
             )
         )
-        for name, make in configurations:
+        # Documents: unpickling and the user's padding collate hold the GIL (~3-5 ms a
+        # batch). In a tight loop threads cannot beat torch's workers=0 (the documents
+        # scenario); in a training loop they read while the step waits.
+        documents = self.documents()
+        for method in ("thread", "process"):
+            configurations.append(
+                (
+                    DOCUMENTS,
+                    TRAIN_DOCUMENTS_OURS[method],
+                    lambda method=method: StatefulDataLoader.from_storage(  # type: ignore[misc]
+                        documents,
+                        collate_pad,
+                        local_batch_size=DOCUMENTS_BATCH,
+                        num_workers=2,
+                        parallel_method=method,
+                        prefetch=2,
+                        shuffle=True,
+                        shuffle_seed=SEED,
+                        device=CPU,
+                    ),
+                )
+            )
+        for workers in (0, 2):
+            configurations.append(
+                (
+                    DOCUMENTS,
+                    TRAIN_DOCUMENTS_TORCH[workers],
+                    lambda workers=workers: torch.utils.data.DataLoader(  # type: ignore[misc]
+                        MemmapDocuments(documents),
+                        batch_size=DOCUMENTS_BATCH,
+                        shuffle=True,
+                        num_workers=workers,
+                        prefetch_factor=2 if workers else None,
+                        collate_fn=collate_pad,
+                    ),
+                )
+            )
+        for data, name, make in configurations:
             loader = make()
             with contextlib.ExitStack() as stack:
                 if hasattr(loader, "__enter__"):
                     stack.enter_context(loader)
                 figures = _train_loop(loader, steps)
-            results.append({"contender": name, **figures})
+            results.append({"data": data, "contender": name, **figures})
             self.log(
-                f"  train-loop    {name:<34} waits {figures['wait_fraction']:.1%}, "
-                f"{figures['next_cpu_ms_per_batch']:.3f} ms CPU in next() per batch"
+                f"  train-loop    {data:<9} {name:<44} waits {figures['wait_fraction']:.1%}, "
+                f"{figures['next_cpu_ms_per_batch']:.3f} ms CPU in next() per batch, steps "
+                f"{figures['slowdown']:.2f}x as long as alone"
             )
         self.extra["train-loop"] = {
-            "step_s": 0.01,
+            "step_s": STEP_S,
+            "step_calls": STEP_CALLS,
             "steps": steps,
             "sequence_length": length,
             "batch": batch,
+            "documents_batch": DOCUMENTS_BATCH,
             "rows": results,
         }
 
 
-def _train_loop(loader: Any, steps: int, step_s: float = 0.01) -> dict[str, float]:
-    """Run ``steps`` simulated training steps; how long and how much CPU ``next()`` took."""
+#: The simulated training step: 10 ms in 50 calls that let the GIL go, as a GPU step's
+#: kernel launches and its wait do. Each call wants the GIL back when it returns, so a
+#: reader thread holding it (unpickling, a user's collate in Python) delays the step: a
+#: step of one long sleep would hide that cost.
+STEP_S = 0.01
+STEP_CALLS = 50
+
+
+def _step(seconds: float = STEP_S, calls: int = STEP_CALLS) -> None:
+    pause = seconds / calls
+    for _ in range(calls):
+        time.sleep(pause)
+
+
+def _steps_alone(steps: int) -> float:
+    """Seconds a step takes with no loader running (the sleeps overshoot a little)."""
+    started = time.perf_counter()
+    for _ in range(steps):
+        _step()
+    return (time.perf_counter() - started) / steps
+
+
+def _train_loop(loader: Any, steps: int) -> dict[str, float]:
+    """Run ``steps`` simulated training steps; how long and how much CPU ``next()`` took,
+    and how much longer the loop's steps took than the same steps alone (timed just
+    before)."""
+    alone = _steps_alone(max(10, steps // 3))
     iterator = iter(loader)
     try:
         for _ in range(3):  # start-up: worker start and the first batches are not a steady state
             next(iterator)
-            time.sleep(step_s)
+            _step()
         waited = next_cpu = 0.0
         started = time.perf_counter()
         cpu_started = time.process_time()
@@ -614,7 +699,7 @@ def _train_loop(loader: Any, steps: int, step_s: float = 0.01) -> dict[str, floa
         while done < steps:
             wall_mark, cpu_mark = time.perf_counter(), time.thread_time()
             try:
-                next(iterator)
+                batch = next(iterator)
             except StopIteration:
                 _close_iterator(iterator)
                 iterator = iter(loader)
@@ -622,7 +707,8 @@ def _train_loop(loader: Any, steps: int, step_s: float = 0.01) -> dict[str, floa
             next_cpu += time.thread_time() - cpu_mark
             waited += time.perf_counter() - wall_mark
             done += 1
-            time.sleep(step_s)  # the training step: GIL released, as a GPU step's wait is
+            _step()
+            del batch  # (freed after the step, as the loop's next batch would free it)
         total = time.perf_counter() - started
         process_cpu = time.process_time() - cpu_started
     finally:
@@ -632,5 +718,8 @@ def _train_loop(loader: Any, steps: int, step_s: float = 0.01) -> dict[str, floa
         "wait_ms_per_batch": waited / steps * 1e3,
         "next_cpu_ms_per_batch": next_cpu / steps * 1e3,
         "process_cpu_ms_per_batch": process_cpu / steps * 1e3,
+        "step_alone_ms": alone * 1e3,
+        "ms_per_step": total / steps * 1e3,
+        "slowdown": total / steps / alone,
         "wall_s": total,
     }
