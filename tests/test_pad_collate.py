@@ -82,8 +82,12 @@ def test_left_padding_truncation_and_a_multiple_of() -> None:
         [[np.int16(1), 2], [3]],
         [[], [1, 2]],
         [(1, 2), [3]],
+        [[1, np.uint64(2**63)], [2]],
+        [[1, np.float64(2.0)], [2]],
+        [[1, 2**40, -5], [0]],
+        [list(range(100_000)), [7]],
     ],
-    ids=lambda documents: repr(documents),
+    ids=lambda documents: repr(documents)[:60],
 )
 def test_lists_are_padded_as_numpy_converts_them(documents: list[Any]) -> None:
     """Lists of Python ints take a quicker conversion; every list still pads to the dtype
