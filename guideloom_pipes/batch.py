@@ -12,6 +12,7 @@ documents, whose ``lengths`` the padding collate reads first). Our collates
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -225,3 +226,31 @@ def accepts_batch_arrays(fn: Any) -> bool:
         return True
     inner = getattr(fn, "func", None)  # functools.partial(pad_collate, pad_value=...)
     return inner is not None and getattr(inner, "accepts_batch_arrays", False) is True
+
+
+def int64_list(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """A list of Python ints (a document's token ids, as pickled documents hold them) as
+    the int64 array ``np.asarray`` makes of it, packed by ``struct`` straight into a new
+    array: no pass to find the dtype, about 1.8x faster than ``array.array`` and 2-3x
+    ``np.asarray``. None for anything else (an empty list, a first element that is not an
+    ``int``, floats, ints beyond int64), which the caller then converts with ``np.asarray``
+    as always. A list that starts with an ``int`` and holds only integers (``bool``, numpy
+    integers) is int64 for numpy too."""
+    if not value or type(value[0]) is not int:
+        return None
+    out = np.empty(len(value), dtype=np.int64)
+    try:
+        # (numpy arrays are buffers; the stubs say so only for Python 3.12+)
+        struct.pack_into(f"={len(value)}q", out, 0, *value)  # type: ignore[arg-type]
+    except (struct.error, TypeError, OverflowError):
+        return None
+    return out
+
+
+def token_array(value: Any) -> np.ndarray:
+    """``np.asarray(value)``, quicker for a list of Python ints (see :func:`int64_list`)."""
+    if isinstance(value, (list, tuple)):
+        ints = int64_list(value)
+        if ints is not None:
+            return ints
+    return np.asarray(value)

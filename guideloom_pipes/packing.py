@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from guideloom_pipes.batch import Batch
+from guideloom_pipes.batch import Batch, token_array
 from guideloom_pipes.datasets import (
     DocumentDataset,
     StreamDataset,
@@ -806,7 +806,7 @@ class PackedReader(_DatasetReaderBase):
         eos = dataset.eos_token
         pieces: list[Any] = []
         for k, document in enumerate(documents):
-            array = np.asarray(_document_tokens(document, dataset.field))
+            array = token_array(_document_tokens(document, dataset.field))
             size = len(array) + (eos is not None)
             if size != expected[k]:
                 raise RuntimeError(

@@ -381,3 +381,26 @@ def test_a_document_that_changed_under_an_open_reader_is_an_error():
         documents[0].append(9)
         with pytest.raises(RuntimeError, match=r"document 0 has 4 tokens.*count 3"):
             reader.read_batch(np.array([0]))
+
+
+def test_documents_given_as_lists_pack_as_their_arrays_do():
+    """Lists of Python ints take a quicker conversion than ``np.asarray``; lists that hold
+    numpy integers, bools or big ints, tuples and empty documents pack exactly as the
+    same documents given as arrays."""
+    documents: list[Any] = [
+        [3, 1, 4, 1, 5],
+        (9, 2, 6),
+        [],
+        [1, np.int32(7), True],
+        [2**40, 8],
+        [np.int16(5), 3],
+        list(range(30)),
+    ]
+    as_lists = read_all(PackedDataset(documents, 4, eos_token=EOS))
+    as_arrays = read_all(
+        PackedDataset([np.asarray(d, dtype=np.int64) for d in documents], 4, eos_token=EOS)
+    )
+    assert as_lists == as_arrays
+    assert as_lists == reference_documents(
+        [[int(t) for t in d] for d in documents], 4, EOS, list(range(len(documents)))
+    )
