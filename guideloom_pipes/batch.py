@@ -235,7 +235,8 @@ def int64_list(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
     ``np.asarray``. None for anything else (an empty list, a first element that is not an
     ``int``, floats, ints beyond int64), which the caller then converts with ``np.asarray``
     as always. A list that starts with an ``int`` and holds only integers (``bool``, numpy
-    integers) is int64 for numpy too."""
+    integers) is int64 for numpy too, with one exception: numpy makes a list holding a
+    ``np.uint64`` float64; here it is int64, the same values (any past int64 go to numpy)."""
     if not value or type(value[0]) is not int:
         return None
     out = np.empty(len(value), dtype=np.int64)

@@ -101,6 +101,14 @@ def test_lists_are_padded_as_numpy_converts_them(documents: list[Any]) -> None:
     assert batch["lengths"].tolist() == [len(document) for document in documents]
 
 
+def test_a_list_of_ints_holding_a_numpy_uint64_stays_integers() -> None:
+    """The one list ``np.asarray`` makes float64 although every element is an integer
+    that fits int64: the quick conversion keeps it int64, the exact values."""
+    batch = pad_collate([[1, np.uint64(5)], [2**53 + 1]])
+    assert batch["tokens"].dtype == torch.int64
+    assert batch["tokens"].tolist() == [[1, 5], [2**53 + 1, 0]]
+
+
 def test_an_empty_rank_batch_stays_empty() -> None:
     assert pad_collate([]) == []
 
