@@ -114,6 +114,16 @@ def test_mix_and_pack_example_resumes_a_blend_of_packed_corpora_on_another_world
 
 
 @pytest.mark.timeout(240)
+def test_finetune_documents_example_pads_in_worker_processes_and_resumes(tmp_path):
+    stdout = _run([sys.executable, str(EXAMPLES / "finetune_documents.py")], tmp_path)
+    assert "batch fields: ['attention_mask', 'input_ids', 'labels', 'lengths']" in stdout
+    shape = re.search(r"input_ids shape: \((\d+), (\d+)\)", stdout)
+    assert shape is not None and int(shape[1]) == 4 and int(shape[2]) % 8 == 0
+    assert len(re.findall(r"step \d: loss \d+\.\d+", stdout)) == 6
+    assert "resumed batches match: True" in stdout
+
+
+@pytest.mark.timeout(240)
 def test_tokenize_corpus_writes_one_shard_per_file_with_eos_after_each_document(tmp_path):
     stdout = _run([sys.executable, str(EXAMPLES / "tokenize_corpus.py")], tmp_path)
     assert "first run: 8 shards written, 0 skipped" in stdout
