@@ -347,8 +347,16 @@ class FeistelPermutation:
         return _speck_block(np.broadcast_to(r, (self.rounds, len(r))), keys)
 
     def _speck(self, r: _U64, j: int) -> _U64:
-        """``F_j(r)`` (uint64) for values ``r < a``, ``_CHUNK`` values at a time."""
+        """``F_j(r)`` (uint64) for values ``r < a``, ``_CHUNK`` values at a time; values
+        that span fewer than ``_SMALL`` numbers are computed once each, in plain Python,
+        and spread (the first round of a block of consecutive positions: they share one or
+        two values of ``R = v // a``)."""
         keys = self._keys[j]
+        if r.size > _SMALL:
+            low, high = int(r.min()), int(r.max())
+            if high - low < _SMALL:
+                each = [self._speck_scalar(j, value) for value in range(low, high + 1)]
+                return np.take(np.array(each, dtype=np.uint64), r - np.uint64(low))
         if r.size <= _CHUNK:
             return _speck_block(r, keys)
         out = np.empty(r.shape, dtype=np.uint64)

@@ -209,6 +209,39 @@ def test_plain_python_and_numpy_agree(n: int) -> None:
     assert perm(positions[:5]).tolist() == ids[:5].tolist()
 
 
+@pytest.mark.parametrize("start", [0, 2**20 * 5 - 300, 2**40 - 1000])
+def test_consecutive_positions_on_the_speck_path_agree_with_plain_python(start: int) -> None:
+    """A block of consecutive positions (as the loader computes them) shares one or two
+    values of R in the first round, which are computed once each; the ids are those of
+    plain Python, one position at a time (the second block crosses from one R to the
+    next), and the inverse gives the positions back."""
+    n = 2**40
+    perm = make(n, 77, "speck")
+    positions = np.arange(start, start + 1000, dtype=np.int64)
+    ids = perm(positions)
+    assert [perm(int(p)) for p in positions[::97]] == ids[::97].tolist()
+    assert np.array_equal(perm.inverse(ids), positions)
+
+
+def test_the_first_round_of_a_block_computes_its_few_values_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    n = 2**40
+    perm = make(n, 77, "speck")
+    positions = np.arange(10**6, 10**6 + 4096, dtype=np.int64)  # one value of R = v // a
+    expected = perm(positions)
+    sizes: list[int] = []
+    real = shuffle._speck_block
+
+    def counting(values: np.ndarray, keys: Any) -> np.ndarray:
+        sizes.append(values.size)
+        return real(values, keys)
+
+    monkeypatch.setattr(shuffle, "_speck_block", counting)
+    assert np.array_equal(perm(positions), expected)
+    assert sizes == [4096] * (perm.rounds - 1)  # rounds 1-4 vectorised, round 0 once
+
+
 def test_large_speck_inputs_are_computed_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     n = 2**40 + 7
     positions = np.random.default_rng(2).integers(0, n, size=3000)
