@@ -13,7 +13,7 @@ from torch.utils.data._utils.collate import collate_tensor_fn as _torch_collate_
 from torch.utils.data._utils.collate import default_collate_fn_map
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.batch import Batch, batch_arrays, int64_list
+from guideloom_pipes.batch import Batch, batch_arrays, token_array
 from guideloom_pipes.pipes._errors import mark_batch_failure
 
 __all__ = ["Collate", "default_collate", "pad_collate"]
@@ -106,11 +106,8 @@ def _as_sequence(value: Any) -> np.ndarray | None:
     if isinstance(value, torch.Tensor):
         value = value.numpy()
     elif isinstance(value, (list, tuple)):
-        ints = int64_list(value)
-        if ints is not None:
-            return ints
         try:  # one conversion; what is not a flat list of numbers has another dtype or shape
-            value = np.asarray(value)
+            value = token_array(value)
         except (ValueError, TypeError):
             return None
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "biuf":
