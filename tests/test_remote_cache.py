@@ -8,13 +8,17 @@ The server tests skip when the ``[remote]`` packages or nginx are missing, excep
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -22,13 +26,17 @@ from typing import Any
 import numpy as np
 import pytest
 from remote_servers import (
+    LOOPBACK,
     HttpServer,
     S3Server,
+    _close_connection,
+    _read_request,
     fault_proxy,
     moto_server,
     need_modules,
     nginx_server,
 )
+from remote_servers import _read_all as _read_all_socket
 
 from guideloom_pipes import (
     DocumentDataset,
@@ -368,6 +376,255 @@ def test_a_replaced_shard_gets_a_new_cache_entry_never_the_stale_one(
         _replace(http.root / "replaced" / path.name, path.read_bytes())
     assert _read_all(storage) == tokens.tolist()
     assert len(_entries(tmp_path / "cache")) == 4  # the old copies are kept until evicted
+
+
+# --- entries checked when mapped -------------------------------------------------------------
+
+
+def _damage(entry: Path, how: str) -> None:
+    if how == "flip":  # one byte rewritten in place, as an editor or a bad disk would
+        with open(entry, "r+b") as file:
+            file.seek(100)
+            byte = file.read(1)[0]
+            file.seek(100)
+            file.write(bytes([byte ^ 0xFF]))
+    elif how == "truncate":
+        os.truncate(entry, 2000)
+    else:
+        os.truncate(entry, 0)
+
+
+def _entry(cache_dir: Path, name: str) -> Path:
+    (entry,) = [p for p in (cache_dir / "entries").iterdir() if p.name.endswith("-" + name)]
+    return entry
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "empty"])
+def test_a_damaged_cache_entry_is_deleted_with_a_warning_and_downloaded_again(
+    http: HttpServer, tmp_path: Path, how: str
+) -> None:
+    tokens = _write_tokens(http.root / f"damaged-{how}", shards=3)
+    cache_dir = tmp_path / "cache"
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        storage = StreamStorage(
+            f"{proxy.url}/damaged-{how}", TOKENS, cache_dir=cache_dir, retry=FAST
+        )
+        assert _read_all(storage) == tokens.tolist()
+        entry = _entry(cache_dir, "0000001.in_band.bin")
+        _damage(entry, how)
+        with pytest.warns(UserWarning, match=rf"shard cache entry {entry} .* is damaged") as seen:
+            assert _read_all(storage) == tokens.tolist()  # the next epoch's reader
+        downloads = _data_gets(proxy, 3)
+    assert len(seen) == 1 and "downloaded again" in str(seen[0].message)
+    assert len(downloads) == 4 and "/0000001.in_band.bin " in downloads[3]
+    assert (
+        _entry(cache_dir, "0000001.in_band.bin").read_bytes()
+        == (http.root / f"damaged-{how}" / "0000001.in_band.bin").read_bytes()
+    )
+
+
+def test_a_byte_changed_with_its_modification_time_put_back_is_found(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "sneaky", shards=2)
+    cache_dir = tmp_path / "cache"
+    storage = StreamStorage(f"{http.url}/sneaky", TOKENS, cache_dir=cache_dir, retry=FAST)
+    _read_all(storage)
+    entry = _entry(cache_dir, "0000000.in_band.bin")
+    before = entry.stat()
+    _damage(entry, "flip")
+    os.utime(entry, ns=(before.st_atime_ns, before.st_mtime_ns))  # as rsync -a or touch -r
+    assert entry.stat().st_size == before.st_size  # only the change time tells
+    with pytest.warns(UserWarning, match="is damaged: its crc32 is"):
+        assert _read_all(storage) == tokens.tolist()
+
+
+def test_an_entry_is_checksummed_once_then_mapped_on_its_marker(
+    http: HttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import zlib
+
+    from guideloom_pipes.storage import cache as cache_module
+
+    tokens = _write_tokens(http.root / "marked", shards=2)
+    cache_dir = tmp_path / "cache"
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        storage = StreamStorage(f"{proxy.url}/marked", TOKENS, cache_dir=cache_dir, retry=FAST)
+        _read_all(storage)
+        for marker in (cache_dir / "verified").iterdir():
+            marker.unlink()  # as a cache written before markers, or a marker lost
+        summed: list[int] = []
+        original = zlib.crc32
+
+        def crc32(data: Any, value: int = 0) -> int:
+            summed.append(len(data))
+            return original(data, value)
+
+        monkeypatch.setattr(cache_module.zlib, "crc32", crc32)
+        assert _read_all(storage) == tokens.tolist()  # checked whole, not downloaded
+        assert summed == [4000, 4000] and len(_data_gets(proxy, 2)) == 2
+        assert len(os.listdir(cache_dir / "verified")) == 2
+        assert _read_all(storage) == tokens.tolist()  # unchanged since: the marker only
+        assert summed == [4000, 4000] and len(_data_gets(proxy, 2)) == 2
+
+
+def test_s3_bytes_failing_the_stores_checksum_in_cache_mode_name_the_shard(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    _write_tokens(tmp_path / "data", shards=2)
+    s3.filesystem().put(f"{tmp_path / 'data'}/", f"{BUCKET}/flipped/", recursive=True)
+    port = int(s3.endpoint.rpartition(":")[2])
+
+    def flip(line: str) -> bool:
+        return line.startswith("GET") and "/0000001.in_band.bin" in line
+
+    url = f"s3://{BUCKET}/flipped"
+    with _flipping_proxy(port, flip) as (proxy_url, flipped):
+        storage = StreamStorage(
+            url, TOKENS, storage_options=s3.options(proxy_url), cache_dir=tmp_path / "c", retry=FAST
+        )
+        with StreamDataset(storage, WINDOW).sync_reader() as reader:
+            assert reader[0]["tokens"].tolist() == list(range(100))
+            with pytest.raises(CorruptShardError, match=r"fail the checksum") as caught:
+                reader[10]
+    assert flipped  # the proxy did alter the download
+    message = str(caught.value)
+    assert f"{url}/0000001.in_band.bin (shard 0000001): bytes 0..4000" in message
+    assert "FlexibleChecksumError" in message
+    assert _entries(tmp_path / "c") == ["0000000.in_band.bin"]
+
+
+@contextlib.contextmanager
+def _flipping_proxy(
+    upstream_port: int, flip: Callable[[str], bool]
+) -> Iterator[tuple[str, list[str]]]:
+    """A proxy on loopback that flips the last byte of the answers to the requests
+    ``flip(request_line)`` picks; yields its URL and the request lines it altered."""
+    listener = socket.create_server((LOOPBACK, 0))
+    flipped: list[str] = []
+
+    def serve(client: socket.socket) -> None:
+        with client:
+            head, body = _read_request(client)
+            if head is None:
+                return
+            line = head.split(b"\r\n", 1)[0].decode("latin-1")
+            with socket.create_connection((LOOPBACK, upstream_port), timeout=30) as up:
+                up.sendall(_close_connection(head) + body)
+                answer = bytearray(_read_all_socket(up))
+            if flip(line) and not answer.endswith(b"\r\n\r\n"):  # a body to alter
+                answer[-1] ^= 0x01
+                flipped.append(line)
+            client.sendall(answer)
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(client,), daemon=True).start()
+
+    accepter = threading.Thread(target=accept, daemon=True)
+    accepter.start()
+    try:
+        yield f"http://{LOOPBACK}:{listener.getsockname()[1]}", flipped
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        accepter.join(10)
+
+
+# --- a cache that cannot be written ---------------------------------------------------------
+
+_CHILD = """
+import ctypes, json, os, resource, signal, sys
+url, cache_dir, file_limit, drop = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+if drop == "1":
+    # root: drop the capabilities that override permission bits (CAP_DAC_OVERRIDE,
+    # CAP_DAC_READ_SEARCH) from the bounding set, then exec: the new image lacks them
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            sys.exit(f"cannot drop capability {capability}: {os.strerror(ctypes.get_errno())}")
+    os.execv(sys.executable, [sys.executable, "-c", os.environ["CHILD"], *sys.argv[1:4], "dropped"])
+with open("/proc/self/status") as status:
+    effective = next(int(l.split()[1], 16) for l in status if l.startswith("CapEff"))
+if drop == "dropped" and effective & 0b110:
+    sys.exit(f"still overrides permission bits (CapEff {effective:#x})")
+if file_limit:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails: EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_limit, resource.RLIM_INFINITY))
+import numpy as np
+from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
+from guideloom_pipes.storage.remote import RetryPolicy
+fmt = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
+storage = StreamStorage(url, fmt, cache_dir=cache_dir, retry=RetryPolicy(attempts=1))
+try:
+    with StreamDataset(storage, 100).sync_reader() as reader:
+        print(json.dumps({"tokens": reader[0]["tokens"].tolist()}))
+except OSError as error:
+    print(json.dumps({"type": type(error).__name__, "errno": error.errno, "text": str(error)}))
+"""
+
+
+def _read_in_child(url: str, cache_dir: Path, file_limit: int = 0, read_only: bool = False) -> Any:
+    """Window 0 of ``url`` read through the cache in a new process (with a file size
+    limit; or held to permission bits, also as root): its tokens, or its ``OSError``."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env.update(CHILD=_CHILD, PYTHONDONTWRITEBYTECODE="1")
+    drop = "1" if read_only and os.geteuid() == 0 else "0"
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, url, str(cache_dir), str(file_limit), drop],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_full_disk_under_the_cache_names_the_path_and_the_fix(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    # a file size limit (ulimit -f) fails the download's writes as a full disk does
+    # (EFBIG for ENOSPC), on any machine and without root
+    _write_tokens(http.root / "full", shards=1, per_shard=10_000)
+    cache_dir = tmp_path / "cache"
+    got = _read_in_child(f"{http.url}/full", cache_dir, file_limit=16_000)
+    assert got["errno"] == errno.EFBIG, got
+    assert got["type"] == "OSError"
+    assert f"the shard cache could not write the 40000 bytes of {http.url}/full/" in got["text"]
+    assert str(cache_dir / "partial") in got["text"]
+    assert "is full" in got["text"] and "cache_limit_bytes=" in got["text"]
+    assert os.listdir(cache_dir / "partial") == [] and _entries(cache_dir) == []
+
+
+def test_a_read_only_cache_names_the_path_and_still_serves_what_it_holds(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "ro-held", shards=1)
+    _write_tokens(http.root / "ro-new", shards=1)
+    cache_dir = tmp_path / "cache"
+    _read_all(StreamStorage(f"{http.url}/ro-held", TOKENS, cache_dir=cache_dir, retry=FAST))
+    directories = [cache_dir, *(path for path in cache_dir.rglob("*") if path.is_dir())]
+    for path in directories:  # (a chmod of an entry would change it: checked whole again)
+        path.chmod(0o555)
+    try:
+        held = _read_in_child(f"{http.url}/ro-held", cache_dir, read_only=True)
+        assert held == {"tokens": tokens[:100].tolist()}
+        new = _read_in_child(f"{http.url}/ro-new", cache_dir, read_only=True)
+    finally:
+        for path in directories:
+            path.chmod(0o755)
+    assert new["type"] == "PermissionError" and new["errno"] == errno.EACCES, new
+    assert f"the shard cache could not open the lock file {cache_dir}/locks/" in new["text"]
+    assert "is read-only for this process" in new["text"]
 
 
 # --- the cache over S3 ----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 from guideloom_pipes.storage.cache import CachedFile, ShardCache
-from guideloom_pipes.storage.errors import DatasetChangedError, StorageError
+from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError, StorageError
 from guideloom_pipes.storage.io import BackendBase, _MmapReader
 from guideloom_pipes.storage.names import _NAME, shard_name
 from guideloom_pipes.storage.records import ExpectedFile
@@ -621,7 +621,8 @@ class _RemoteReader(IOSyncReaderAbstract):
 class _CachedReader(IOSyncReaderAbstract):
     """A shard file through the shard cache: downloaded whole on ``open`` where no process
     of the node has it yet (pinned ranged reads, the size and CRC-32 of its record
-    checked), then reads of the memory-mapped local copy."""
+    checked), then reads of the memory-mapped local copy (checked by the cache when it is
+    mapped)."""
 
     def __init__(self, backend: FsspecIO, url: str, expected: ExpectedFile) -> None:
         self.backend = backend
@@ -637,7 +638,24 @@ class _CachedReader(IOSyncReaderAbstract):
         remote = _RemoteReader(self.backend, self.url, self.expected)
         remote.open()
         file = CachedFile(self.url, remote.filesize(), self.expected.crc32, remote.etag)
-        self._local = cache.open(file, remote.read)
+
+        def download(offset: int, size: int) -> memoryview:
+            try:
+                return remote.read(offset, size)
+            except Exception as error:
+                # botocore checks a GetObject's bytes against the checksum S3 keeps
+                if not any(c.__name__ == "FlexibleChecksumError" for c in type(error).__mro__):
+                    raise
+                raise CorruptShardError(
+                    f"{self.url} ({_shard_label(self.url)}): bytes {offset}..{offset + size} "
+                    f"as received fail the checksum the store keeps for the object "
+                    f"({_describe(error)}): something on the way (a proxy, the network) "
+                    f"altered them, or the stored object is damaged. Nothing was cached; "
+                    f"read again, and if it recurs check the path to the store or rewrite "
+                    f"the shard"
+                ) from error
+
+        self._local = cache.open(file, download)
 
     def _reader(self) -> _MmapReader:
         if self._local is None:
