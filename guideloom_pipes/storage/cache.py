@@ -174,7 +174,7 @@ class ShardCache:
         where = os.fspath(self.directory)
         reason = error.strerror or str(error)
         if error.errno in _FULL:
-            bound = f"now {self.limit_bytes}" if self.limit_bytes else "now none"
+            bound = f"now {self.limit_bytes!r}"
             fix = (
                 f"The disk of the shard cache {where} is full (or this process may not write "
                 f"files this large: ulimit -f). Free space on it, set cache_limit_bytes= "
@@ -223,8 +223,9 @@ class ShardCache:
             reader = self._open_checked(file, path)  # or another process finished it
             if reader is None:
                 self._download(file, path, download)
-                reader = self._open_unchanged(file, path)
+                reader = self._map(path)  # checked as it came
                 assert reader is not None  # under our lock, nobody evicts it
+                self._touch(file)
         self.evict()
         return reader
 
@@ -273,7 +274,11 @@ class ShardCache:
         reader = self._map(path)
         if reader is None:
             return None
-        info = os.stat(path)  # under the lock the entry is not replaced or evicted
+        try:
+            info = os.stat(path)  # under the lock the cache neither replaces nor evicts it
+        except FileNotFoundError:  # deleted by something else: which file is mapped?
+            reader.close()
+            return None
         marker = self._marker(file)
         if marker is not None and marker[0] == _identity(info) and info.st_size == file.size:
             self._touch(file)
