@@ -423,6 +423,34 @@ def test_a_damaged_cache_entry_is_deleted_with_a_warning_and_downloaded_again(
     )
 
 
+def test_processes_meeting_a_damaged_entry_download_it_again_once(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(http.root / "damaged-shared", shards=2, per_shard=50_000)
+    cache_dir = tmp_path / "cache"
+    context = multiprocessing.get_context("spawn")
+    parties = 3
+    barrier = context.Barrier(parties)
+    results = context.Queue()
+    with fault_proxy(http.port, lambda n: "pass") as proxy:
+        url = f"{proxy.url}/damaged-shared"
+        _read_all(StreamStorage(url, TOKENS, cache_dir=cache_dir, retry=FAST))
+        _damage(_entry(cache_dir, "0000001.in_band.bin"), "flip")
+        workers = [
+            context.Process(target=_read_in_process, args=(url, str(cache_dir), barrier, results))
+            for _ in range(parties)
+        ]
+        for worker in workers:
+            worker.start()
+        got = [results.get(timeout=120) for _ in workers]
+        for worker in workers:
+            worker.join(60)
+        downloads = _data_gets(proxy, 2)
+    assert [worker.exitcode for worker in workers] == [0] * parties
+    assert got == [tokens.tolist()] * parties
+    assert len(downloads) == 3 and "/0000001.in_band.bin " in downloads[2]  # 2: the fill
+
+
 def test_a_byte_changed_with_its_modification_time_put_back_is_found(
     http: HttpServer, tmp_path: Path
 ) -> None:
