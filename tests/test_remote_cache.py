@@ -513,13 +513,17 @@ def test_s3_bytes_failing_the_stores_checksum_in_cache_mode_name_the_shard(
         )
         with StreamDataset(storage, WINDOW).sync_reader() as reader:
             assert reader[0]["tokens"].tolist() == list(range(100))
-            with pytest.raises(CorruptShardError, match=r"fail the checksum") as caught:
+            with pytest.raises(CorruptShardError, match=rf"{url}/0000001\.in_band\.bin") as caught:
                 reader[10]
     assert flipped  # the proxy did alter the download
-    message = str(caught.value)
-    assert f"{url}/0000001.in_band.bin (shard 0000001): bytes 0..4000" in message
-    assert "FlexibleChecksumError" in message
     assert _entries(tmp_path / "c") == ["0000000.in_band.bin"]
+    import botocore
+
+    if tuple(int(part) for part in botocore.__version__.split(".")[:2]) < (1, 36):
+        return  # botocore checks no response checksum: the record's CRC-32 caught it
+    message = str(caught.value)
+    assert f"{url}/0000001.in_band.bin (shard 0000001): bytes 0..4000 as received" in message
+    assert "checksum the store keeps" in message and "FlexibleChecksumError" in message
 
 
 @contextlib.contextmanager
