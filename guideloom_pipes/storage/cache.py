@@ -22,8 +22,9 @@ eviction scan deletes what it left).
 
 An entry is checked again whenever a process maps it, as cheaply as that can be sound: its
 marker ``verified/<key>`` holds the entry's device, inode, size, modification and change
-times (``st_ctime``, which no tool can set back) as they were when the entry's bytes were
-last checked, at its download or by a full CRC-32 of the entry against the record. A map
+times (``st_ctime``, which a write sets and ``touch`` or ``rsync -a`` cannot set back) as
+they were when the entry's bytes were last checked, at its download or by a full CRC-32 of
+the entry against the record. A map
 whose entry still has those costs two ``stat`` calls and the read of the marker; otherwise
 the entry is checked whole under its lock (its CRC-32 computed), and one that fails (a byte
 changed, a truncation, an emptied file) is deleted with a warning naming it and downloaded
@@ -94,7 +95,7 @@ class CachedFile:
 
 def _identity(info: os.stat_result) -> tuple[int, ...]:
     """What a marker records of an entry: any write to it, a truncation, a replacement
-    changes one of these (a write the change time, which no tool can set back)."""
+    changes one of these (a write sets the change time, which tools cannot set back)."""
     return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
@@ -234,8 +235,8 @@ class ShardCache:
         (no marker, or one this version does not read)."""
         try:
             words = self._marker_path(file).read_text().split()
-        except (FileNotFoundError, UnicodeDecodeError):
-            return None
+        except (OSError, UnicodeDecodeError):
+            return None  # missing or unreadable: the entry is checked whole
         if len(words) != 7 or words[0] != _MARKER:
             return None
         try:
