@@ -24,12 +24,11 @@ An entry is checked again whenever a process maps it, as cheaply as that can be 
 marker ``verified/<key>`` holds the entry's device, inode, size, modification and change
 times (``st_ctime``, which a write sets and ``touch`` or ``rsync -a`` cannot set back) as
 they were when the entry's bytes were last checked, at its download or by a full CRC-32 of
-the entry against the record. A map
-whose entry still has those costs two ``stat`` calls and the read of the marker; otherwise
-the entry is checked whole under its lock (its CRC-32 computed), and one that fails (a byte
-changed, a truncation, an emptied file) is deleted with a warning naming it and downloaded
-again. A change made to an entry while a process has it mapped reaches that mapping and is
-not seen until the next map.
+the entry against the record. A map whose entry still has those costs two ``stat`` calls
+and the read of the marker; otherwise the entry is checked whole under its lock (its CRC-32
+computed), and one that fails (a byte changed, a truncation, an emptied file) is deleted
+with a warning naming it and downloaded again. A change made to an entry while a process
+has it mapped reaches that mapping and is not seen until the next map.
 
 ``limit_bytes`` bounds the entries: after each download the least recently used entries
 (by the modification time of their marker, which each use renews) are deleted until the
