@@ -64,7 +64,8 @@ class WriteReport:
 
 
 class WriteParallelError(RuntimeError):
-    """Items failed in :func:`write_parallel`; every other item was written.
+    """Items failed in :func:`write_parallel`; every other item was written, but for those
+    in ``report.not_run`` when a process pool broke (a worker died mid-item).
 
     Attributes:
         failures: ``(index, item, exception)`` of each failed item, by index.
@@ -101,7 +102,11 @@ class WriteParallelError(RuntimeError):
             f"{', ...' if len(failures) > 10 else ''}) were not committed, {others} "
             f"({report}).{why} Fix them and run the same call again: the shards already "
             f"committed are skipped"
-            + (" (with a new executor: a broken pool takes no more work)" if broken else "")
+            + (
+                " (with a new executor if it was yours: a broken pool takes no more work)"
+                if broken
+                else ""
+            )
             + ".\n"
             + "\n".join(lines)
         )
@@ -366,6 +371,21 @@ def _settle_broken(
         failures[:] = [failure for failure in failures if failure[0] not in done]
         report.failed = [shard for shard in report.failed if shard not in done]
         report.written.extend(done)
+    for shard in done:  # their bytes (how many records convert yielded is unknown here)
+        record = _record_of(storage, shard, remote)
+        if record is not None:
+            report.bytes += sum(f.size for f in record.files.values())
+
+
+def _record_of(storage: StorageBase, shard: int, remote: RemoteUpload | None) -> ShardRecord | None:
+    if remote is not None:
+        return remote.record(shard)
+    stem = os.path.join(os.fspath(storage.dir), shard_name(shard))
+    try:
+        with open(stem + RECORD, "rb") as file:
+            return ShardRecord.from_json(file.read(), stem + RECORD)
+    except (OSError, StorageError):
+        return None
 
 
 def _interrupted(
