@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import hashlib
+import multiprocessing
 import os
 import pickle
 import signal
@@ -231,18 +232,19 @@ def _guard(parent_death_signal: bool) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _start_worker() -> None:
+def _start_worker(parent: int | None) -> None:
     """Initializer of write_parallel's own pool: Ctrl-C is for the driver (it stops the
-    workers), and the workers end with it."""
+    workers), and the workers end with it. ``parent``: the driver's pid where it is the
+    workers' parent (not with a forkserver)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _guard(parent_death_signal=True)
+    if parent is not None and os.getppid() != parent:  # it died before the guard was up
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _in_pool_worker(driver: int) -> bool:
     """Whether this is the main thread of a worker process of a pool the driver started
     (a user's ProcessPoolExecutor): not the driver, not a thread of Dask's workers."""
-    import multiprocessing
-
     return (
         os.getpid() != driver
         and threading.current_thread() is threading.main_thread()
@@ -551,8 +553,13 @@ def write_parallel(
     owned = executor is None
     if owned:
         workers = max_workers or os.cpu_count() or 1
+        context = multiprocessing.get_context()
+        forked_here = context.get_start_method() != "forkserver"
         executor = cf.ProcessPoolExecutor(
-            max_workers=min(workers, max(1, len(todo))), initializer=_start_worker
+            max_workers=min(workers, max(1, len(todo))),
+            mp_context=context,
+            initializer=_start_worker,
+            initargs=(os.getpid() if forked_here else None,),
         )
     assert executor is not None
     if max_in_flight is None:

@@ -276,3 +276,20 @@ def test_the_staging_directory_of_a_killed_writer_is_swept_and_a_live_ones_kept(
     assert sweep_staging() == [] and Path(live.directory).is_dir()  # its writer is alive
     live.close()
     assert not list(tmp_path.glob("guideloom_pipes-upload-*"))
+
+
+def test_a_pool_worker_whose_driver_died_before_it_started_ends_at_once() -> None:
+    """The worker's initializer is told the driver's pid; a parent that is not the driver
+    any more (here: never was) means it died before the worker could watch it."""
+    code = (
+        "import time\n"
+        "from guideloom_pipes.parallel import _start_worker\n"
+        "_start_worker(1)\n"
+        "for _ in range(600):\n"
+        "    time.sleep(0.1)\n"
+        "raise SystemExit('still running')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=START_TIMEOUT
+    )
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
