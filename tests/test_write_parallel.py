@@ -9,6 +9,8 @@ import functools
 import json
 import os
 import pickle
+import signal
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -372,3 +374,127 @@ def test_another_dtype_rewrites_every_shard(tmp_path: Path) -> None:
     assert write_parallel(wider, items, numbers, executor=serial, progress=False).written == [0, 1]
     with wider.sync_reader() as reader:
         assert reader.total_length == 30
+
+
+# --- workers that die, interrupts, reruns -------------------------------------------------------
+
+
+def killed_at_2(item: int, flag: str) -> Iterator[dict[str, np.ndarray]]:
+    """Item 2 kills its own worker process while the file ``flag`` exists."""
+    if item == 2 and os.path.exists(flag):
+        os.kill(os.getpid(), signal.SIGKILL)
+    yield {"tokens": np.full(item + 1, item)}
+
+
+def interrupted_at_2(item: int, flag: str) -> Iterator[dict[str, np.ndarray]]:
+    """Item 2 raises KeyboardInterrupt (Ctrl-C in the driver's thread pool) while ``flag``
+    exists."""
+    if item == 2 and os.path.exists(flag):
+        raise KeyboardInterrupt
+    yield {"tokens": np.full(item + 1, item)}
+
+
+def fails_at_1(item: int, flag: str) -> Iterator[dict[str, np.ndarray]]:
+    if item == 1 and os.path.exists(flag):
+        raise ValueError(f"item 1 fails while {flag} exists")
+    yield {"tokens": np.full(item + 1, item)}
+
+
+@pytest.mark.parametrize("executor", ["own", "pool"])
+def test_a_worker_killed_mid_item_is_a_report_naming_the_items_in_flight_and_a_rerun_finishes(
+    tmp_path: Path, executor: str
+) -> None:
+    flag = tmp_path / "kill"
+    flag.touch()
+    job = functools.partial(killed_at_2, flag=str(flag))
+    storage = _storage(tmp_path / "data")
+    items = range(8)
+    with cf.ProcessPoolExecutor(max_workers=2) as pool, pytest.raises(WriteParallelError) as caught:
+        write_parallel(
+            storage,
+            items,
+            job,
+            executor=pool if executor == "pool" else None,
+            max_workers=2,
+            progress=False,
+        )
+    error = caught.value
+    failed = [index for index, _, _ in error.failures]
+    assert 2 in failed
+    assert all(isinstance(e, cf.process.BrokenProcessPool) for _, _, e in error.failures)
+    report = error.report
+    assert sorted(report.written + report.failed + report.not_run) == list(items)
+    if executor == "own":  # its workers are joined: what is reported not committed is not
+        for shard in report.failed + report.not_run:
+            assert not (tmp_path / "data" / f"{shard:07d}.shard.json").exists()
+    shown = ", ".join(map(str, failed))
+    assert f"The executor broke while items {shown} were in flight" in str(error)
+    assert "run the same call again" in str(error)
+    if executor == "pool":
+        assert "with a new executor if it was yours" in str(error)
+    flag.unlink()
+    again = write_parallel(storage, items, job, max_workers=2, progress=False)
+    assert set(again.written) <= set(report.failed + report.not_run)
+    if executor == "own":
+        assert sorted(again.written) == sorted(report.failed + report.not_run)
+    write_parallel(_storage(tmp_path / "serial"), items, job, executor=SerialExecutor())
+    assert _files(tmp_path / "data") == _files(tmp_path / "serial")
+
+
+def test_ctrl_c_with_a_users_executor_cancels_the_rest_says_how_far_and_leaves_it_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flag = tmp_path / "interrupt"
+    flag.touch()
+    job = functools.partial(interrupted_at_2, flag=str(flag))
+    storage = _storage(tmp_path / "data")
+    with cf.ThreadPoolExecutor(max_workers=1) as pool:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            write_parallel(storage, range(6), job, executor=pool, progress=False, max_in_flight=1)
+        assert caught.traceback[-1].name == "write_parallel"  # not from concurrent.futures
+        err = capsys.readouterr().err
+        assert err.strip() == (
+            "write_parallel interrupted: 2 shards committed, 4 not; run the same call again "
+            "to finish (committed shards are skipped)"
+        )
+        assert pool.submit(int, "7").result() == 7  # the user's executor still works
+    assert not (tmp_path / "data" / "0000003.in_band.bin").exists()  # cancelled, not run
+    flag.unlink()
+    again = write_parallel(storage, range(6), job, progress=False)
+    assert (again.skipped, again.written) == ([0, 1], [2, 3, 4, 5])
+
+
+def test_a_gap_left_by_an_interrupted_run_says_that_the_same_call_fills_it(tmp_path: Path) -> None:
+    storage = _storage(tmp_path)
+    write_parallel(storage, [(0, 5), (5, 9), (9, 12)], numbers, progress=False)
+    for path in tmp_path.glob("0000001.*"):
+        path.unlink()
+    with (
+        pytest.raises(FileNotFoundError, match="running the same call again fills the gap"),
+        storage.sync_reader(),
+    ):
+        pass
+    done = subprocess.run(
+        [sys.executable, "-m", "guideloom_pipes", "verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "running the same call again fills the gap" in done.stdout
+
+
+def test_a_dask_rerun_after_a_fix_runs_the_failed_item_again(
+    tmp_path: Path, dask_client: Any
+) -> None:
+    flag = tmp_path / "fail"
+    flag.touch()
+    job = functools.partial(fails_at_1, flag=str(flag))
+    storage = _storage(tmp_path / "data")
+    executor = dask_client.get_executor()
+    with pytest.raises(WriteParallelError) as first:  # kept: Dask would keep its result
+        write_parallel(storage, range(3), job, executor=executor, progress=False)
+    assert first.value.report.failed == [1]
+    flag.unlink()
+    again = write_parallel(storage, range(3), job, executor=executor, progress=False)
+    assert (again.written, again.skipped) == ([1], [0, 2])

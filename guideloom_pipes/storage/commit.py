@@ -75,7 +75,6 @@ import errno
 import fcntl
 import os
 import shutil
-import tempfile
 import threading
 import time
 import warnings
@@ -744,7 +743,7 @@ class ShardWriterBase:
             from guideloom_pipes.storage.upload import RemoteUpload
 
             self._upload = RemoteUpload(backend, str(directory), mode, self.kind)
-            directory = PurePath(tempfile.mkdtemp(prefix="guideloom_pipes-upload-"))
+            directory = PurePath(self._upload.stage())  # swept if this process dies
         self.directory = os.fspath(directory)
         #: ``"update"``, ``"overwrite"`` or ``"create"`` (see :data:`WRITER_MODES`)
         self.mode = mode

@@ -407,8 +407,10 @@ def _assemble(
         found_ids = ", ".join(str(i) for i in ordered[:20]) + (", ..." if len(ids) > 20 else "")
         raise FileNotFoundError(
             f"shard {shard_name(first_missing)} is missing from {where} (found {found_ids}); "
-            f"{count - len(ids)} missing in all. Rewrite the missing shard(s), or renumber the "
-            f"shards so that ids run 0..N-1"
+            f"{count - len(ids)} missing in all. Rewrite the missing shard(s): if a "
+            f"write_parallel call or a writer was interrupted, running the same call again "
+            f"fills the gap (write_parallel skips the shards already committed); or renumber "
+            f"the shards so that ids run 0..N-1"
         )
     listing = ShardListing(directory, count, sizes, records, True, names, identities)
     return listing, temporaries

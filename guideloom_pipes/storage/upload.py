@@ -24,12 +24,20 @@ the ids never have a gap) just before the first commit point, and after step e d
 their data files, then their records. ``mode="create"`` refuses a URL that holds shard
 files. There is no write lock on an object store: two writers of one shard at the same time
 is a race the last one wins; give each writer its own shards (``write_parallel`` does).
+
+The staging directory (``guideloom_pipes-upload-*`` in the temporary directory) is removed
+when the writer closes or aborts. A writer killed outright cannot remove it, so it holds an
+exclusive ``flock`` on a file in it for its whole life: the kernel drops the lock when the
+process dies, however it dies, and the next writer's process (and ``write_parallel``'s
+driver) removes every staging directory whose lock is free (:func:`sweep_staging`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
@@ -49,7 +57,61 @@ from guideloom_pipes.storage.names import (
 from guideloom_pipes.storage.records import ShardRecord
 from guideloom_pipes.storage.remote import FsspecIO, ListingFsspecIO, RemotePath
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: staging directories are not swept
+    fcntl = None  # type: ignore[assignment]
+
 _DATA_SUFFIXES = (IN_BAND, OUT_OF_BAND, INDEX)
+#: the names of staging directories in the temporary directory, and of the file whose
+#: lock says that the writer that made one is alive
+STAGING_PREFIX = "guideloom_pipes-upload-"
+_OWNER = ".owner.lock"
+_swept = False
+
+
+def sweep_staging(root: str | None = None) -> list[str]:
+    """Remove the staging directories under ``root`` (the temporary directory) that no live
+    process holds: those of writers killed before they could remove their own. Directories
+    of other users, or without an owner file (made by an older version), are left alone.
+    Returns the paths removed."""
+    global _swept
+    _swept = True
+    if fcntl is None:  # pragma: no cover
+        return []
+    root = root or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = [e for e in os.scandir(root) if e.name.startswith(STAGING_PREFIX)]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            owner = open(os.path.join(entry.path, _OWNER), "rb")  # noqa: SIM115
+        except OSError:
+            continue  # not ours to judge (or being made: the owner file comes last)
+        with owner:
+            try:
+                fcntl.flock(owner.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # its writer is alive
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _new_staging() -> tuple[str, object | None]:
+    """A new staging directory and the open file whose lock marks it as in use."""
+    if not _swept:
+        sweep_staging()
+    directory = tempfile.mkdtemp(prefix=STAGING_PREFIX)
+    if fcntl is None:  # pragma: no cover
+        return directory, None
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".owner-")
+    owner = os.fdopen(fd, "rb")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.replace(temporary, os.path.join(directory, _OWNER))  # locked before it is seen
+    return directory, owner
 
 
 class RemoteUpload:
@@ -78,6 +140,13 @@ class RemoteUpload:
         #: shard ids at the URL when the writer opened (any of their files present)
         self.present: set[int] = set()
         self._opened = False
+        self._owner: object | None = None  # the locked owner file of the staging directory
+
+    def stage(self) -> str:
+        """A new local staging directory for this writer, marked as in use for as long as
+        this object lives (see :func:`sweep_staging`)."""
+        directory, self._owner = _new_staging()
+        return directory
 
     def _url(self, name: str) -> str:
         return f"{self.url}/{name}"
@@ -225,4 +294,4 @@ class RemoteUpload:
             self._delete([shard_name(shard) + RECORD])
 
 
-__all__ = ["RemoteUpload"]
+__all__ = ["STAGING_PREFIX", "RemoteUpload", "sweep_staging"]
