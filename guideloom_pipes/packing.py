@@ -577,7 +577,7 @@ def _read_sidecar(path: Path, fingerprint: str, documents: int) -> _I64 | None:
     sums = array.view(np.ndarray)
     identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
     if identity not in _CHECKED:
-        if zlib.crc32(memoryview(sums).cast("B")) != crc:
+        if zlib.crc32(sums.data) != crc:
             raise _Damaged("its sums fail their checksum (the file changed after it was written)")
         if sums[0] != 0:
             raise _Damaged(f"its first sum is {int(sums[0])}, not 0")
