@@ -643,6 +643,7 @@ class PackedReader(_DatasetReaderBase):
         self._read: Any = None
         self._sums: _I64 | None = None  # prefix sums in the packing order (documents)
         self._permutation: FeistelPermutation | None = None
+        self._sidecars: list[Path] = []  # where the sums were looked for (documents)
         self._lock = threading.Lock()
         # the batches' (4, B, L) int64 output slabs, recycled once no array of a batch is
         # left (a fresh half-megabyte block per batch is memory the allocator has often
@@ -704,6 +705,7 @@ class PackedReader(_DatasetReaderBase):
         dataset = self.dataset
         fingerprint = _fingerprint(source)
         paths = dataset.sidecar_paths() if fingerprint is not None else []
+        self._sidecars = list(paths)
         for path in paths:
             found = self._sidecar(path, fingerprint, source, dataset.seed)  # type: ignore[arg-type]
             if found is not None:
@@ -718,6 +720,7 @@ class PackedReader(_DatasetReaderBase):
                 field=dataset.field,
                 cache_dir=dataset.cache_dir,
             )
+            self._sidecars += plain.sidecar_paths()
             for path in plain.sidecar_paths():
                 storage_sums = self._sidecar(path, fingerprint, source, None)
                 if storage_sums is not None:
@@ -808,6 +811,17 @@ class PackedReader(_DatasetReaderBase):
             sums[start + 1 : start + 1 + len(positions)] = chunk
             total = int(chunk[-1])
         return sums
+
+    def _discard_sidecars(self) -> list[str]:
+        """Remove the sidecars the sums came from (a document contradicts them): the next
+        open builds them again from the documents, instead of failing on every open. The
+        paths removed."""
+        removed = []
+        for path in self._sidecars:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(str(path))
+        return removed
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -907,11 +921,18 @@ class PackedReader(_DatasetReaderBase):
             array = token_array(_document_tokens(document, dataset.field))
             size = len(array) + (eos is not None)
             if size != expected[k]:
+                removed = self._discard_sidecars()
                 raise RuntimeError(
                     f"document {int(doc_ids[k])} has {size} tokens, but the prefix sums "
-                    f"count {int(expected[k])}: the dataset changed after they were built. "
-                    f"Open the PackedDataset again (a sidecar of a changed DocumentStorage is "
-                    f"rebuilt; an in-memory dataset must not change while it is read)"
+                    f"count {int(expected[k])}: the dataset changed after they were built"
+                    + (
+                        f", or their sidecar contradicts the documents (removed: "
+                        f"{', '.join(removed)}; the next open rebuilds it)"
+                        if removed
+                        else ""
+                    )
+                    + ". Open the PackedDataset again (a sidecar of a changed DocumentStorage "
+                    "is rebuilt; an in-memory dataset must not change while it is read)"
                 )
             pieces.append(array)
             if eos is not None:

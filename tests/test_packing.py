@@ -373,6 +373,31 @@ def test_a_sidecar_that_contradicts_its_documents_is_rebuilt_with_a_warning(docu
     assert _sums_of(documents_dir / name)[1][1] == sums[1] - 1  # rebuilt in place
 
 
+def test_a_sidecar_that_contradicts_a_document_outside_the_sample_fails_one_read_only(
+    documents_dir,
+):
+    """Whole sums (checksum, increasing) that move one token from document 2 to document 1,
+    which the sample of three documents does not look at: the read that meets them fails
+    naming the sidecar, which it removes, and the next open rebuilds it."""
+    documents = _documents(documents_dir)
+    assert len(documents[2]) > 0
+    dataset = PackedDataset(_storage(documents_dir), 4, eos_token=EOS)
+    expected = read_all(dataset)
+    (name,) = sidecars(documents_dir)
+    header, sums = _sums_of(documents_dir / name)
+    sums[2] += 1
+    assert packing_module._write_sidecar(
+        documents_dir / name, json.loads(header)["fingerprint"], sums
+    )
+    with pytest.raises(RuntimeError, match=r"document 1 has .*removed: .*next open rebuilds"):
+        read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS))
+    assert sidecars(documents_dir) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS)) == expected
+    assert sidecars(documents_dir) == [name]
+
+
 def test_a_sidecar_of_the_first_version_is_rebuilt_quietly(documents_dir):
     """A sidecar written before the sums had a checksum (version 1) is of another version:
     rebuilt once, without a warning."""
