@@ -31,10 +31,10 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 import threading
 import warnings
 import weakref
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -72,7 +72,8 @@ __all__ = [
 IGNORE_INDEX = -100
 #: Prefix of the sidecar files (not a shard name: listing and verify ignore them).
 SIDECAR_PREFIX = "guideloom-packing"
-_SIDECAR_VERSION = 1
+#: 2: the header holds the CRC-32 of the sums (a sidecar of version 1 is rebuilt once)
+_SIDECAR_VERSION = 2
 #: Documents read at a time while the prefix sums are built.
 _BUILD_BATCH = 1024
 #: Positions permuted at a time while the seeded order's prefix sums are built.
@@ -529,37 +530,98 @@ def _fingerprint(document_reader: Any) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _read_sidecar(path: Path, fingerprint: str) -> _I64 | None:
-    """The prefix sums in ``path`` if it exists and was built from ``fingerprint``."""
+class _Damaged(Exception):
+    """A sidecar of the right version and fingerprint whose contents are not what was
+    written (or contradict its documents): rebuilt, with a warning."""
+
+
+#: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of sidecars this process has checked whole
+#: (checksum and shape): a later open of the same unchanged file maps it without reading it
+_CHECKED: set[tuple[int, int, int, int]] = set()
+
+
+def _read_sidecar(path: Path, fingerprint: str, documents: int) -> _I64 | None:
+    """The prefix sums in ``path`` if it exists and was built from ``fingerprint`` (None:
+    no such file, or one of another version or of another state of the dataset, rebuilt
+    quietly). Raises :class:`_Damaged` when its fingerprint matches but its contents do not
+    hold: a header that does not parse, a size or count other than ``documents + 1``
+    values, a CRC-32 other than the one written, a first value other than 0 or a decrease
+    (checked once per process for an unchanged file)."""
     try:
         with open(path, "rb") as file:
             header = file.readline(4096)
-        meta = json.loads(header)
-        if meta.get("version") != _SIDECAR_VERSION or meta.get("fingerprint") != fingerprint:
-            return None  # another version of the dataset: refused, rebuilt by the caller
-        count = int(meta["count"])
-        array = np.memmap(path, dtype="<i8", mode="r", offset=len(header), shape=(count,))
-    except (OSError, ValueError, KeyError, TypeError):
+            info = os.fstat(file.fileno())
+    except OSError:
         return None
-    return array.view(np.ndarray)
+    try:
+        meta = json.loads(header)
+        if not isinstance(meta, dict):
+            raise ValueError("the header is not a JSON object")
+    except ValueError as error:
+        raise _Damaged(f"its header does not parse ({error})") from None
+    if meta.get("version") != _SIDECAR_VERSION or meta.get("fingerprint") != fingerprint:
+        return None  # another version of the dataset: refused, rebuilt by the caller
+    try:
+        count, crc = int(meta["count"]), int(meta["crc32"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise _Damaged(f"its header lacks a valid {error}") from None
+    if count != documents + 1:
+        raise _Damaged(f"it holds {count} sums for {documents} documents")
+    size = info.st_size - len(header)
+    if size != 8 * count:
+        raise _Damaged(f"it has {size} bytes of sums, not {8 * count}")
+    try:
+        array = np.memmap(path, dtype="<i8", mode="r", offset=len(header), shape=(count,))
+    except (OSError, ValueError):
+        return None
+    sums = array.view(np.ndarray)
+    identity = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+    if identity not in _CHECKED:
+        if zlib.crc32(sums.data) != crc:
+            raise _Damaged("its sums fail their checksum (the file changed after it was written)")
+        if sums[0] != 0:
+            raise _Damaged(f"its first sum is {int(sums[0])}, not 0")
+        if count > 1 and bool((sums[1:] < sums[:-1]).any()):
+            where = int(np.argmax(sums[1:] < sums[:-1]))
+            raise _Damaged(f"its sums decrease at document {where}")
+        _CHECKED.add(identity)
+    return sums
+
+
+def _create_temporary(path: Path) -> tuple[int, str]:
+    """A new temporary file next to ``path``, created as shard files are (mode 0o644 less
+    the umask): its descriptor and name."""
+    for _ in range(100):
+        name = os.path.join(path.parent, f"{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), name
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name next to {path}")
 
 
 def _write_sidecar(path: Path, fingerprint: str, sums: _I64) -> bool:
-    """Write ``sums`` to ``path`` atomically (temporary file, fsync, rename); False if the
-    directory cannot be written."""
+    """Write ``sums`` to ``path`` atomically (temporary file, fsync, rename), with the CRC-32
+    of their bytes in the header; False if the directory cannot be written."""
+    data = np.ascontiguousarray(sums, dtype="<i8").tobytes()
     meta = json.dumps(
-        {"version": _SIDECAR_VERSION, "fingerprint": fingerprint, "count": len(sums)}
+        {
+            "version": _SIDECAR_VERSION,
+            "fingerprint": fingerprint,
+            "count": len(sums),
+            "crc32": zlib.crc32(data),
+        }
     ).encode()
     header = meta + b" " * (-(len(meta) + 1) % 64) + b"\n"  # the data starts 64-aligned
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        fd, temporary = _create_temporary(path)
     except OSError:
         return False
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(header)
-            file.write(np.ascontiguousarray(sums, dtype="<i8").tobytes())
+            file.write(data)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -581,6 +643,7 @@ class PackedReader(_DatasetReaderBase):
         self._read: Any = None
         self._sums: _I64 | None = None  # prefix sums in the packing order (documents)
         self._permutation: FeistelPermutation | None = None
+        self._sidecars: list[Path] = []  # where the sums were looked for (documents)
         self._lock = threading.Lock()
         # the batches' (4, B, L) int64 output slabs, recycled once no array of a batch is
         # left (a fresh half-megabyte block per batch is memory the allocator has often
@@ -642,8 +705,9 @@ class PackedReader(_DatasetReaderBase):
         dataset = self.dataset
         fingerprint = _fingerprint(source)
         paths = dataset.sidecar_paths() if fingerprint is not None else []
+        self._sidecars = list(paths)
         for path in paths:
-            found = _read_sidecar(path, fingerprint)  # type: ignore[arg-type]
+            found = self._sidecar(path, fingerprint, source, dataset.seed)  # type: ignore[arg-type]
             if found is not None:
                 return found
         storage_sums = None
@@ -656,8 +720,9 @@ class PackedReader(_DatasetReaderBase):
                 field=dataset.field,
                 cache_dir=dataset.cache_dir,
             )
+            self._sidecars += plain.sidecar_paths()
             for path in plain.sidecar_paths():
-                storage_sums = _read_sidecar(path, fingerprint)
+                storage_sums = self._sidecar(path, fingerprint, source, None)
                 if storage_sums is not None:
                     break
         if storage_sums is None:
@@ -668,6 +733,42 @@ class PackedReader(_DatasetReaderBase):
         if fingerprint is not None:
             self._store(paths, fingerprint, sums)
         return sums
+
+    def _sidecar(self, path: Path, fingerprint: str, source: Any, seed: int | None) -> _I64 | None:
+        """The sums of the sidecar at ``path`` (in the order of ``seed``), or None where
+        there is none to use; one that is damaged or contradicts a sample of its documents
+        (the first, the middle and the last in its order) is left to be rebuilt, with a
+        warning naming it."""
+        try:
+            sums = _read_sidecar(path, fingerprint, len(source))
+            if sums is not None:
+                self._check_sample(sums, source, seed)
+        except _Damaged as damage:
+            warnings.warn(
+                f"the PackedDataset sidecar {path} does not hold its dataset's prefix sums: "
+                f"{damage}. It is rebuilt from the documents",
+                UserWarning,
+                stacklevel=5,
+            )
+            return None
+        return sums
+
+    def _check_sample(self, sums: _I64, source: Any, seed: int | None) -> None:
+        """Raise :class:`_Damaged` unless the first, middle and last documents in the order
+        of ``seed`` have the lengths ``sums`` give them."""
+        count = len(sums) - 1
+        if count <= 0:
+            return
+        positions = np.unique(np.array([0, count // 2, count - 1], dtype=np.int64))
+        ids = positions if seed is None else FeistelPermutation(count, _order_key(seed))(positions)
+        extra = 1 if self.dataset.eos_token is not None else 0
+        for position, doc_id, document in zip(positions, ids, batch_read_fn(source)(ids)):
+            size = len(_document_tokens(document, self.dataset.field)) + extra
+            counted = int(sums[position + 1] - sums[position])
+            if size != counted:
+                raise _Damaged(
+                    f"document {int(doc_id)} has {size} tokens, but the sums count {counted}"
+                )
 
     def _store(self, paths: list[Path], fingerprint: str, sums: _I64, quiet: bool = False) -> None:
         for path in paths:
@@ -710,6 +811,17 @@ class PackedReader(_DatasetReaderBase):
             sums[start + 1 : start + 1 + len(positions)] = chunk
             total = int(chunk[-1])
         return sums
+
+    def _discard_sidecars(self) -> list[str]:
+        """Remove the sidecars the sums came from (a document contradicts them): the next
+        open builds them again from the documents, instead of failing on every open. The
+        paths removed."""
+        removed = []
+        for path in self._sidecars:
+            with contextlib.suppress(OSError):
+                path.unlink()
+                removed.append(str(path))
+        return removed
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -809,11 +921,18 @@ class PackedReader(_DatasetReaderBase):
             array = token_array(_document_tokens(document, dataset.field))
             size = len(array) + (eos is not None)
             if size != expected[k]:
+                removed = self._discard_sidecars()
                 raise RuntimeError(
                     f"document {int(doc_ids[k])} has {size} tokens, but the prefix sums "
-                    f"count {int(expected[k])}: the dataset changed after they were built. "
-                    f"Open the PackedDataset again (a sidecar of a changed DocumentStorage is "
-                    f"rebuilt; an in-memory dataset must not change while it is read)"
+                    f"count {int(expected[k])}: the dataset changed after they were built"
+                    + (
+                        f", or their sidecar contradicts the documents (removed: "
+                        f"{', '.join(removed)}; the next open rebuilds it)"
+                        if removed
+                        else ""
+                    )
+                    + ". Open the PackedDataset again (a sidecar of a changed DocumentStorage "
+                    "is rebuilt; an in-memory dataset must not change while it is read)"
                 )
             pieces.append(array)
             if eos is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from remote_servers import fault_proxy, need_modules, nginx_server
 
 from guideloom_pipes import (
     DocumentPickleFormat,
@@ -133,6 +134,48 @@ def test_head_defaults_to_5_samples_and_json_is_one_object_a_line(sound: Path) -
     lines = cli("head", sound, "--json", "-L", 2).stdout.splitlines()
     assert [json.loads(line) for line in lines] == [
         {"index": i, "tokens": [2 * i, 2 * i + 1]} for i in range(5)
+    ]
+
+
+def test_head_with_a_sequence_length_longer_than_the_data_is_exit_2_naming_both(
+    sound: Path,
+) -> None:
+    done = cli("head", sound, "-L", 1000)
+    assert done.returncode == 2
+    line = _one_line_error(done)
+    assert "--sequence-length 1000" in line and "300 elements" in line
+    assert "pass -L 300 or less" in line
+    assert cli("head", sound, "-L", 300).stdout.count("\n") == 1
+
+
+def _documents(path: Path, *documents: object) -> Path:
+    with DocumentStorage(path, DocumentPickleFormat()).sync_writer() as writer:
+        for document in documents:
+            writer.append(0, document)
+    return path
+
+
+def test_head_cuts_long_fields_at_200_characters_saying_how_many_were_cut(
+    tmp_path: Path,
+) -> None:
+    path = _documents(tmp_path / "docs", "x" * 75_874, {"ids": list(range(1000)), "n": 3})
+    first, second = cli("head", path).stdout.splitlines()
+    assert first == "0\tvalue=" + "x" * 200 + "...[75,674 more characters; --full shows all]"
+    ids = json.dumps(list(range(1000)), separators=(",", ":"))
+    assert second == (
+        f"1\tids={ids[:200]}...[{len(ids) - 200:,} more characters; --full shows all]\tn=3"
+    )
+    full = cli("head", path, "--full").stdout.splitlines()
+    assert full == ["0\tvalue=" + "x" * 75_874, f"1\tids={ids}\tn=3"]
+    whole = [json.loads(line) for line in cli("head", path, "--json").stdout.splitlines()]
+    assert whole[0]["value"] == "x" * 75_874 and whole[1]["ids"] == list(range(1000))
+
+
+def test_head_prints_text_documents_as_text_on_one_line(tmp_path: Path) -> None:
+    path = _documents(tmp_path / "docs", "héllo\twörld\nline 2 \\ end", {"text": "naïve"})
+    assert cli("head", path).stdout.splitlines() == [
+        "0\tvalue=héllo\\twörld\\nline 2 \\\\ end",
+        "1\ttext=naïve",
     ]
 
 
@@ -295,11 +338,85 @@ def test_a_missing_path_is_exit_2_with_one_line_naming_it(tmp_path: Path, comman
     assert str(tmp_path / "nope") in line and "does not exist" in line
 
 
-@pytest.mark.parametrize("command", ["info", "verify", "head"])
-def test_a_directory_that_is_not_a_dataset_is_exit_2(tmp_path: Path, command: str) -> None:
+@pytest.mark.parametrize("command", ["info", "verify", "head", "recover"])
+@pytest.mark.parametrize("holding", ["nothing", "other files"])
+def test_a_directory_that_is_not_a_dataset_is_exit_2(
+    tmp_path: Path, command: str, holding: str
+) -> None:
+    if holding == "other files":
+        (tmp_path / "notes.txt").write_text("x")
+        (tmp_path / "sub").mkdir()
     done = cli(command, tmp_path)
     assert done.returncode == 2
     assert "is not a dataset" in _one_line_error(done)
+    assert sorted(p.name for p in tmp_path.iterdir()) == (
+        [] if holding == "nothing" else ["notes.txt", "sub"]
+    )
+
+
+def test_recover_of_a_directory_with_only_a_dead_writers_files_cleans_it(tmp_path: Path) -> None:
+    (tmp_path / "0000000.in_band.bin.tmp").write_bytes(b"half")
+    done = cli("recover", tmp_path, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["cleaned"] == [0]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("info", "http://127.0.0.1:1/data"),
+        ("info", "s3://bucket/data"),
+        ("recover", "http://127.0.0.1:1/data"),
+        ("head", "http://127.0.0.1:1/data", "--dtype", "int33"),
+        ("verify", "nosuch://bucket/data", "--kind", "stream"),
+    ],
+)
+def test_usage_errors_on_a_url_are_exit_2_before_anything_is_read(args: tuple[str, ...]) -> None:
+    """Nothing listens on port 1: a command that read the URL would retry for seconds and
+    exit 1 with a network error; a usage error is refused first."""
+    done = cli(*args)
+    assert done.returncode == 2, done.stderr
+    line = _one_line_error(done)
+    assert "transient" not in line and "with --kind" not in line
+    assert args[1] in line or "--dtype 'int33'" in line
+
+
+@pytest.mark.parametrize("command", ["info", "recover"])
+def test_info_and_recover_of_a_url_are_exit_2_without_asking_a_failing_server(
+    sound: Path, tmp_path: Path, command: str
+) -> None:
+    """nginx serves the dataset behind a proxy that answers 503 to every request: reading
+    it would retry for seconds, then exit 1. The command cannot read a URL at all, so it
+    is refused with exit 2 and the server is never asked."""
+    need_modules("aiohttp")
+    (tmp_path / "nginx").mkdir()
+    with nginx_server(tmp_path / "nginx") as http:
+        shutil.copytree(sound, http.root / "tokens")
+        with fault_proxy(http.port, lambda n: "503") as proxy:
+            done = cli(command, f"{proxy.url}/tokens")
+            assert done.returncode == 2, done.stderr
+            assert "is a URL" in _one_line_error(done)
+            assert proxy.log == []
+
+
+def test_verify_lists_the_entries_it_ignored_and_stays_sound(sound: Path) -> None:
+    (sound / "notes.txt").write_text("about this data")
+    (sound / ".DS_Store").write_bytes(b"\0")
+    (sound / "sub").mkdir()
+    (sound / "0000000.out_of_band.bin").write_bytes(b"")  # a file of another kind
+    done = cli("verify", sound)
+    assert done.returncode == 0, done.stdout
+    assert (
+        "note: ignored 4 entries that are not shard files of this dataset (readers ignore "
+        "them too): .DS_Store, 0000000.out_of_band.bin, notes.txt, sub/"
+    ) in done.stdout.splitlines()
+    assert done.stdout.splitlines()[-1].startswith("sound: 3 shards")
+    report = json.loads(cli("verify", sound, "--json").stdout)
+    assert report["ignored"] == [".DS_Store", "0000000.out_of_band.bin", "notes.txt", "sub/"]
+    assert report["exit_status"] == 0 and report["sound"]
+    assert (
+        json.loads(cli("verify", _write(sound.parent / "clean"), "--json").stdout)["ignored"] == []
+    )
 
 
 def test_bad_usage_is_exit_2_with_one_line() -> None:

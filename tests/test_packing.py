@@ -4,6 +4,7 @@ the dataset changes, cache_dir fallback, ignored by listing and verify), refusal
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -321,21 +322,124 @@ def test_a_corrupt_sidecar_is_rebuilt(documents_dir):
     expected = read_all(PackedDataset(_storage(documents_dir), 4))
     (name,) = sidecars(documents_dir)
     (documents_dir / name).write_bytes(b"not a header\n1234")
-    assert read_all(PackedDataset(_storage(documents_dir), 4)) == expected
+    with pytest.warns(UserWarning, match=r"sidecar .*header does not parse.*rebuilt"):
+        assert read_all(PackedDataset(_storage(documents_dir), 4)) == expected
     assert (documents_dir / name).read_bytes().startswith(b"{")
+
+
+def _sums_of(path: Path) -> tuple[bytes, np.ndarray]:
+    raw = path.read_bytes()
+    header = raw[: raw.index(b"\n") + 1]
+    return header, np.frombuffer(raw[len(header) :], dtype="<i8").copy()
+
+
+@pytest.mark.parametrize("seed", [None, 3])
+def test_a_sidecar_with_a_damaged_prefix_sum_is_rebuilt_with_a_warning(documents_dir, seed):
+    """One sum one larger (still increasing, the fingerprint unchanged) failed every reopen
+    with "the dataset changed"; the sums' checksum finds it, once: the rebuilt sidecar is
+    used quietly after."""
+    dataset = PackedDataset(_storage(documents_dir), 4, eos_token=EOS, seed=seed)
+    expected = read_all(dataset)
+    for name in sidecars(documents_dir):
+        path = documents_dir / name
+        header, sums = _sums_of(path)
+        sums[5] += 1
+        assert (np.diff(sums) >= 0).all()
+        path.write_bytes(header + sums.tobytes())
+    with pytest.warns(UserWarning, match=r"sidecar .*fail their checksum.*rebuilt"):
+        assert read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS, seed=seed)) == (
+            expected
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS, seed=seed)) == (
+            expected
+        )
+
+
+def test_a_sidecar_that_contradicts_its_documents_is_rebuilt_with_a_warning(documents_dir):
+    """Sums that are whole (their own checksum holds, increasing, first 0) but count
+    document 0 one token longer than it is: the sample of documents checked on open finds
+    it."""
+    dataset = PackedDataset(_storage(documents_dir), 4, eos_token=EOS)
+    expected = read_all(dataset)
+    (name,) = sidecars(documents_dir)
+    header, sums = _sums_of(documents_dir / name)
+    fingerprint = json.loads(header)["fingerprint"]
+    sums[1:] += 1
+    assert packing_module._write_sidecar(documents_dir / name, fingerprint, sums)
+    with pytest.warns(UserWarning, match=r"document 0 has \d+ tokens, but the sums count"):
+        assert read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS)) == expected
+    assert _sums_of(documents_dir / name)[1][1] == sums[1] - 1  # rebuilt in place
+
+
+def test_a_sidecar_that_contradicts_a_document_outside_the_sample_fails_one_read_only(
+    documents_dir,
+):
+    """Whole sums (checksum, increasing) that move one token from document 2 to document 1,
+    which the sample of three documents does not look at: the read that meets them fails
+    naming the sidecar, which it removes, and the next open rebuilds it."""
+    documents = _documents(documents_dir)
+    assert len(documents[2]) > 0
+    dataset = PackedDataset(_storage(documents_dir), 4, eos_token=EOS)
+    expected = read_all(dataset)
+    (name,) = sidecars(documents_dir)
+    header, sums = _sums_of(documents_dir / name)
+    sums[2] += 1
+    assert packing_module._write_sidecar(
+        documents_dir / name, json.loads(header)["fingerprint"], sums
+    )
+    with pytest.raises(RuntimeError, match=r"document 1 has .*removed: .*next open rebuilds"):
+        read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS))
+    assert sidecars(documents_dir) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS)) == expected
+    assert sidecars(documents_dir) == [name]
+
+
+def test_a_sidecar_of_the_first_version_is_rebuilt_quietly(documents_dir):
+    """A sidecar written before the sums had a checksum (version 1) is of another version:
+    rebuilt once, without a warning."""
+    expected = read_all(PackedDataset(_storage(documents_dir), 4))
+    (name,) = sidecars(documents_dir)
+    header, sums = _sums_of(documents_dir / name)
+    meta = json.loads(header)
+    old = json.dumps({"version": 1, "fingerprint": meta["fingerprint"], "count": len(sums)})
+    (documents_dir / name).write_bytes(old.encode() + b"\n" + sums.tobytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_all(PackedDataset(_storage(documents_dir), 4)) == expected
+    assert json.loads(_sums_of(documents_dir / name)[0])["version"] == 2
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_a_sidecar_has_the_permissions_of_the_shard_files(tmp_path, umask):
+    """Created as the shards are (0o644 less the umask), not -rw------- as a private
+    temporary file would be."""
+    previous = os.umask(umask)
+    try:
+        write_documents(tmp_path / "docs", [[1, 2, 3], [4, 5]])
+        read_all(PackedDataset(_storage(tmp_path / "docs"), 2))
+    finally:
+        os.umask(previous)
+    (name,) = sidecars(tmp_path / "docs")
+    mode = (tmp_path / "docs" / name).stat().st_mode & 0o777
+    assert mode == (tmp_path / "docs" / "0000000.out_of_band.bin").stat().st_mode & 0o777
+    assert mode == 0o644 & ~umask
 
 
 def test_a_read_only_dataset_directory_puts_the_sidecar_under_cache_dir(
     documents_dir, tmp_path, monkeypatch
 ):
-    real = tempfile.mkstemp
+    real = packing_module._create_temporary
 
-    def read_only(*args: Any, **kwargs: Any) -> Any:
-        if Path(kwargs["dir"]) == documents_dir:
+    def read_only(path: Path) -> Any:
+        if path.parent == documents_dir:
             raise PermissionError(13, "Read-only file system")
-        return real(*args, **kwargs)
+        return real(path)
 
-    monkeypatch.setattr(packing_module.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(packing_module, "_create_temporary", read_only)
     cache = tmp_path / "cache"
     expected = read_all(PackedDataset(_storage(documents_dir), 4, cache_dir=cache))
     assert sidecars(documents_dir) == []

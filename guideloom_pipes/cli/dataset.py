@@ -26,7 +26,7 @@ from guideloom_pipes.storage.commit import _is_locked
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.names import _NAME, IN_BAND, INDEX, RECORD, TMP, shard_name
 from guideloom_pipes.storage.records import ShardRecord
-from guideloom_pipes.storage.remote import RemotePath
+from guideloom_pipes.storage.remote import RemotePath, file_url_path, is_url
 from guideloom_pipes.storage.stream_meta import record_dtype
 
 KINDS = tuple(KIND_SUFFIXES)
@@ -34,6 +34,39 @@ KINDS = tuple(KIND_SUFFIXES)
 
 class UsageError(Exception):
     """Bad usage, or a path that is missing or not a dataset: exit status 2."""
+
+
+def is_shard_file(name: str) -> bool:
+    """Whether ``name`` is the name of a shard file (a data file, a commit record, a
+    versioned file of a commit, or a writer's temporary)."""
+    return _NAME.match(name) is not None
+
+
+def ignored_entries(directory: Path, suffixes: Sequence[str]) -> list[str]:
+    """The entries of a local dataset directory that readers and ``verify`` pass over
+    (sorted; a directory with a trailing ``/``): names that are not shard files (``notes.txt``,
+    ``.DS_Store``), shard names that are not regular files, and shard files of another kind
+    than ``suffixes``. Packing sidecars (ours) are not listed."""
+    from guideloom_pipes.packing import SIDECAR_PREFIX  # only here: verify of a directory
+
+    ignored = []
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.startswith("." + SIDECAR_PREFIX):
+                continue
+            match = _NAME.match(name)
+            try:
+                regular = entry.is_file(follow_symlinks=True)
+                folder = not regular and entry.is_dir()
+            except OSError:  # gone since listed
+                continue
+            if match is not None and regular:
+                suffix = match.group("suffix")
+                if suffix == RECORD or suffix in suffixes:
+                    continue
+            ignored.append(name + ("/" if folder else ""))
+    return sorted(ignored)
 
 
 def parse_dtype(text: str) -> np.dtype[Any]:
@@ -128,12 +161,17 @@ class Opened:
 
 
 def open_dataset(path: str, dtype: str | None, kind: str | None) -> Opened:
-    """The dataset at ``path`` with the CLI's formats (``--dtype``/``--kind`` applied)."""
+    """The dataset at ``path`` with the CLI's formats (``--dtype``/``--kind`` applied).
+    The options are checked before anything is read (a URL's server is not asked, nor
+    retried, for a command that cannot run)."""
+    given = parse_dtype(dtype) if dtype is not None else None
     try:
         found = detect(path)
     except (FileNotFoundError, NotADirectoryError) as error:
         raise UsageError(str(error)) from None
     except ValueError as error:
+        if is_url(path):  # an unknown protocol, or files of no one kind: --kind cannot help
+            raise UsageError(str(error)) from None
         if kind is None:
             raise UsageError(f"{error} with --kind") from None
         found = Detected(Path(path), kind, False)
@@ -146,8 +184,7 @@ def open_dataset(path: str, dtype: str | None, kind: str | None) -> Opened:
         found = Detected(found.directory, kind, False, None, None, found.suffixes)
     stream_dtype = found.dtype
     source = "records" if stream_dtype is not None else ""
-    if dtype is not None and found.kind != "document":
-        given = parse_dtype(dtype)
+    if given is not None and found.kind != "document":
         if stream_dtype is None or found.format not in (None, _STREAM_NUMPY_NAME):
             stream_dtype = given
         else:  # a StreamNumpyFormat dataset: field names default as --dtype int32 does
@@ -212,15 +249,22 @@ class Survey:
     leftovers: dict[int, tuple[list[str], bool]]
 
 
+def refuse_url(path: str) -> None:
+    """A :class:`UsageError` for a URL given to ``info`` (before anything is read: a URL's
+    server is not asked, nor retried)."""
+    if is_url(path) and file_url_path(path) is None:
+        raise UsageError(
+            f"info surveys the files of a local directory, {path} is a URL: run "
+            f"verify or head on it (they read a URL), or info on a local copy"
+        )
+
+
 def survey(opened: Opened) -> Survey:
     """Each shard's state, counts and sizes from the file names, sizes and records (of a
     local directory: a URL is a :class:`UsageError` naming the commands that read one)."""
     directory = opened.found.directory
     if isinstance(directory, RemotePath):
-        raise UsageError(
-            f"info surveys the files of a local directory, {directory} is a URL: run "
-            f"verify or head on it (they read a URL), or info on a local copy"
-        )
+        refuse_url(str(directory))
     suffixes = KIND_SUFFIXES[opened.kind]
     sizes: dict[str, int] = {}
     records: dict[int, ShardRecord | None] = {}

@@ -1,11 +1,13 @@
 """``guideloom-pipes head DIR``: the first samples of a dataset, decoded, one line each
-(``index<TAB>field=value``) or one JSON object a line with ``--json``."""
+(``index<TAB>field=value``, each value cut at 200 characters unless ``--full``) or one JSON
+object a line with ``--json`` (whole)."""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import json
+import sys
 from typing import Any
 
 import numpy as np
@@ -15,6 +17,10 @@ from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 
 #: elements per sample of a stream when ``--sequence-length`` is not given
 DEFAULT_SEQUENCE_LENGTH = 16
+#: characters of a field's value shown without ``--full`` (the rest is counted, not shown)
+FIELD_CHARACTERS = 200
+#: characters a text field shows escaped, so that a sample stays one line
+_ESCAPES = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t", "\\": "\\\\"})
 
 
 def _plain(value: Any) -> Any:
@@ -38,6 +44,22 @@ def _plain(value: Any) -> Any:
     return repr(value)
 
 
+def _shown(value: Any, full: bool) -> str:
+    """A field's value as ``head`` prints it: text as its characters (a tab, a line break
+    and a backslash escaped, so the sample stays one line), anything else as compact JSON;
+    cut at :data:`FIELD_CHARACTERS` characters unless ``full``, with the count of those
+    cut."""
+    plain = _plain(value)
+    if isinstance(plain, str):
+        text = plain.translate(_ESCAPES)
+    else:
+        text = json.dumps(plain, separators=(",", ":"), ensure_ascii=False)
+    if full or len(text) <= FIELD_CHARACTERS:
+        return text
+    cut = len(text) - FIELD_CHARACTERS
+    return f"{text[:FIELD_CHARACTERS]}...[{cut:,} more characters; --full shows all]"
+
+
 def _fields(sample: Any) -> dict[str, Any]:
     if isinstance(sample, dict):
         return {str(key): value for key, value in sample.items()}
@@ -45,7 +67,8 @@ def _fields(sample: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the first ``-n`` samples; exit status 0."""
+    """Print the first ``-n`` samples; exit status 0 (2 for a stream shorter than one
+    sample)."""
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     opened = open_dataset(args.path, args.dtype, args.kind)
@@ -60,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
         length = args.sequence_length or DEFAULT_SEQUENCE_LENGTH
         dataset = StreamDataset(opened.storage, length)
     with dataset.sync_reader() as samples:
+        if len(samples) == 0:
+            _nothing_to_show(args, opened.kind, samples)
         count = min(args.n, len(samples))
         for index, sample in enumerate(samples[0:count] if count else []):
             fields = _fields(sample)
@@ -67,8 +92,23 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps({"index": index, **{k: _plain(v) for k, v in fields.items()}}))
             else:
                 shown = "\t".join(
-                    f"{key}={json.dumps(_plain(value), separators=(',', ':'))}"
-                    for key, value in fields.items()
+                    f"{key}={_shown(value, args.full)}" for key, value in fields.items()
                 )
                 print(f"{index}\t{shown}")
     return 0
+
+
+def _nothing_to_show(args: argparse.Namespace, kind: str, samples: Any) -> None:
+    """A dataset with no sample: a :class:`UsageError` naming both sizes when the stream
+    is shorter than one sample (a shorter ``-L`` shows it), else a note on stderr."""
+    if kind != "document":
+        elements = samples.storage_reader.total_length
+        length = samples.sequence_length
+        if elements > 0:
+            raise UsageError(
+                f"--sequence-length {length} is longer than {args.path}, which holds "
+                f"{elements} elements: no sample to show; pass -L {elements} or less"
+            )
+        print(f"{args.path} holds 0 elements: no sample to show", file=sys.stderr)
+    else:
+        print(f"{args.path} holds 0 documents: no sample to show", file=sys.stderr)

@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from guideloom_pipes.cli.dataset import open_dataset, survey
+from guideloom_pipes.cli.dataset import open_dataset, refuse_url, survey
 from guideloom_pipes.progress import human_bytes
 from guideloom_pipes.storage.records import dtype_to_json
 
@@ -17,6 +17,7 @@ _STORAGE = {"stream": "StreamStorage", "stream_meta": "StreamWithMetaStorage"}
 
 def describe(args: argparse.Namespace) -> dict[str, Any]:
     """The facts ``info`` prints, as a JSON-able dict."""
+    refuse_url(args.path)
     opened = open_dataset(args.path, args.dtype, args.kind)
     found = survey(opened)
     shards = found.shards

@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive,
         help=f"elements per stream sample (default {head.DEFAULT_SEQUENCE_LENGTH})",
     )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help=f"print every field whole (default: cut at {head.FIELD_CHARACTERS} characters, "
+        f"saying how many were cut; --json is always whole)",
+    )
     p.set_defaults(run=head.run)
 
     p = commands.add_parser(

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from guideloom_pipes.cli.dataset import UsageError
+from guideloom_pipes.cli.dataset import UsageError, is_shard_file
 from guideloom_pipes.opening import local_path
 from guideloom_pipes.storage.commit import _is_locked, recover_directory, recovery_plan
 from guideloom_pipes.storage.names import RECORD, TMP, shard_name
@@ -43,11 +43,24 @@ _SAYS = {
 
 
 def run(args: argparse.Namespace) -> int:
-    """Recover (or, with ``--dry-run``, plan); exit status 0."""
-    directory = local_path(args.path)
+    """Recover (or, with ``--dry-run``, plan); exit status 0 (2 for a URL, or a directory
+    with no shard files at all)."""
+    try:
+        directory = local_path(args.path)
+    except ValueError:  # a URL: recover changes files, of a local directory only
+        raise UsageError(
+            f"recover cleans up a local directory, {args.path} is a URL (read through fsspec "
+            f"only, never written); pass the dataset directory"
+        ) from None
     if not directory.is_dir():
         what = "does not exist" if not directory.exists() else "is not a directory"
         raise UsageError(f"{directory} {what}; pass the dataset directory")
+    with os.scandir(directory) as entries:
+        if not any(is_shard_file(entry.name) for entry in entries):
+            raise UsageError(
+                f"{directory} is not a dataset: it holds no shard files, committed or left by "
+                f"a writer (0000000.in_band.bin, 0000000.shard.json, ...); check the path"
+            )
     planned = plan(directory)
     if args.dry_run:
         result = planned

@@ -12,7 +12,7 @@ import time
 import warnings
 from typing import Any
 
-from guideloom_pipes.cli.dataset import Opened, open_dataset
+from guideloom_pipes.cli.dataset import Opened, ignored_entries, open_dataset
 from guideloom_pipes.progress import Progress, human_bytes
 from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.listing import ShardListing, discover
@@ -22,6 +22,8 @@ from guideloom_pipes.storage.verify import check_files, check_listing, recorded_
 
 #: datasets at least this large show progress (``--progress auto``)
 PROGRESS_FROM = 64 << 20
+#: ignored entries named in the note (``--json`` lists them all)
+_SHOWN = 20
 _SHARD = re.compile(r"\bshard (\d{7,})|\b(\d{7,})\.(?:v\d+\.)?(?:in_band|out_of_band|shard)")
 
 
@@ -36,6 +38,8 @@ class _Findings:
     def __init__(self) -> None:
         self.problems: list[dict[str, Any]] = []
         self.notes: list[str] = []
+        #: entries of the directory that are not shard files of the dataset
+        self.ignored: list[str] = []
 
     def problem(self, error: BaseException | str, shard: int | None = None) -> None:
         message = str(error)
@@ -59,6 +63,15 @@ def check(opened: Opened, args: argparse.Namespace, findings: _Findings) -> dict
     for warning in seen:
         findings.notes.append(f"{warning.message}; or run guideloom-pipes recover {args.path}")
     counts["shards"] = listing.num_shards
+    if io.local:
+        findings.ignored = ignored_entries(storage.dir, storage.suffixes)
+    if findings.ignored:
+        more = len(findings.ignored) - _SHOWN
+        shown = ", ".join(findings.ignored[:_SHOWN]) + (f", and {more} more" if more > 0 else "")
+        findings.notes.append(
+            f"ignored {len(findings.ignored)} entries that are not shard files of this "
+            f"dataset (readers ignore them too): {shown}"
+        )
     dtype = opened.dtype
     errors: list[Exception] = []
     sizes = check_listing(
@@ -182,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
                     "checksummed": not unverified,
                     "problems": findings.problems,
                     "notes": findings.notes,
+                    "ignored": findings.ignored,
                     "shards": counts["shards"],
                     "files": counts["files"],
                     "bytes": counts["bytes"],
