@@ -172,6 +172,34 @@ def test_an_http_data_file_answering_403_mid_epoch_is_a_permission_error(
     assert "HTTP 403 Forbidden" in message
 
 
+def test_the_loader_delivers_a_403_mid_epoch_from_its_worker_processes_as_a_permission_error(
+    http: HttpServer,
+) -> None:
+    from guideloom_pipes import StatefulDataLoader
+
+    directory, url = _dataset(http, "forbidden-loader")
+    storage = StreamStorage(url, TOKENS, retry=FAST)
+    loader = StatefulDataLoader.from_storage(
+        storage,
+        sequence_length=WINDOW,
+        local_batch_size=8,
+        num_workers=2,
+        parallel_method="process",
+        prefetch=1,
+        device="cpu",
+    )
+    steps, delivered = len(loader), 0
+    with loader, pytest.raises(PermissionError) as caught:
+        for _ in loader:
+            delivered += 1
+            if delivered == 1:  # shard 2 is read from the 16th batch on
+                _forbid(directory / "0000002.in_band.bin", f"{url}/0000002.in_band.bin")
+    assert 1 <= delivered < steps
+    message = str(caught.value)
+    assert f"{url}/0000002.in_band.bin (shard 0000002)" in message
+    assert "HTTP 403 Forbidden" in message
+
+
 def test_an_http_data_file_removed_mid_epoch_names_the_shard_and_the_url(
     http: HttpServer,
 ) -> None:
@@ -224,6 +252,8 @@ def test_a_server_that_ignores_range_is_named_at_the_first_read(http: HttpServer
 BUCKET = "refusing"
 #: objects the reader's IAM policy denies GetObject on
 DENIED = ("denied-record/0000001.shard.json", "denied-data/0000001.in_band.bin")
+#: storage_options of a user whose IAM policy denies listing the bucket (set by ``s3``)
+BLIND: dict[str, Any] = {}
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +292,18 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Server, dic
         }
         iam.put_user_policy(UserName="reader", PolicyName="most", PolicyDocument=json.dumps(policy))
         key = iam.create_access_key(UserName="reader")["AccessKey"]
+        iam.create_user(UserName="blind")  # may read objects, not list the bucket
+        blind_policy = {
+            "Version": "2012-10-17",
+            "Statement": [
+                {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
+                {"Effect": "Deny", "Action": "s3:ListBucket", "Resource": "*"},
+            ],
+        }
+        iam.put_user_policy(
+            UserName="blind", PolicyName="no-list", PolicyDocument=json.dumps(blind_policy)
+        )
+        blind = iam.create_access_key(UserName="blind")["AccessKey"]
         # from now on every request is authenticated and authorised by IAM
         request = urllib.request.Request(
             f"{server.endpoint}/moto-api/reset-auth",
@@ -272,6 +314,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Server, dic
         with urllib.request.urlopen(request, timeout=30):
             pass
         options = server.options(key=key["AccessKeyId"], secret=key["SecretAccessKey"])
+        BLIND.update(server.options(key=blind["AccessKeyId"], secret=blind["SecretAccessKey"]))
         yield server, options
 
 
@@ -289,6 +332,17 @@ def test_s3_access_denied_on_a_record_fails_the_open_with_a_permission_error(
     assert f"s3://{BUCKET}/denied-record/0000001.shard.json (shard 0000001)" in message
     assert "HTTP 403, S3 AccessDenied" in message
     assert caught.value.errno == errno.EACCES
+
+
+def test_s3_access_denied_on_the_listing_fails_the_open_with_a_permission_error(
+    s3: tuple[S3Server, dict[str, Any]],
+) -> None:
+    storage = StreamStorage(f"s3://{BUCKET}/deleted", TOKENS, storage_options=BLIND, retry=FAST)
+    with pytest.raises(PermissionError) as caught:
+        StreamDataset(storage, WINDOW).sync_reader().open()
+    message = str(caught.value)
+    assert f"listing s3://{BUCKET}/deleted (the dataset) was refused" in message
+    assert "HTTP 403, S3 AccessDenied" in message
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["range", "cache"])
