@@ -242,11 +242,16 @@ _S3_503 = (
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
 #: Statuses the proxy answers itself (action = the status), with their reasons.
-_REFUSALS = {"401": b"Unauthorized", "403": b"Forbidden", "404": b"Not Found"}
+_REFUSALS = {
+    "400": b"Bad Request",
+    "401": b"Unauthorized",
+    "403": b"Forbidden",
+    "404": b"Not Found",
+}
 #: What the proxy does with one request: "pass", "delay" (then pass), "reset" (the
 #: connection is reset, nothing answered), "503" (a 503 SlowDown answer), "truncate" (half
-#: the answer, then a reset), "stall" (no answer until the client gives up), "401", "403",
-#: "404" (that status answered, nothing forwarded), "ignore-range" (forwarded without its
+#: the answer, then a reset), "stall" (no answer until the client gives up), "400", "401",
+#: "403", "404" (that status answered, nothing forwarded), "ignore-range" (forwarded without its
 #: Range header: the whole object answered with 200, as a server that ignores Range does).
 ACTIONS = ("pass", "delay", "reset", "503", "truncate", "stall", *_REFUSALS, "ignore-range")
 

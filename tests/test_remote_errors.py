@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -229,6 +230,26 @@ def test_an_http_401_mid_epoch_is_a_permission_error_naming_the_status(http: Htt
     assert f"{proxy.url}/unauthorized/0000001.in_band.bin (shard 0000001)" in message
     assert "HTTP 401 Unauthorized" in message
     assert proxy.count("401") == 1  # a refusal is not retried
+
+
+def test_another_4xx_mid_epoch_is_an_os_error_naming_the_status_that_pickles(
+    http: HttpServer,
+) -> None:
+    _dataset(http, "bad-request")
+    opened: list[bool] = []
+    with fault_proxy(http.port, lambda n: "400" if opened else "pass") as proxy:
+        storage = StreamStorage(f"{proxy.url}/bad-request", TOKENS, retry=FAST)
+        with StreamDataset(storage, WINDOW).sync_reader() as reader:
+            reader[_sample_in(1)]
+            opened.append(True)
+            with pytest.raises(OSError) as caught:
+                reader[_sample_in(1) + 1]
+    assert type(caught.value) is OSError  # not aiohttp's ClientResponseError
+    message = str(caught.value)
+    assert f"{proxy.url}/bad-request/0000001.in_band.bin (shard 0000001)" in message
+    assert "HTTP 400 Bad Request" in message
+    assert proxy.count("400") == 1  # not retried
+    assert str(pickle.loads(pickle.dumps(caught.value))) == message  # crosses a process
 
 
 def test_a_server_that_ignores_range_is_named_at_the_first_read(http: HttpServer) -> None:

@@ -304,10 +304,12 @@ def _answer(error: BaseException) -> tuple[int | None, str]:
 def _refused(what: str, url: str, error: BaseException, http: bool) -> OSError | None:
     """``error`` as the error a user can act on, where the server refused the request:
     :class:`PermissionError` for HTTP 401/403 and S3 ``AccessDenied`` (and the like),
-    :class:`FileNotFoundError` for HTTP 404 and S3 ``NoSuchKey``, each naming what was
-    done, the URL, the shard and the server's answer. None for any other error (ours
-    included), which is raised as it is. ``http``: whether the file system speaks plain
-    HTTP (fsspec's HTTP client raises a bare ``FileNotFoundError(url)`` for a 404)."""
+    :class:`FileNotFoundError` for HTTP 404 and S3 ``NoSuchKey``, an ``OSError`` for
+    another 4xx, each naming what was done, the URL, the shard and the server's answer
+    (and each picklable, unlike aiohttp's errors, so it crosses a worker process). None
+    for any other error (ours included), which is raised as it is. ``http``: whether the
+    file system speaks plain HTTP (fsspec's HTTP client raises a bare
+    ``FileNotFoundError(url)`` for a 404)."""
     if isinstance(error, StorageError):
         return None
     status, words = _answer(error)
@@ -332,6 +334,13 @@ def _refused(what: str, url: str, error: BaseException, http: bool) -> OSError |
             f"Restore it, or open the dataset again (a new reader lists it again)"
         )
         refused.errno = errno.ENOENT
+        return refused
+    if status is not None and 400 <= status < 500:  # a client's own error (401/403/404 above)
+        refused = OSError(
+            f"{where} failed: {words}. The server refused the request, so trying it again "
+            f"would not help; check the URL and what the server expects of its clients"
+        )
+        refused.errno = errno.EIO
         return refused
     return None
 
