@@ -172,11 +172,29 @@ http {{
 """
 
 
+def _unprivileged_user() -> str:
+    """nginx's ``user`` line for workers that file modes bind: as root, the ``nobody``
+    user (root reads a ``chmod 000`` file; nobody gets 403 for it); otherwise the caller's
+    own user, already bound by them."""
+    if os.geteuid() != 0:
+        return ""
+    import grp
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    return f"user {nobody.pw_name} {grp.getgrgid(nobody.pw_gid).gr_name};\n"
+
+
 @contextlib.contextmanager
-def nginx_server(tmp: Path) -> Iterator[HttpServer]:
+def nginx_server(tmp: Path, *, unprivileged: bool = False) -> Iterator[HttpServer]:
     """nginx serving ``tmp/root`` on a loopback port. Its listening socket is made here and
     handed to nginx (nginx's ``NGINX`` variable for inherited sockets), so connections queue
-    from the start: no port race and no wait for it to bind."""
+    from the start: no port race and no wait for it to bind.
+
+    ``unprivileged``: its workers are bound by file modes even where the tests run as root
+    (they run as ``nobody``), so a ``chmod 000`` file is answered 403. ``tmp`` must then be
+    a directory every user may enter (``tempfile.mkdtemp`` under ``/tmp``, mode 0755).
+    """
     nginx = shutil.which("nginx") or next(
         (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if os.access(p, os.X_OK)), None
     )
@@ -192,7 +210,10 @@ def nginx_server(tmp: Path) -> Iterator[HttpServer]:
     # the race for a connection blocked in accept(), the connections it holds unanswered
     listener.setblocking(False)
     port = int(listener.getsockname()[1])
-    user = "user root root;\n" if os.geteuid() == 0 else ""
+    if unprivileged:
+        user = _unprivileged_user()
+    else:
+        user = "user root root;\n" if os.geteuid() == 0 else ""
     conf = tmp / "nginx.conf"
     conf.write_text(_NGINX_CONF.format(user=user, tmp=tmp, host=LOOPBACK, port=port, root=root))
     fd = listener.fileno()
@@ -220,10 +241,19 @@ _S3_503 = (
     b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
     b"<Message>Please reduce your request rate.</Message></Error>"
 )
+#: Statuses the proxy answers itself (action = the status), with their reasons.
+_REFUSALS = {
+    "400": b"Bad Request",
+    "401": b"Unauthorized",
+    "403": b"Forbidden",
+    "404": b"Not Found",
+}
 #: What the proxy does with one request: "pass", "delay" (then pass), "reset" (the
 #: connection is reset, nothing answered), "503" (a 503 SlowDown answer), "truncate" (half
-#: the answer, then a reset), "stall" (no answer until the client gives up).
-ACTIONS = ("pass", "delay", "reset", "503", "truncate", "stall")
+#: the answer, then a reset), "stall" (no answer until the client gives up), "400", "401",
+#: "403", "404" (that status answered, nothing forwarded), "ignore-range" (forwarded without its
+#: Range header: the whole object answered with 200, as a server that ignores Range does).
+ACTIONS = ("pass", "delay", "reset", "503", "truncate", "stall", *_REFUSALS, "ignore-range")
 
 
 @dataclass
@@ -311,6 +341,11 @@ class FaultProxy:
                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_S3_503) + _S3_503
                 )
                 return
+            if action in _REFUSALS:
+                client.sendall(_refusal(action))
+                return
+            if action == "ignore-range":
+                head = _without_header(head, b"range")
             if action == "stall":
                 self._stopped.wait(30)  # until the client gives up (it closes) or we stop
                 return
@@ -378,6 +413,24 @@ def _read_request(client: socket.socket) -> tuple[bytes | None, bytes]:
             break
         body += chunk
     return head + b"\r\n\r\n", body
+
+
+def _refusal(status: str) -> bytes:
+    reason = _REFUSALS[status]
+    body = b"%s %s\n" % (status.encode(), reason)
+    return (
+        b"HTTP/1.1 %s %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
+        b"Connection: close\r\n\r\n" % (status.encode(), reason, len(body))
+    ) + body
+
+
+def _without_header(head: bytes, name: bytes) -> bytes:
+    """The request ``head`` without its ``name`` header (lower case)."""
+    lines = head.rstrip(b"\r\n").split(b"\r\n")
+    kept = [lines[0]] + [
+        line for line in lines[1:] if line.partition(b":")[0].strip().lower() != name
+    ]
+    return b"\r\n".join([*kept, b"", b""])
 
 
 def _close_connection(head: bytes) -> bytes:

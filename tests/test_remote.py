@@ -687,7 +687,11 @@ def _record_get(line: str) -> bool:
 
 def test_an_http_open_reads_its_records_and_sizes_concurrently(http: HttpServer) -> None:
     _write_tokens(http.root / "concurrent", shards=8, per_shard=100)
-    with fault_proxy(http.port, lambda n: "pass", together=_record_get, parties=4) as proxy:
+
+    def shard_record_get(line: str) -> bool:  # not the probe for a record past the end
+        return _record_get(line) and "/0000008." not in line
+
+    with fault_proxy(http.port, lambda n: "pass", together=shard_record_get, parties=4) as proxy:
         storage = StreamStorage(f"{proxy.url}/concurrent", TOKENS)
         with storage.sync_reader() as reader:
             assert reader.num_shards == 8

@@ -57,7 +57,8 @@ def check(opened: Opened, args: argparse.Namespace, findings: _Findings) -> dict
         warnings.simplefilter("always")
         try:
             listing = discover(io, storage.dir, storage.suffixes)
-        except (FileNotFoundError, ValueError, DatasetChangedError) as error:
+        except (OSError, ValueError, DatasetChangedError) as error:
+            # OSError: a missing shard, or a server that refuses a file (PermissionError)
             findings.problem(error)
             return counts
     for warning in seen:

@@ -20,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, TypeVar
@@ -90,6 +90,11 @@ class RemoteReadError(StorageError, OSError):
     """A read of a remote dataset kept failing with transient errors (connection resets,
     timeouts, HTTP 5xx, S3 SlowDown) after every attempt its :class:`RetryPolicy` allows.
     The last failure is the ``__cause__``."""
+
+
+class RangeIgnoredError(StorageError, OSError):
+    """The server answered a ranged read with the whole object: it ignores the HTTP
+    ``Range`` header, so a dataset cannot be read from it in byte ranges. Not retried."""
 
 
 class _ShortRead(OSError):
@@ -227,6 +232,19 @@ def _transient_one(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS
 
 
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and every error it was raised from (causes and contexts), each once."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        todo += [current.__cause__, current.__context__]
+
+
 def is_transient(error: BaseException) -> bool:
     """Whether ``error`` (or an error it was raised from) is a failure worth trying again:
     a connection reset, refused or closed early, a timeout, an HTTP 5xx / 408 / 429, an S3
@@ -235,29 +253,102 @@ def is_transient(error: BaseException) -> bool:
     fsspec's HTTP client reports any failure to learn an object's size as
     ``FileNotFoundError``; the error it was raised from tells a real 404 from a 503.
     """
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [error]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if _transient_one(current):
-            return True
-        todo += [current.__cause__, current.__context__]
-    return False
+    return any(_transient_one(current) for current in _chain(error))
+
+
+#: S3 error codes that mean "these credentials may not do this" (HTTP 403)
+_DENIED_CODES = frozenset(
+    {
+        "AccessDenied",
+        "AllAccessDisabled",
+        "AccountProblem",
+        "ExpiredToken",
+        "InvalidAccessKeyId",
+        "InvalidToken",
+        "SignatureDoesNotMatch",
+    }
+)
+#: S3 error codes that mean "no such object" (HTTP 404)
+_MISSING_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion"})
+
+
+def _answer(error: BaseException) -> tuple[int | None, str]:
+    """The HTTP status of the server's answer that ``error`` (or one it was raised from)
+    reports, and the server's words for it (``HTTP 403 Forbidden``, ``HTTP 403, S3
+    AccessDenied: Access Denied``); ``(None, "")`` where none is found."""
+    for current in _chain(error):
+        status = getattr(current, "status", None)  # aiohttp.ClientResponseError
+        if isinstance(status, int) and not isinstance(status, bool):
+            reason = getattr(current, "message", None)
+            return status, f"HTTP {status} {reason}" if reason else f"HTTP {status}"
+        response = getattr(current, "response", None)  # botocore ClientError
+        if isinstance(response, dict):
+            details = response.get("Error", {})
+            http = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code, said = details.get("Code"), details.get("Message")
+            if code in _DENIED_CODES:
+                http = http if isinstance(http, int) else 403
+            elif code in _MISSING_CODES:
+                http = http if isinstance(http, int) else 404
+            if not isinstance(http, int):
+                continue
+            words = f"HTTP {http}"
+            if code and not str(code).isdigit():  # a HEAD's answer has no body: its code is "403"
+                words += f", S3 {code}" + (f": {said}" if said else "")
+            elif said:
+                words += f" {said}"
+            return http, words
+    return None, ""
+
+
+def _refused(what: str, url: str, error: BaseException, http: bool) -> OSError | None:
+    """``error`` as the error a user can act on, where the server refused the request:
+    :class:`PermissionError` for HTTP 401/403 and S3 ``AccessDenied`` (and the like),
+    :class:`FileNotFoundError` for HTTP 404 and S3 ``NoSuchKey``, an ``OSError`` for
+    another 4xx, each naming what was done, the URL, the shard and the server's answer
+    (and each picklable, unlike aiohttp's errors, so it crosses a worker process). None
+    for any other error (ours included), which is raised as it is. ``http``: whether the
+    file system speaks plain HTTP (fsspec's HTTP client raises a bare
+    ``FileNotFoundError(url)`` for a 404)."""
+    if isinstance(error, StorageError):
+        return None
+    status, words = _answer(error)
+    if status is None and isinstance(error, PermissionError):
+        status, words = 403, _describe(error)
+    if status is None and isinstance(error, FileNotFoundError):
+        status, words = 404, "HTTP 404 Not Found" if http else _describe(error)
+    where = f"{what} {url} ({_shard_label(url)})"
+    refused: OSError
+    if status in (401, 403):
+        refused = PermissionError(
+            f"{where} was refused: {words}. The server does not let this reader read it: "
+            f"check the object's permissions there (file mode, bucket policy, IAM role), "
+            f"the credentials (storage_options=) and the URL"
+        )
+        refused.errno = errno.EACCES
+        return refused
+    if status in (404, 410):
+        refused = FileNotFoundError(
+            f"{where} failed: {words}. The object is not there: it was deleted or moved "
+            f"(after the dataset was listed, if a reader had it open), or the URL is wrong. "
+            f"Restore it, or open the dataset again (a new reader lists it again)"
+        )
+        refused.errno = errno.ENOENT
+        return refused
+    if status is not None and 400 <= status < 500:  # a client's own error (401/403/404 above)
+        refused = OSError(
+            f"{where} failed: {words}. The server refused the request, so trying it again "
+            f"would not help; check the URL and what the server expects of its clients"
+        )
+        refused.errno = errno.EIO
+        return refused
+    return None
 
 
 def _precondition_failed(error: BaseException) -> bool:
     """Whether ``error`` (or one it was raised from) is an HTTP 412: a conditional read
     (``If-Match``) of an object that changed."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [error]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
+    for current in _chain(error):
         if getattr(current, "status", None) == 412:  # aiohttp
             return True
         response = getattr(current, "response", None)  # botocore ClientError
@@ -266,7 +357,6 @@ def _precondition_failed(error: BaseException) -> bool:
             or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412
         ):
             return True
-        todo += [current.__cause__, current.__context__]
     return False
 
 
@@ -366,7 +456,10 @@ class FsspecIO(BackendBase):
 
     def call(self, what: str, url: str, function: Callable[[], T]) -> T:
         """``function()``, tried again on transient failures as :attr:`retry` says; then a
-        :class:`RemoteReadError` naming ``what`` was done, ``url``, the shard, the attempts."""
+        :class:`RemoteReadError` naming ``what`` was done, ``url``, the shard, the attempts.
+        A refusal is raised at once, as a ``PermissionError`` (HTTP 401/403, S3
+        ``AccessDenied``) or ``FileNotFoundError`` (HTTP 404, S3 ``NoSuchKey``) naming the
+        same and the server's answer."""
         policy = self.retry
         started = time.monotonic()
         for attempt in range(1, policy.attempts + 1):
@@ -374,7 +467,10 @@ class FsspecIO(BackendBase):
                 return function()
             except Exception as error:
                 if not is_transient(error):
-                    raise
+                    refused = _refused(what, url, error, self._speaks_http())
+                    if refused is None:
+                        raise
+                    raise refused from error
                 if attempt == policy.attempts:
                     elapsed = time.monotonic() - started
                     raise RemoteReadError(
@@ -398,6 +494,10 @@ class FsspecIO(BackendBase):
                 )
                 time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _speaks_http(self) -> bool:
+        """Whether the file system is fsspec's plain HTTP(S) one."""
+        return any(p in ("http", "https") for p in _protocols(self.fs))
 
     def once(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """One try of the file system's ``method(*args, **kwargs)``; on an asynchronous file
@@ -532,6 +632,25 @@ async def _s3_get(fs: Any, url: str, start: int, end: int, etag: str) -> bytes:
         response["Body"].close()
 
 
+def _check_length(url: str, start: int, end: int, size: int, got: int) -> None:
+    """Refuse an answer of ``got`` bytes to a read of bytes ``start..end`` of an object of
+    ``size`` bytes: the whole object where a part was asked for is a server that ignores
+    ``Range`` (:class:`RangeIgnoredError`, not retried); any other length a
+    :class:`_ShortRead` (retried)."""
+    want = end - start
+    if got == want:
+        return
+    if got == size:
+        raise RangeIgnoredError(
+            f"reading bytes {start}..{end} of {url} ({_shard_label(url)}): the server "
+            f"answered with the whole object ({size} bytes) instead of those {want} bytes, so "
+            f"it ignored the HTTP Range header. A dataset is read in byte ranges: serve it "
+            f"from a server that honours Range requests (nginx, S3, a CDN with range "
+            f"requests on), not through a proxy that drops the header"
+        )
+    raise _ShortRead(f"asked for bytes {start}..{end} ({want} bytes), got {got} bytes")
+
+
 class _RemoteReader(IOSyncReaderAbstract):
     """Byte ranges of one object: its size on ``open`` (one request, none where the open
     of its dataset found it), a request per read; pinned to the ETag the open found."""
@@ -601,10 +720,7 @@ class _RemoteReader(IOSyncReaderAbstract):
 
         def ranged() -> memoryview:
             data = self.backend.ranged(self.url, offset, end, self._pin)
-            if len(data) != want:
-                raise _ShortRead(
-                    f"asked for bytes {offset}..{end} ({want} bytes), got {len(data)} bytes"
-                )
+            _check_length(self.url, offset, end, size_now, len(data))
             return memoryview(data)
 
         return self.backend.call(f"reading bytes {offset}..{end} of", self.url, ranged)
@@ -738,6 +854,7 @@ def resolve_location(
 __all__ = [
     "FsspecIO",
     "ListingFsspecIO",
+    "RangeIgnoredError",
     "RemotePath",
     "RemoteReadError",
     "RetryPolicy",

@@ -18,6 +18,7 @@ from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing, _backend_size
 from guideloom_pipes.storage.names import RECORD, TMP, _display, shard_name
 from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord
+from guideloom_pipes.storage.remote import FsspecIO
 
 
 def check_listing(
@@ -83,8 +84,11 @@ def _check_shard(
         if size is None:
             size = _backend_size(backend, directory / file_name)
         if size is None:
+            # a URL's missing object is a 404 (FsspecIO raises PermissionError for a refusal)
+            remote = isinstance(backend.backend, FsspecIO)
+            answer = " (the server answers 404 Not Found for it)" if remote else ""
             raise FileNotFoundError(
-                f"shard {name} of {where} has no {file_name}; the shard is incomplete "
+                f"shard {name} of {where} has no {file_name}{answer}; the shard is incomplete "
                 f"(was it copied partially, or written with another storage class?). "
                 f"Rewrite shard {shard}"
             )
