@@ -16,6 +16,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,7 +43,7 @@ from guideloom_pipes import (
     StreamNumpyFormat,
     StreamStorage,
 )
-from guideloom_pipes.storage import CorruptShardError
+from guideloom_pipes.storage import CorruptShardError, DatasetChangedError
 from guideloom_pipes.storage.checksums import BlockCrc32, crc32_combine
 from guideloom_pipes.storage.records import ShardRecord
 from guideloom_pipes.storage.remote import RetryPolicy
@@ -214,7 +215,8 @@ def test_a_window_spoiled_on_every_read_is_refused_naming_shard_url_and_range(
             with pytest.raises(CorruptShardError) as caught:
                 reader[SAMPLE]
     _names_shard_url_and_range(caught.value, url)
-    assert proxy.count("flip") == 2  # read again once, then refused
+    spoiled = [line for action, line in proxy.log if action == "flip" and "in_band.bin" in line]
+    assert len(spoiled) == 2  # read again once, then refused
 
 
 def test_a_window_spoiled_once_is_read_again_and_returned_exactly(
@@ -329,6 +331,29 @@ def test_an_s3_object_replaced_by_one_of_the_same_size_is_refused_by_the_next_re
         with pytest.raises(CorruptShardError) as caught:
             reader[SAMPLE]
     _names_shard_url_and_range(caught.value, url)
+
+
+def test_a_shard_recommitted_and_replaced_keeping_size_and_mtime_under_an_open_reader_is_a_change(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    tokens = _write_tokens(tmp_path / "data")
+    other = _write_tokens(tmp_path / "other", seed=1)  # the same sizes, other tokens
+    served = http.root / "recommitted"
+    os.replace(tmp_path / "data", served)
+    url = f"{http.url}/recommitted"
+    storage = StreamStorage(url, TOKENS, retry=FAST)
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:
+        assert reader[101]["tokens"].tolist() == _window(tokens, 101)
+        # shard 1 copied from a rewrite, its data file keeping size and mtime (nginx's ETag)
+        stat = (served / "0000001.in_band.bin").stat()
+        for name in ("0000001.in_band.bin", "0000001.shard.json"):
+            shutil.copyfile(tmp_path / "other" / name, served / name)
+        os.utime(served / "0000001.in_band.bin", ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        with pytest.raises(DatasetChangedError, match="Open the dataset again") as caught:
+            reader[SAMPLE]
+    _names_shard_url_and_range(caught.value, url)
+    with StreamDataset(storage, WINDOW).sync_reader() as reader:  # a new reader: the new shard
+        assert reader[SAMPLE]["tokens"].tolist() == _window(other, SAMPLE)
 
 
 # --- records written before block checksums -------------------------------------------------

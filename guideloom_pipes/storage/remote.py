@@ -31,8 +31,8 @@ from guideloom_pipes.storage.cache import CachedFile, ShardCache
 from guideloom_pipes.storage.checksums import BlockChecksums
 from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError, StorageError
 from guideloom_pipes.storage.io import BackendBase, _MmapReader
-from guideloom_pipes.storage.names import _NAME, shard_name
-from guideloom_pipes.storage.records import ExpectedFile
+from guideloom_pipes.storage.names import _NAME, RECORD, shard_name
+from guideloom_pipes.storage.records import ExpectedFile, ShardRecord
 from guideloom_pipes.types import IOSyncReaderAbstract
 
 T = TypeVar("T")
@@ -627,7 +627,7 @@ class _RemoteReader(IOSyncReaderAbstract):
                 data = fetch()
                 wrong = self._mismatch(data, start, blocks)
                 if wrong is not None:
-                    raise self._corrupt(offset, end, wrong)
+                    raise self._refusal(offset, end, wrong)
             view = memoryview(data)
             return view if stop - start == want else view[offset - start : end - start]
 
@@ -660,10 +660,20 @@ class _RemoteReader(IOSyncReaderAbstract):
             f"commit record (crc32 {crc:#010x}, committed {committed:#010x})"
         )
 
-    def _corrupt(
-        self, offset: int, end: int, wrong: tuple[int, int, int, int]
-    ) -> CorruptShardError:
+    def _refusal(self, offset: int, end: int, wrong: tuple[int, int, int, int]) -> StorageError:
+        """The error for bytes that differ from the record twice: a
+        :class:`DatasetChangedError` where the shard's record changed since the open (the
+        shard was committed again: this reader's view is old), else a
+        :class:`CorruptShardError`."""
         asked = f", read for bytes {offset}..{end}" if (offset, end) != wrong[:2] else ""
+        if self._recommitted():
+            return DatasetChangedError(
+                f"{self._mismatch_text(wrong)}{asked}, twice: the shard was committed again "
+                f"after this reader opened the dataset (its commit record now describes other "
+                f"content) and the object was replaced keeping its ETag (the same size and "
+                f"modification time, as `rsync -a` can leave it). Open the dataset again (a "
+                f"new reader) to read the new version"
+            )
         return CorruptShardError(
             f"{self._mismatch_text(wrong)}{asked}, twice: the object is not the one that was "
             f"committed. It was changed in place without a new commit (a data file replaced by "
@@ -672,6 +682,21 @@ class _RemoteReader(IOSyncReaderAbstract):
             f"way. Restore the object or rewrite the shard; `guideloom-pipes verify URL` checks "
             f"every shard"
         )
+
+    def _recommitted(self) -> bool:
+        """Whether the shard's commit record, read again now (one try), describes this file
+        otherwise than the record the open read; False where it cannot be told."""
+        match = _NAME.match(self.url.rpartition("/")[2])
+        if match is None or self.expected is None:
+            return False
+        url = f"{self.url.rpartition('/')[0]}/{shard_name(int(match['shard']))}{RECORD}"
+        try:
+            record = ShardRecord.from_json(bytes(self.backend.once("cat_file", url)), url)
+        except Exception:  # gone, refused, unreadable: nothing to compare (the data is refused)
+            return False
+        entry = record.files.get(match["suffix"].lstrip("."))
+        expected = self.expected
+        return entry is None or (entry.crc32, entry.blocks) != (expected.crc32, expected.blocks)
 
     def readinto(self, offset: int, buffer: memoryview) -> int:
         """Fill ``buffer`` with the bytes at ``offset`` (one ranged request); the bytes
