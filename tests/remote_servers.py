@@ -252,8 +252,10 @@ _REFUSALS = {
 #: connection is reset, nothing answered), "503" (a 503 SlowDown answer), "truncate" (half
 #: the answer, then a reset), "stall" (no answer until the client gives up), "400", "401",
 #: "403", "404" (that status answered, nothing forwarded), "ignore-range" (forwarded without its
-#: Range header: the whole object answered with 200, as a server that ignores Range does).
-ACTIONS = ("pass", "delay", "reset", "503", "truncate", "stall", *_REFUSALS, "ignore-range")
+#: Range header: the whole object answered with 200, as a server that ignores Range does),
+#: "flip" (the answer with one byte of its body inverted: data spoiled on the way, or on the
+#: server).
+ACTIONS = ("pass", "delay", "reset", "503", "truncate", "stall", *_REFUSALS, "ignore-range", "flip")
 
 
 @dataclass
@@ -354,6 +356,8 @@ class FaultProxy:
             with socket.create_connection((LOOPBACK, self.upstream_port), timeout=30) as up:
                 up.sendall(_close_connection(head) + body)
                 answer = _read_all(up)
+            if action == "flip":
+                answer = _flip_body(answer)
             if action == "truncate":
                 client.sendall(answer[: max(1, len(answer) // 2)])
                 _reset(client)
@@ -441,6 +445,16 @@ def _close_connection(head: bytes) -> bytes:
         if line.partition(b":")[0].strip().lower() not in (b"connection", b"keep-alive")
     ]
     return b"\r\n".join([*kept, b"Connection: close", b"", b""])
+
+
+def _flip_body(answer: bytes) -> bytes:
+    """``answer`` with the middle byte of its body inverted (one without a body as it is)."""
+    head, separator, body = answer.partition(b"\r\n\r\n")
+    if not separator or not body:
+        return answer
+    spoiled = bytearray(body)
+    spoiled[len(spoiled) // 2] ^= 0xFF
+    return head + separator + bytes(spoiled)
 
 
 def _read_all(connection: socket.socket) -> bytes:

@@ -7,10 +7,12 @@ with the checks their file sizes allow.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import shutil
+import struct
 import zlib
 from pathlib import Path
 from typing import Any
@@ -61,6 +63,17 @@ def drop_records(path: Path) -> None:
 # What a record holds ---------------------------------------------------------------------
 
 
+def file_entry(data: bytes, block: int = 65536) -> dict[str, Any]:
+    """A file's entry in its record: size, CRC-32, and the CRC-32 of each 64 KiB block."""
+    crcs = [zlib.crc32(data[k : k + block]) for k in range(0, len(data), block)]
+    return {
+        "size": len(data),
+        "crc32": zlib.crc32(data),
+        "block_size": block,
+        "block_crc32": base64.b64encode(struct.pack(f"<{len(crcs)}I", *crcs)).decode(),
+    }
+
+
 def test_a_stream_record_holds_kind_dtype_count_sizes_and_crc32(tmp_path: Path) -> None:
     write("stream", tmp_path, {0: list(range(10))})
     record = record_of(tmp_path)
@@ -72,7 +85,7 @@ def test_a_stream_record_holds_kind_dtype_count_sizes_and_crc32(tmp_path: Path) 
     assert np.lib.format.descr_to_dtype([tuple(f) for f in record["dtype"]]) == np.dtype(
         [("tokens", "<i4")]
     )
-    assert record["files"] == {"in_band.bin": {"size": 40, "crc32": zlib.crc32(data)}}
+    assert record["files"] == {"in_band.bin": file_entry(data)}
 
 
 def test_a_document_record_holds_kind_count_sizes_and_crc32(tmp_path: Path) -> None:
@@ -83,10 +96,7 @@ def test_a_document_record_holds_kind_count_sizes_and_crc32(tmp_path: Path) -> N
     assert record["dtype"] is None
     for suffix in SUFFIXES["document"]:
         data = (tmp_path / f"0000000{suffix}").read_bytes()
-        assert record["files"][suffix.lstrip(".")] == {
-            "size": len(data),
-            "crc32": zlib.crc32(data),
-        }
+        assert record["files"][suffix.lstrip(".")] == file_entry(data)
 
 
 def test_a_stream_meta_record_holds_kind_dtype_counts_sizes_and_crc32(tmp_path: Path) -> None:
@@ -98,7 +108,7 @@ def test_a_stream_meta_record_holds_kind_dtype_counts_sizes_and_crc32(tmp_path: 
     assert record["dtype"] == "<i4"
     assert set(record["files"]) == {s.lstrip(".") for s in SUFFIXES["stream_meta"]}
     data = (tmp_path / "0000000.in_band.bin").read_bytes()
-    assert record["files"]["in_band.bin"] == {"size": 40, "crc32": zlib.crc32(data)}
+    assert record["files"]["in_band.bin"] == file_entry(data)
 
 
 def test_the_record_of_a_rewritten_shard_describes_the_new_files(tmp_path: Path) -> None:
@@ -349,6 +359,9 @@ def test_a_record_of_a_newer_format_version_asks_for_an_upgrade(tmp_path: Path) 
         read("stream", tmp_path)
 
 
+#: a valid entry of an 8-byte file in one block (the fields below break it one at a time)
+BLOCK = {"size": 8, "crc32": 0, "block_size": 65536, "block_crc32": "AAAAAA=="}
+BLOCK_SIZE, BLOCK_CRCS = "files.in_band.bin.block_size", "files.in_band.bin.block_crc32"
 MALFORMED = [
     ("files", [], "files"),
     ("files", "in_band.bin", "files"),
@@ -358,6 +371,14 @@ MALFORMED = [
     ("files", {"in_band.bin": {"size": 8.0, "crc32": 0}}, "files.in_band.bin.size"),
     ("files", {"in_band.bin": {"size": 8, "crc32": "0x1"}}, "files.in_band.bin.crc32"),
     ("files", {"in_band.bin": {"size": 8}}, "files.in_band.bin.crc32"),
+    ("files", {"in_band.bin": {**BLOCK, "block_size": 0}}, BLOCK_SIZE),
+    ("files", {"in_band.bin": {**BLOCK, "block_crc32": "no base64"}}, BLOCK_CRCS),
+    ("files", {"in_band.bin": {**BLOCK, "block_crc32": 12}}, BLOCK_CRCS),
+    # two CRCs for a file of one block, or three bytes of one
+    ("files", {"in_band.bin": {**BLOCK, "block_crc32": "AAAAAAAAAAA="}}, BLOCK_CRCS),
+    ("files", {"in_band.bin": {**BLOCK, "block_crc32": "AAAA"}}, BLOCK_CRCS),
+    ("files", {"in_band.bin": {"size": 8, "crc32": 0, "block_size": 8}}, BLOCK_CRCS),
+    ("files", {"in_band.bin": {"size": 8, "crc32": 0, "block_crc32": ""}}, BLOCK_SIZE),
     ("count", "2", "count"),
     ("count", 1e999, "count"),
     ("count", True, "count"),

@@ -79,7 +79,6 @@ import threading
 import time
 import warnings
 import weakref
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import PurePath
@@ -88,6 +87,7 @@ from typing import Any, BinaryIO, TypeVar
 
 import numpy as np
 
+from guideloom_pipes.storage.checksums import BlockCrc32
 from guideloom_pipes.storage.errors import CorruptShardError, ShardLockedError, StorageError
 from guideloom_pipes.storage.names import (
     _NAME,
@@ -198,8 +198,16 @@ class _CountingFile:
         self.path = path
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         self.file: BinaryIO = os.fdopen(fd, "wb", buffering=1 << 20)
-        self.size = 0
-        self.crc32 = 0
+        #: the CRC-32 of the file and of each of its blocks, as it is written
+        self.checksums = BlockCrc32()
+
+    @property
+    def size(self) -> int:
+        return self.checksums.size
+
+    @property
+    def crc32(self) -> int:
+        return self.checksums.crc32
 
     def write(self, data: Any) -> None:
         if isinstance(data, np.ndarray):
@@ -214,8 +222,7 @@ class _CountingFile:
         view = memoryview(data).cast("B")
         _fault("write", self.path)
         self.file.write(view)
-        self.crc32 = zlib.crc32(view, self.crc32)
-        self.size += len(view)
+        self.checksums.update(view)
 
     def sync(self) -> None:
         _fault("write", self.path)
@@ -421,7 +428,10 @@ class ShardTransaction:
             kind=self.kind,
             shard=self.shard,
             count=count,
-            files={s.lstrip("."): FileRecord(h.size, h.crc32) for s, h in self.files.items()},
+            files={
+                s.lstrip("."): FileRecord(h.size, h.crc32, h.checksums.blocks())
+                for s, h in self.files.items()
+            },
             dtype=dtype,
             payloads=payloads,
             state="committed",
@@ -662,17 +672,17 @@ def seal_shard(
         files: dict[str, FileRecord] = {}
         for suffix in suffixes:
             path = stem + suffix
-            crc, size = 0, 0
+            checksums = BlockCrc32()
             with open(path, "rb") as data:
                 while chunk := data.read(_CHUNK):
-                    crc = zlib.crc32(chunk, crc)
-                    size += len(chunk)
+                    checksums.update(chunk)
+            size = checksums.size
             if size != sizes[suffix]:
                 raise CorruptShardError(
                     f"{path} changed while it was being sealed ({sizes[suffix]} -> {size} "
                     f"bytes); seal again once no other process writes it"
                 )
-            files[suffix.lstrip(".")] = FileRecord(size, crc)
+            files[suffix.lstrip(".")] = FileRecord(size, checksums.crc32, checksums.blocks())
         record = ShardRecord(
             kind, shard, count, files, dtype, payloads, generation=1, format=format
         )

@@ -69,13 +69,14 @@ class ShardListing:
 
     def expected(self, shard: int, suffix: str) -> ExpectedFile:
         """What the open found of ``shard``'s ``suffix`` file: its size, its record's
-        CRC-32 and its ETag (each None where unknown)."""
+        CRC-32 and block checksums, and its ETag (each None where unknown)."""
         record = self.records.get(shard)
         committed = record.files.get(suffix.lstrip(".")) if record is not None else None
         return ExpectedFile(
             self.sizes.get((shard, suffix)),
             committed.crc32 if committed is not None else None,
             self.tags.get((shard, suffix)),
+            committed.blocks if committed is not None else None,
         )
 
 

@@ -3,18 +3,24 @@ and CRC-32, and the JSON form of the stream dtype it records."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import numpy as np
 
+from guideloom_pipes.storage.checksums import BlockChecksums
 from guideloom_pipes.storage.errors import CorruptShardError, StorageError
 from guideloom_pipes.storage.names import shard_name, versioned_name
 
 #: The newest record format this package reads. Version 2 records name versioned files (a
 #: commit whose files are not yet at their canonical names) or mark a removed shard; they are
-#: written only then, so that an older reader refuses them rather than misread them.
+#: written only then, so that an older reader refuses them rather than misread them. The
+#: block checksums of each file (``block_size``, ``block_crc32``: what range reads of a
+#: remote object are checked against) are optional fields that raise no version: a reader
+#: that predates them reads such records correctly, only without checking ranges.
 RECORD_VERSION = 2
 #: bytes read at a time to checksum a file
 _CHUNK = 16 << 20
@@ -69,19 +75,30 @@ def format_name(format: Any) -> str:
 @dataclass(frozen=True)
 class ExpectedFile:
     """One shard file as its dataset's open found it: size, the CRC-32 its commit record
-    gives and the object's ETag (remote stores), each None where unknown."""
+    gives and the object's ETag (remote stores), each None where unknown; the record's
+    block checksums (None in records written before they were kept)."""
 
     size: int | None
     crc32: int | None
     etag: str | None
+    blocks: BlockChecksums | None = None
 
 
 @dataclass
 class FileRecord:
-    """Size and CRC-32 of one committed file."""
+    """Size and CRC-32 of one committed file, and the CRC-32 of each of its blocks (None
+    in records written before they were kept, and in sealed shards of earlier versions)."""
 
     size: int
     crc32: int
+    blocks: BlockChecksums | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {"size": self.size, "crc32": self.crc32}
+        if self.blocks is not None:
+            entry["block_size"] = self.blocks.block_size
+            entry["block_crc32"] = base64.b64encode(self.blocks.crcs).decode("ascii")
+        return entry
 
 
 @dataclass
@@ -124,7 +141,7 @@ class ShardRecord:
             "shard": self.shard,
             "count": self.count,
             "dtype": None if self.dtype is None else dtype_to_json(self.dtype),
-            "files": {s: {"size": f.size, "crc32": f.crc32} for s, f in self.files.items()},
+            "files": {s: f.to_json() for s, f in self.files.items()},
         }
         if self.payloads is not None:
             data["payloads"] = self.payloads
@@ -164,9 +181,11 @@ class ShardRecord:
         for suffix, entry in files.items():
             if not isinstance(entry, dict):
                 check.fail(f"files.{suffix}", "an object with size and crc32", entry)
+            size = check.integer(entry, "size", within=f"files.{suffix}")
             file_records[suffix] = FileRecord(
-                check.integer(entry, "size", within=f"files.{suffix}"),
+                size,
                 check.integer(entry, "crc32", within=f"files.{suffix}", maximum=0xFFFFFFFF),
+                check.blocks(entry, suffix, size),
             )
         descr = data.get("dtype")
         dtype = None
@@ -222,13 +241,37 @@ class _Checker:
             f"checks the other shards)"
         )
 
-    def field(self, data: dict[str, Any], name: str, kind: type, wanted: str) -> Any:
+    def field(
+        self, data: dict[str, Any], name: str, kind: type, wanted: str, within: str = ""
+    ) -> Any:
+        label = f"{within}.{name}" if within else name
         if name not in data:
-            self.fail(name, wanted, _MISSING)
+            self.fail(label, wanted, _MISSING)
         value = data[name]
         if not isinstance(value, kind):
-            self.fail(name, wanted, value)
+            self.fail(label, wanted, value)
         return value
+
+    def blocks(self, entry: dict[str, Any], suffix: str, size: int) -> BlockChecksums | None:
+        """The block checksums of file record ``entry`` of ``size`` bytes; None where the
+        record has none (records of earlier versions)."""
+        if "block_size" not in entry and "block_crc32" not in entry:
+            return None
+        block = self.integer(entry, "block_size", within=f"files.{suffix}", minimum=1)
+        text = self.field(entry, "block_crc32", str, "base64 text", f"files.{suffix}")
+        try:
+            crcs = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            self.fail(f"files.{suffix}.block_crc32", "base64 text", text)
+        blocks = BlockChecksums(block, crcs)
+        if len(crcs) % 4 or not blocks.fits(size):
+            self.fail(
+                f"files.{suffix}.block_crc32",
+                f"{-(-size // block)} CRC-32s of 4 bytes (a {size}-byte file in blocks of "
+                f"{block}), {len(crcs)} bytes",
+                text,
+            )
+        return blocks
 
     def integer(
         self,

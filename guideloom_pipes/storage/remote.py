@@ -20,6 +20,7 @@ import logging
 import random
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePath, PurePosixPath
@@ -27,10 +28,11 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 from guideloom_pipes.storage.cache import CachedFile, ShardCache
+from guideloom_pipes.storage.checksums import BlockChecksums
 from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError, StorageError
 from guideloom_pipes.storage.io import BackendBase, _MmapReader
-from guideloom_pipes.storage.names import _NAME, shard_name
-from guideloom_pipes.storage.records import ExpectedFile
+from guideloom_pipes.storage.names import _NAME, RECORD, shard_name
+from guideloom_pipes.storage.records import ExpectedFile, ShardRecord
 from guideloom_pipes.types import IOSyncReaderAbstract
 
 T = TypeVar("T")
@@ -712,18 +714,105 @@ class _RemoteReader(IOSyncReaderAbstract):
         return self._size
 
     def read(self, offset: int, size: int) -> memoryview:
+        """Bytes ``offset..offset + size`` (fewer past the end of the object), checked
+        against the commit record: the range is widened to the whole blocks around it and
+        each block's CRC-32 compared with the record's (records without block checksums:
+        a read of the whole file is compared with the file's CRC-32)."""
         size_now = self.filesize()
         end = min(offset + size, size_now)
         want = max(0, end - offset)
         if want == 0:
             return memoryview(b"")
+        expected = self.expected
+        blocks = expected.blocks if expected is not None else None
+        if blocks is not None and blocks.fits(size_now):
+            start, stop = blocks.span(offset, end, size_now)
+        else:
+            start, stop, blocks = offset, end, None
+
+        def fetch() -> bytes:
+            data = self.backend.ranged(self.url, start, stop, self._pin)
+            _check_length(self.url, start, stop, size_now, len(data))
+            return data
 
         def ranged() -> memoryview:
-            data = self.backend.ranged(self.url, offset, end, self._pin)
-            _check_length(self.url, offset, end, size_now, len(data))
-            return memoryview(data)
+            data = fetch()
+            wrong = self._mismatch(data, start, blocks)
+            if wrong is not None:  # a byte spoiled on the way is not there the next time
+                logger.info("%s; reading it again", self._mismatch_text(wrong))
+                data = fetch()
+                wrong = self._mismatch(data, start, blocks)
+                if wrong is not None:
+                    raise self._refusal(offset, end, wrong)
+            view = memoryview(data)
+            return view if stop - start == want else view[offset - start : end - start]
 
         return self.backend.call(f"reading bytes {offset}..{end} of", self.url, ranged)
+
+    def _mismatch(
+        self, data: bytes, start: int, blocks: BlockChecksums | None
+    ) -> tuple[int, int, int, int] | None:
+        """``(first byte, end, CRC-32 read, CRC-32 committed)`` of the first block of
+        ``data`` (read from ``start``) that differs from the record (without block
+        checksums: of a read of the whole file that differs); None if none does."""
+        if blocks is not None:
+            found = blocks.mismatch(data, start)
+            if found is None:
+                return None
+            block, crc = found
+            first = block * blocks.block_size
+            return first, min(first + blocks.block_size, start + len(data)), crc, blocks.crc(block)
+        committed = self.expected.crc32 if self.expected is not None else None
+        if committed is not None and start == 0 and len(data) == self._size:
+            crc = zlib.crc32(data)
+            if crc != committed:
+                return 0, len(data), crc, committed
+        return None
+
+    def _mismatch_text(self, wrong: tuple[int, int, int, int]) -> str:
+        first, last, crc, committed = wrong
+        return (
+            f"bytes {first}..{last} of {self.url} ({_shard_label(self.url)}) do not match its "
+            f"commit record (crc32 {crc:#010x}, committed {committed:#010x})"
+        )
+
+    def _refusal(self, offset: int, end: int, wrong: tuple[int, int, int, int]) -> StorageError:
+        """The error for bytes that differ from the record twice: a
+        :class:`DatasetChangedError` where the shard's record changed since the open (the
+        shard was committed again: this reader's view is old), else a
+        :class:`CorruptShardError`."""
+        asked = f", read for bytes {offset}..{end}" if (offset, end) != wrong[:2] else ""
+        if self._recommitted():
+            return DatasetChangedError(
+                f"{self._mismatch_text(wrong)}{asked}, twice: the shard was committed again "
+                f"after this reader opened the dataset (its commit record now describes other "
+                f"content) and the object was replaced keeping its ETag (the same size and "
+                f"modification time, as `rsync -a` can leave it). Open the dataset again (a "
+                f"new reader) to read the new version"
+            )
+        return CorruptShardError(
+            f"{self._mismatch_text(wrong)}{asked}, twice: the object is not the one that was "
+            f"committed. It was changed in place without a new commit (a data file replaced by "
+            f"one of the same size, e.g. by `rsync -a`, which keeps the modification time, so "
+            f"the server's ETag did not change either), or it is corrupt in storage or on the "
+            f"way. Restore the object or rewrite the shard; `guideloom-pipes verify URL` checks "
+            f"every shard"
+        )
+
+    def _recommitted(self) -> bool:
+        """Whether the shard's commit record, read again now (one try), describes this file
+        otherwise than the record the open read; False where it cannot be told."""
+        match = _NAME.match(self.url.rpartition("/")[2])
+        if match is None or self.expected is None:
+            return False
+        url = f"{self.url.rpartition('/')[0]}/{shard_name(int(match['shard']))}{RECORD}"
+        try:
+            record = ShardRecord.from_json(bytes(self.backend.once("cat_file", url)), url)
+        except Exception:  # gone, refused, unreadable: nothing to compare (the data is refused)
+            return False
+        entry = record.files.get(match["suffix"].lstrip("."))
+        expected = self.expected
+        return entry is None or (entry.crc32, entry.blocks) != (expected.crc32, expected.blocks)
 
     def readinto(self, offset: int, buffer: memoryview) -> int:
         """Fill ``buffer`` with the bytes at ``offset`` (one ranged request); the bytes
