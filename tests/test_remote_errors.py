@@ -253,16 +253,22 @@ def test_another_4xx_mid_epoch_is_an_os_error_naming_the_status_that_pickles(
 
 
 def test_a_server_that_ignores_range_is_named_at_the_first_read(http: HttpServer) -> None:
-    _dataset(http, "no-range")
+    # shards of 400 KB: a window's read, widened to the 64 KiB blocks the record checks,
+    # is still a small part of its shard
+    per_shard = 100_000
+    with StreamStorage(http.root / "no-range", TOKENS).sync_writer() as writer:
+        for shard in range(2):
+            start = shard * per_shard
+            writer.append(shard, {"tokens": np.arange(start, start + per_shard, dtype="<i4")})
     with fault_proxy(http.port, lambda n: "ignore-range") as proxy:
         # records are read whole, so the open works; the first window is a part of a shard
         storage = StreamStorage(f"{proxy.url}/no-range", TOKENS, retry=FAST)
         reader = StreamDataset(storage, WINDOW).sync_reader()
         with reader, pytest.raises(RangeIgnoredError) as caught:
-            reader[_sample_in(1)]
+            reader[per_shard // WINDOW + 1]
     message = str(caught.value)
     assert f"{proxy.url}/no-range/0000001.in_band.bin (shard 0000001)" in message
-    assert "ignored the HTTP Range header" in message and "whole object (4000 bytes)" in message
+    assert "ignored the HTTP Range header" in message and "whole object (400000 bytes)" in message
     assert not isinstance(caught.value, RemoteReadError)
     reads = [line for _, line in proxy.log if line.startswith("GET /no-range/0000001.in_band")]
     assert len(reads) == 1  # not retried
