@@ -21,6 +21,7 @@ from guideloom_pipes.datasets import open_reader, reader_fingerprint
 from guideloom_pipes.loader_args import (
     _UNSET,
     DROP_LAST_DEFAULT,
+    SEED_WORD_LIMIT,
     _default_device,
     _int_arg,
     dataset_for_storage,
@@ -347,7 +348,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         """A loader over a storage: ``StreamDataset`` or ``DocumentDataset`` picked for you.
 
         Args:
-            storage: A ``StreamStorage``, ``StreamWithMetaStorage`` or ``DocumentStorage``.
+            storage: A ``StreamStorage``, ``StreamWithMetaStorage`` or ``DocumentStorage``,
+                or the path (``str``, ``os.PathLike``; or URL) of a dataset, opened with
+                ``open_storage(path)`` (its format read from the commit records).
             collate_fn: As for the constructor.
             sequence_length: Elements per sample; required for stream storages, refused for
                 document storages.
@@ -652,7 +655,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
 
     def _set_epoch(self, epoch: int) -> None:
         """``sampler.set_epoch``: move to the start of ``epoch`` unless it is the current one."""
-        epoch = _int_arg("epoch", epoch, 0)
+        epoch = _int_arg("epoch", epoch, 0, SEED_WORD_LIMIT)
         self._close_failed_iterator()
         if epoch == self._current_epoch():
             return  # (a resumed position in it is kept)
@@ -1009,8 +1012,16 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 f"state_dict is missing {missing}: expected the keys {list(_STATE_KEYS)} of "
                 "StatefulDataLoader.state_dict()"
             )
-        epoch = _int_arg("state_dict['epoch']", state_dict["epoch"], 0)
+        epoch = _int_arg("state_dict['epoch']", state_dict["epoch"], 0, SEED_WORD_LIMIT)
         offset = _int_arg("state_dict['observation_offset']", state_dict["observation_offset"], 0)
+        saved_base_seed = state_dict.get(_BASE_SEED_KEY)
+        if saved_base_seed is not None:
+            saved_base_seed = _int_arg(
+                f"state_dict[{_BASE_SEED_KEY!r}]", saved_base_seed, 0, SEED_WORD_LIMIT
+            )
+        saved_batch = state_dict.get(_GLOBAL_BATCH_KEY)
+        if saved_batch is not None:
+            saved_batch = _int_arg(f"state_dict[{_GLOBAL_BATCH_KEY!r}]", saved_batch, 1)
         saved_order = state_dict.get(_ORDER_KEY, "global")
         if saved_order != self.order:
             raise ValueError(
@@ -1053,12 +1064,6 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 UserWarning,
                 stacklevel=2,
             )
-        saved_base_seed = state_dict.get(_BASE_SEED_KEY)
-        if saved_base_seed is not None:
-            saved_base_seed = _int_arg(f"state_dict[{_BASE_SEED_KEY!r}]", saved_base_seed, 0)
-        saved_batch = state_dict.get(_GLOBAL_BATCH_KEY)
-        if saved_batch is not None:
-            saved_batch = _int_arg(f"state_dict[{_GLOBAL_BATCH_KEY!r}]", saved_batch, 1)
         saved_fingerprint = state_dict.get(_FINGERPRINT_KEY)
         if saved_fingerprint is not None:
             self._check_fingerprint(saved_fingerprint)

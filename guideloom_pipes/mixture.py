@@ -59,6 +59,8 @@ _U32 = npt.NDArray[np.uint32]
 _DENOMINATOR = 1 << 30
 #: Largest denominator of one weight taken as an exact ratio (0.7 -> 7/10).
 _SMALL_DENOMINATOR = 1 << 16
+#: Bound of ``num_samples``: ``len()`` and the positions are int64.
+_MAX_SAMPLES = 1 << 63
 #: Feistel permutations (component, pass) kept by a reader.
 _PERMUTATIONS_KEPT = 64
 
@@ -481,6 +483,11 @@ class MixtureDataset:
             raise TypeError(f"num_samples must be an int or None, got {num_samples!r}")
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if num_samples >= _MAX_SAMPLES:
+            raise ValueError(
+                f"num_samples must be < 2**63 (a dataset's len() and positions are int64), "
+                f"got {num_samples}"
+            )
         self.num_samples = int(num_samples)
 
     def _check_components(self) -> list[int]:
