@@ -485,12 +485,13 @@ class _ProcessJob:
 class _Worker:
     """A worker process, the pipe to it, its result ring and its jobs in flight, in order."""
 
-    __slots__ = ("_poller", "conn", "jobs", "process", "ring")
+    __slots__ = ("_poller", "broken", "conn", "jobs", "process", "ring")
 
     def __init__(self, process: Any, conn: Any, ring: ResultRing | None) -> None:
         self.process = process
         self.conn = conn
         self.ring = ring
+        self.broken = False  # its pipe ended while no iterator waited (replaced at begin())
         self.jobs: collections.deque[_ProcessJob] = collections.deque()
         self._poller: Any = None
 
@@ -647,7 +648,7 @@ class _ProcessPool:
             self._payload = (dataset, collate_fn)
         replaced = set()
         for index, worker in enumerate(self._workers):
-            if worker.process.exitcode is not None:
+            if worker.broken or worker.process.exitcode is not None:
                 self._replace(index)  # (started with the current copy)
                 replaced.add(index)
         if not fresh:
@@ -684,10 +685,15 @@ class _ProcessPool:
     def release(self) -> None:
         """The epoch's reader is done with the pool (an iterator ended or closed early):
         answers of its jobs that have come are read and dropped; the rest are dropped as
-        they come, before the next epoch's."""
+        they come, before the next epoch's. A worker found dead here is replaced by the next
+        :meth:`begin` (closing an iterator never fails for it)."""
         for worker in self._workers:
-            while worker.jobs and worker.wait(0)[0]:
-                self._receive(worker)
+            try:
+                while worker.jobs and worker.wait(0)[0]:
+                    self._receive(worker)
+            except BrokenProcessPool:  # it died: nobody needs its answers, begin() replaces it
+                worker.broken = True
+                worker.jobs.clear()
             for job in worker.jobs:
                 job.abandoned = True
 
