@@ -21,11 +21,13 @@ from guideloom_pipes.datasets import open_reader, reader_fingerprint
 from guideloom_pipes.loader_args import (
     _UNSET,
     DROP_LAST_DEFAULT,
+    SEED_WORD_LIMIT,
     _default_device,
     _int_arg,
     dataset_for_storage,
     resolve_arguments,
 )
+from guideloom_pipes.mixture import MixtureDataset
 from guideloom_pipes.pipes import (
     Collate,
     PinMemory,
@@ -79,6 +81,9 @@ _GLOBAL_BATCH_KEY = "global_batch_size"
 _FINGERPRINT_KEY = "dataset_fingerprint"
 #: Extra key of ours: the base seed (workers' and batches' seeds; the unseeded shuffle's).
 _BASE_SEED_KEY = "base_seed"
+#: Extra key of ours for a ``MixtureDataset``: its seed and weights (``schedule_state()``),
+#: so a state is not resumed on another blend (its positions would mean other samples).
+_MIXTURE_KEY = "mixture"
 #: Extra keys of a shard-streaming loader (``order="shards"``): the order, the world size
 #: and the buffer size its shards were dealt and mixed with.
 _ORDER_KEY = "order"
@@ -347,7 +352,9 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         """A loader over a storage: ``StreamDataset`` or ``DocumentDataset`` picked for you.
 
         Args:
-            storage: A ``StreamStorage``, ``StreamWithMetaStorage`` or ``DocumentStorage``.
+            storage: A ``StreamStorage``, ``StreamWithMetaStorage`` or ``DocumentStorage``,
+                or the path (``str``, ``os.PathLike``; or URL) of a dataset, opened with
+                ``open_storage(path)`` (its format read from the commit records).
             collate_fn: As for the constructor.
             sequence_length: Elements per sample; required for stream storages, refused for
                 document storages.
@@ -652,7 +659,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
 
     def _set_epoch(self, epoch: int) -> None:
         """``sampler.set_epoch``: move to the start of ``epoch`` unless it is the current one."""
-        epoch = _int_arg("epoch", epoch, 0)
+        epoch = _int_arg("epoch", epoch, 0, SEED_WORD_LIMIT)
         self._close_failed_iterator()
         if epoch == self._current_epoch():
             return  # (a resumed position in it is kept)
@@ -964,6 +971,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         fingerprint = self._dataset_fingerprint()
         if fingerprint is not None:
             state[_FINGERPRINT_KEY] = fingerprint
+        if isinstance(self.dataset, MixtureDataset):
+            state[_MIXTURE_KEY] = self.dataset.schedule_state()
         if self.order == "shards":
             state[_ORDER_KEY] = self.order
             state[_WORLD_SIZE_KEY] = self.world_size
@@ -1009,8 +1018,16 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 f"state_dict is missing {missing}: expected the keys {list(_STATE_KEYS)} of "
                 "StatefulDataLoader.state_dict()"
             )
-        epoch = _int_arg("state_dict['epoch']", state_dict["epoch"], 0)
+        epoch = _int_arg("state_dict['epoch']", state_dict["epoch"], 0, SEED_WORD_LIMIT)
         offset = _int_arg("state_dict['observation_offset']", state_dict["observation_offset"], 0)
+        saved_base_seed = state_dict.get(_BASE_SEED_KEY)
+        if saved_base_seed is not None:
+            saved_base_seed = _int_arg(
+                f"state_dict[{_BASE_SEED_KEY!r}]", saved_base_seed, 0, SEED_WORD_LIMIT
+            )
+        saved_batch = state_dict.get(_GLOBAL_BATCH_KEY)
+        if saved_batch is not None:
+            saved_batch = _int_arg(f"state_dict[{_GLOBAL_BATCH_KEY!r}]", saved_batch, 1)
         saved_order = state_dict.get(_ORDER_KEY, "global")
         if saved_order != self.order:
             raise ValueError(
@@ -1018,6 +1035,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 f"order={self.order!r}: the position means other samples in the other order. "
                 f"Build the loader with order={saved_order!r} to resume it"
             )
+        if _MIXTURE_KEY in state_dict:
+            self._check_mixture(state_dict[_MIXTURE_KEY], epoch)
         saved_shuffle = state_dict["shuffle"]
         saved_seed = state_dict["shuffle_seed"]
         saved_drop_last = state_dict["drop_last"]
@@ -1053,12 +1072,6 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 UserWarning,
                 stacklevel=2,
             )
-        saved_base_seed = state_dict.get(_BASE_SEED_KEY)
-        if saved_base_seed is not None:
-            saved_base_seed = _int_arg(f"state_dict[{_BASE_SEED_KEY!r}]", saved_base_seed, 0)
-        saved_batch = state_dict.get(_GLOBAL_BATCH_KEY)
-        if saved_batch is not None:
-            saved_batch = _int_arg(f"state_dict[{_GLOBAL_BATCH_KEY!r}]", saved_batch, 1)
         saved_fingerprint = state_dict.get(_FINGERPRINT_KEY)
         if saved_fingerprint is not None:
             self._check_fingerprint(saved_fingerprint)
@@ -1132,6 +1145,27 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             )
         return True
 
+    def _check_mixture(self, saved: Any, epoch: int) -> None:
+        """Refuse a state taken on a ``MixtureDataset`` with other weights or another seed
+        (its positions would draw other samples: some repeated, some never seen)."""
+        dataset = self.dataset
+        if not isinstance(dataset, MixtureDataset):
+            raise ValueError(
+                f"this state was taken on a MixtureDataset ({_MIXTURE_KEY!r}: {saved!r}), "
+                f"this loader reads a {type(dataset).__name__}: resume on the same mixture"
+            )
+        now = dataset.schedule_state()
+        if _same_schedule(saved, now):
+            return
+        raise ValueError(
+            f"this state was taken on a MixtureDataset with {_schedule_changes(saved, now)}. "
+            "Resuming would draw other samples for the positions already read (repeating "
+            "some, skipping others). Build the MixtureDataset with the state's weights and "
+            "seed to resume it; changing the blend mid-run is not supported yet. To start "
+            f"the new blend afresh, load {{'epoch': {epoch + 1}, 'observation_offset': 0}} "
+            f"with the state's other keys and without {_MIXTURE_KEY!r}"
+        )
+
     def _check_fingerprint(self, saved: Any) -> None:
         """Refuse a state taken on another version of the dataset, naming what changed."""
         now = self._dataset_fingerprint()
@@ -1149,6 +1183,48 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             f"was taken on; to continue on this one anyway, drop the key first "
             f"(state.pop({_FINGERPRINT_KEY!r}))"
         )
+
+
+def _same_schedule(saved: Any, now: Mapping[str, Any]) -> bool:
+    """Whether a saved ``schedule_state()`` is ``now``'s: the same seed, the same weights in
+    the same order (the order numbers the components), the same nested ones."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("weights"), Mapping):
+        return False
+    if saved.get("seed") != now["seed"]:
+        return False
+    if list(saved["weights"].items()) != list(now["weights"].items()):
+        return False
+    before, after = saved.get("components") or {}, now.get("components") or {}
+    return (
+        isinstance(before, Mapping)
+        and set(before) == set(after)
+        and all(_same_schedule(before[name], after[name]) for name in after)
+    )
+
+
+def _schedule_changes(saved: Any, now: Mapping[str, Any], prefix: str = "") -> str:
+    """What differs between two ``schedule_state()`` dicts, in words."""
+    if not isinstance(saved, Mapping) or not isinstance(saved.get("weights"), Mapping):
+        return f"{prefix}a schedule state {saved!r} that is not one (now {dict(now)!r})"
+    parts = []
+    if saved.get("seed") != now["seed"]:
+        parts.append(f"{prefix}seed={saved.get('seed')!r}, this one has seed={now['seed']!r}")
+    weights, here = dict(saved["weights"]), dict(now["weights"])
+    if weights != here:
+        parts.append(f"{prefix}weights {weights}, this one has weights {here}")
+    elif list(weights) != list(here):
+        parts.append(
+            f"{prefix}the components in the order {list(weights)}, this one in the order "
+            f"{list(here)} (the order numbers them)"
+        )
+    before, after = saved.get("components") or {}, now.get("components") or {}
+    for name in sorted(set(before) | set(after), key=str):
+        if name not in before or name not in after:
+            where = "the state's" if name in before else "this one's"
+            parts.append(f"{prefix}nested mixture {name!r} only in {where}")
+        elif not _same_schedule(before[name], after[name]):
+            parts.append(_schedule_changes(before[name], after[name], f"{prefix}{name!r}: "))
+    return "; ".join(parts)
 
 
 def _fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
+from guideloom_pipes.opening import open_storage
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 
 _METHODS = ("thread", "process")
@@ -56,7 +57,13 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _int_arg(name: str, value: Any, minimum: int) -> int:
+#: Bound of the numbers a batch's seed is derived from (64-bit words: ``batch_seed``).
+SEED_WORD_LIMIT = 1 << 64
+
+
+def _int_arg(name: str, value: Any, minimum: int, limit: int | None = None) -> int:
+    """``value`` as an int ``>= minimum`` (and ``< limit`` when given), else an error naming
+    ``name``, the value and the bound."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got {value!r}")
     try:
@@ -65,6 +72,12 @@ def _int_arg(name: str, value: Any, minimum: int) -> int:
         raise TypeError(f"{name} must be an int, got {value!r}") from None
     if number < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    if limit is not None and number >= limit:
+        bound = "2**64" if limit == SEED_WORD_LIMIT else str(limit)
+        raise ValueError(
+            f"{name} must be < {bound} (batches are seeded from it as a 64-bit number), "
+            f"got {number}"
+        )
     return number
 
 
@@ -264,8 +277,11 @@ def resolve_arguments(
         raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
     if isinstance(dataset, torch.utils.data.IterableDataset):
         raise TypeError(
-            f"{type(dataset).__name__} is an iterable-style dataset; this loader needs a "
-            "map-style one (len() and [i]) to shuffle, shard and resume by position"
+            f"{type(dataset).__name__} is an iterable-style dataset; StatefulDataLoader needs "
+            "a map-style one (len() and [i]) to shuffle, shard and resume by position. Give "
+            "it __len__ and __getitem__, or write its samples once with write_parallel and "
+            "read them with StatefulDataLoader.from_storage('path/to/data', ...) "
+            "(docs/writing.md)"
         )
     if not hasattr(dataset, "__len__") or not (
         hasattr(dataset, "__getitem__") or hasattr(dataset, "sync_reader")
@@ -378,12 +394,9 @@ def resolve_arguments(
     # torch's behaviour, which has nothing to warn of here (workers read ahead anyway)
     if prefetch * local_batch_size < num_workers and batch_size is _UNSET:
         warnings.warn(
-            f"prefetch * local_batch_size = {prefetch * local_batch_size} < "
-            f"num_workers = {num_workers}: GuideLoom warns here because its "
-            "per-sample workers then idle. This loader reads whole batches and keeps "
-            "2 * num_workers of them in flight anyway; set prefetch >= "
-            f"{math.ceil(num_workers / local_batch_size)} to also let finished "
-            "batches wait ahead of the training loop",
+            f"prefetch * local_batch_size = {prefetch * local_batch_size} < num_workers = "
+            f"{num_workers}: set prefetch >= {math.ceil(num_workers / local_batch_size)} "
+            "to silence this GuideLoom warning (the workers read ahead either way)",
             UserWarning,
             stacklevel=stacklevel,
         )
@@ -420,7 +433,10 @@ def resolve_arguments(
 
 
 def dataset_for_storage(storage: Any, sequence_length: int | None) -> Any:
-    """The dataset ``from_storage`` reads: ``StreamDataset`` or ``DocumentDataset``."""
+    """The dataset ``from_storage`` reads: ``StreamDataset`` or ``DocumentDataset``; a path
+    (``str`` or ``os.PathLike``) is opened with :func:`~guideloom_pipes.open_storage`."""
+    if isinstance(storage, (str, os.PathLike)):
+        storage = open_storage(storage)
     if isinstance(storage, (StreamStorage, StreamWithMetaStorage)):
         if sequence_length is None:
             raise ValueError(
@@ -436,7 +452,7 @@ def dataset_for_storage(storage: Any, sequence_length: int | None) -> Any:
             )
         return DocumentDataset(storage)
     raise TypeError(
-        "storage must be a StreamStorage, StreamWithMetaStorage or DocumentStorage, "
-        f"got {type(storage).__name__}; wrap other data in a dataset and pass it to "
-        "StatefulDataLoader(dataset, ...)"
+        "storage must be a StreamStorage, StreamWithMetaStorage or DocumentStorage, or the "
+        f"path of one (opened with open_storage), got {type(storage).__name__}; for other "
+        "map-style data pass it to StatefulDataLoader(dataset, ...)"
     )

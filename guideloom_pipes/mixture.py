@@ -59,6 +59,8 @@ _U32 = npt.NDArray[np.uint32]
 _DENOMINATOR = 1 << 30
 #: Largest denominator of one weight taken as an exact ratio (0.7 -> 7/10).
 _SMALL_DENOMINATOR = 1 << 16
+#: Bound of ``num_samples``: ``len()`` and the positions are int64.
+_MAX_SAMPLES = 1 << 63
 #: Feistel permutations (component, pass) kept by a reader.
 _PERMUTATIONS_KEPT = 64
 
@@ -393,7 +395,7 @@ def _field_signature(value: Any, fixed: bool) -> str:
 def _signature(sample: Any, fixed: bool) -> dict[str, str]:
     if isinstance(sample, Mapping):
         return {str(key): _field_signature(value, fixed) for key, value in sample.items()}
-    return {"(sample)": _field_signature(sample, fixed)}
+    return {_SAMPLE: _field_signature(sample, fixed)}
 
 
 def _is_fixed_length(dataset: Any) -> bool:
@@ -472,6 +474,9 @@ class MixtureDataset:
             name: self._schedule.bound(c) for c, name in enumerate(names)
         }
         self._keys = [_name_key(name) for name in names]
+        #: field (``"(sample)"`` for an array sample) -> dtype of the first component's
+        #: sample 0: every batch's samples are checked against it (``MixtureReader``)
+        self._dtypes: dict[str, np.dtype[Any]] = {}
         self._fixed = all(_is_fixed_length(self.components[name]) for name in names)
         self.lengths: list[int] = self._check_components()
         self._lengths_array = np.array(self.lengths, dtype=np.int64)
@@ -481,6 +486,11 @@ class MixtureDataset:
             raise TypeError(f"num_samples must be an int or None, got {num_samples!r}")
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if num_samples >= _MAX_SAMPLES:
+            raise ValueError(
+                f"num_samples must be < 2**63 (a dataset's len() and positions are int64), "
+                f"got {num_samples}"
+            )
         self.num_samples = int(num_samples)
 
     def _check_components(self) -> list[int]:
@@ -503,6 +513,7 @@ class MixtureDataset:
             signature = _signature(sample, self._fixed)
             if first is None:
                 first = (name, signature)
+                self._dtypes = _array_dtypes(sample)
                 continue
             other, expected = first
             if signature != expected:
@@ -590,6 +601,21 @@ class MixtureDataset:
         lengths = self._lengths_array[component]
         pass_, offset = np.divmod(draw, lengths)
         return passes.apply(component, pass_, offset)
+
+    def schedule_state(self) -> dict[str, Any]:
+        """What fixes the schedule besides the components: ``{"seed": ..., "weights":
+        {name: realised weight, ...}}`` (in the components' order), and ``"components"``:
+        name -> this dict of each nested ``MixtureDataset``. A loader's ``state_dict()``
+        records it, and ``load_state_dict`` refuses a state taken with another one."""
+        state: dict[str, Any] = {"seed": self.seed, "weights": dict(self.weights)}
+        nested = {
+            name: component.schedule_state()
+            for name, component in self.components.items()
+            if isinstance(component, MixtureDataset)
+        }
+        if nested:
+            state["components"] = nested
+        return state
 
     def prefix_counts(self, k: int) -> dict[str, int]:
         """How many of positions ``0 .. k-1`` each component gets (exact).
@@ -702,6 +728,7 @@ class MixtureReader(_DatasetReaderBase):
         reads = self._array_reads if arrays else self._reads
         if dataset._schedule.num_components == 1:
             found = reads[0](indexes)
+            self._check_dtypes(found, 0, indexes)
             return found if type(found) is Batch else list(found)
         # group the rows by component (one read each), then put the samples back in order
         order = np.argsort(component, kind="stable")
@@ -711,7 +738,9 @@ class MixtureReader(_DatasetReaderBase):
         start = 0
         for c, end in enumerate(ends):
             if end > start:
-                parts.append(reads[c](indexes[order[start:end]]))
+                drawn = indexes[order[start:end]]
+                parts.append(reads[c](drawn))
+                self._check_dtypes(parts[-1], c, drawn)
                 slots.append(order[start:end])
             start = end
         if arrays and _same_columns(parts) and sum(map(len, parts)) == len(positions):
@@ -733,6 +762,74 @@ class MixtureReader(_DatasetReaderBase):
                 f"a component's reader returned {len(grouped)} samples for {len(positions)} ids"
             )
         return list(map(grouped.__getitem__, where.tolist()))
+
+    def _check_dtypes(self, part: Any, component: int, indexes: _I64) -> None:
+        """Refuse a component's samples (at ``indexes``) whose arrays have another dtype than
+        the mixture's first sample: a batch of both would be promoted to a third dtype.
+        One dtype comparison per array field of each sample (per column for columns)."""
+        expected = self.dataset._dtypes
+        if not expected:
+            return
+        if type(part) is Batch and part.columns is not None:
+            for field, column in part.columns.items():
+                want = expected.get(field)
+                if want is not None and column.dtype != want:
+                    self._wrong_dtype(component, int(indexes[0]), field, column.dtype, want)
+            return
+        rows = part.rows if type(part) is Batch else part
+        assert rows is not None
+        for field, want in expected.items():
+            try:  # the quick way: samples of the first one's kind
+                if field == _SAMPLE:
+                    same = all([sample.dtype == want for sample in rows])
+                else:
+                    same = all([sample[field].dtype == want for sample in rows])
+            except (AttributeError, KeyError, IndexError, TypeError):
+                same = False
+            if not same:
+                self._find_wrong_dtype(rows, component, indexes, field, want)
+
+    def _find_wrong_dtype(
+        self, rows: Sequence[Any], component: int, indexes: _I64, field: str, want: Any
+    ) -> None:
+        """Raise for the first of ``rows`` whose ``field`` is not an array of ``want``."""
+        for k, sample in enumerate(rows):
+            if field == _SAMPLE:
+                value = sample
+            elif isinstance(sample, Mapping):
+                value = sample.get(field)
+            else:
+                continue  # (its fields were checked once; a sample of another kind fails later)
+            if getattr(value, "dtype", None) != want:
+                self._wrong_dtype(component, int(indexes[k]), field, value, want)
+
+    def _wrong_dtype(
+        self, component: int, index: int, field: str, got: Any, want: np.dtype[Any]
+    ) -> None:
+        dataset = self.dataset
+        if not isinstance(got, np.dtype):
+            dtype = getattr(got, "dtype", None)
+            got = dtype if isinstance(dtype, np.dtype) else f"none ({type(got).__name__})"
+        what = "the sample" if field == _SAMPLE else f"field {field!r}"
+        raise ValueError(
+            f"component {dataset.names[component]!r} sample {index}: {what} has dtype {got}, "
+            f"the mixture's samples have {want} (sample 0 of {dataset.names[0]!r}); a batch "
+            f"of both would silently become another dtype. Write every document of a "
+            f"component with one dtype, or cast them in a dataset that wraps the component"
+        )
+
+
+#: The field name of a sample that is one array (``_signature``'s).
+_SAMPLE = "(sample)"
+
+
+def _array_dtypes(sample: Any) -> dict[str, np.dtype[Any]]:
+    """The dtype of each array field of ``sample`` (``"(sample)"``: the sample itself)."""
+    if isinstance(sample, np.ndarray):
+        return {_SAMPLE: sample.dtype}
+    if isinstance(sample, Mapping):
+        return {str(k): v.dtype for k, v in sample.items() if isinstance(v, np.ndarray)}
+    return {}
 
 
 def _same_columns(parts: list[Any]) -> bool:

@@ -171,6 +171,17 @@ def test_too_little_prefetch_for_the_workers_warns_like_guideloom():
         _loader(num_workers=3, prefetch=1, local_batch_size=2)
 
 
+def test_the_prefetch_warning_is_one_short_sentence_saying_what_to_set():
+    with pytest.warns(UserWarning) as record:
+        _loader(num_workers=2)  # the default prefetch=0
+    (message,) = [str(w.message) for w in record if "prefetch" in str(w.message)]
+    assert "set prefetch >= 2" in message
+    assert len(message) <= 160 and message.count(". ") == 0, message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # what it says to set silences it
+        _loader(num_workers=2, prefetch=2)
+
+
 def test_an_unpicklable_collate_fn_with_process_workers_says_so():
     with pytest.raises(
         TypeError, match=r"collate_fn .* cannot be pickled.*parallel_method='thread'"
@@ -192,8 +203,11 @@ def test_an_iterable_dataset_is_refused():
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(TypeError, match="iterable-style dataset"):
+    with pytest.raises(TypeError, match="iterable-style dataset") as info:
         _loader(Stream())
+    message = str(info.value)  # and says the ways forward
+    assert "__len__ and __getitem__" in message
+    assert "write_parallel" in message and "from_storage" in message
 
 
 # -- torch DataLoader drop-in -----------------------------------------------------------------
@@ -366,8 +380,27 @@ def test_from_storage_refuses_sequence_length_for_documents(tmp_path):
 
 
 def test_from_storage_refuses_other_objects():
-    with pytest.raises(TypeError, match="storage must be a StreamStorage"):
+    with pytest.raises(TypeError, match="storage must be a StreamStorage") as info:
         StatefulDataLoader.from_storage(Ids(3), sequence_length=1)
+    assert "open_storage" in str(info.value)
+
+
+@pytest.mark.parametrize("as_str", [True, False])
+def test_from_storage_opens_a_path_with_open_storage(tmp_path, as_str):
+    _write_stream(tmp_path / "s")
+    path = str(tmp_path / "s") if as_str else tmp_path / "s"
+    loader = StatefulDataLoader.from_storage(
+        path, sequence_length=4, local_batch_size=2, device="cpu"
+    )
+    assert isinstance(loader.dataset, StreamDataset)
+    with loader:
+        batches = list(loader)
+    assert batches[1]["tokens"].tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
+
+
+def test_from_storage_of_a_path_without_a_dataset_says_so(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing"):
+        StatefulDataLoader.from_storage(tmp_path / "nothing", sequence_length=4)
 
 
 def test_from_storage_reads_a_stream_with_metadata(tmp_path):
@@ -865,12 +898,38 @@ def test_a_guideloom_state_with_five_keys_loads_without_warnings(recwarn):
         ({**_state(0, 0), "epoch": -1}, ValueError, r"state_dict\['epoch'\] must be >= 0, got -1"),
         ({**_state(0, 0), "observation_offset": -6}, ValueError, "must be >= 0, got -6"),
         ({**_state(0, 0), "observation_offset": "6"}, TypeError, "must be an int, got '6'"),
+        (
+            {**_state(0, 0), "epoch": 2**70},
+            ValueError,
+            rf"state_dict\['epoch'\] must be < 2\*\*64 .*got {2**70}",
+        ),
+        ({**_state(0, 0), "epoch": 2**64}, ValueError, r"state_dict\['epoch'\] must be < 2\*\*64"),
+        (
+            {**_state(0, 0), "base_seed": 2**64},
+            ValueError,
+            r"state_dict\['base_seed'\] must be < 2\*\*64",
+        ),
+        ({**_state(0, 0), "base_seed": -1}, ValueError, r"state_dict\['base_seed'\] must be >= 0"),
         ([("epoch", 0)], TypeError, "state_dict must be a dict"),
     ],
 )
 def test_load_state_dict_rejects_bad_states_naming_the_value(state, error, match):
     with pytest.raises(error, match=match):
         _loader().load_state_dict(state)
+
+
+def test_the_largest_epoch_and_base_seed_still_read_a_batch():
+    loader = _loader(local_batch_size=2)
+    loader.load_state_dict({**_state(2**64 - 1, 4), "base_seed": 2**64 - 1})
+    assert next(iter(loader)) == [4, 5]  # (batch_seed packs both as 64-bit words)
+
+
+@pytest.mark.parametrize("epoch", [2**64, 2**70])
+def test_set_epoch_refuses_an_epoch_of_2_to_the_64_or_more(epoch):
+    loader = _loader()
+    with pytest.raises(ValueError, match=rf"epoch must be < 2\*\*64 .*got {epoch}"):
+        loader.sampler.set_epoch(epoch)
+    assert loader.state_dict()["epoch"] == 0
 
 
 @pytest.mark.parametrize(

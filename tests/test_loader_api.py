@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 from collections.abc import Iterable, Sized
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 
+import numpy as np
 import torch
 
-from guideloom_pipes import StatefulDataLoader
+from guideloom_pipes import StatefulDataLoader, StreamNumpyFormat, StreamStorage
 from guideloom_pipes.types import SyncContextManager
 
 GUIDELOOM_KEYWORDS = {
@@ -74,3 +78,38 @@ def test_the_timeout_error_is_exported_from_the_package() -> None:
     assert "DataLoaderTimeoutError" in guideloom_pipes.__all__
     assert issubclass(DataLoaderTimeoutError, RuntimeError)
     assert issubclass(DataLoaderTimeoutError, TimeoutError)
+
+
+def _documented_state(page: Path) -> dict[str, Any]:
+    """The ``state_dict()`` that ``page`` prints: the comment after its ``print(state)``."""
+    lines = page.read_text().splitlines()
+    start = lines.index("print(state)") + 1
+    text = []
+    for line in lines[start:]:
+        if not line.startswith("#"):
+            break
+        text.append(line[1:])
+    return ast.literal_eval("\n".join(text))
+
+
+def test_the_state_dict_docs_loader_md_prints_has_the_real_keys(tmp_path) -> None:
+    documented = _documented_state(Path(__file__).parent.parent / "docs" / "loader.md")
+    # the page's dataset and loader (docs/loader.md, quick start and checkpoints)
+    storage = StreamStorage(tmp_path / "tokens", StreamNumpyFormat(np.dtype([("tokens", "<i4")])))
+    with storage.sync_writer() as writer:
+        for shard in range(4):
+            writer.append(shard, {"tokens": np.arange(shard * 100_000, (shard + 1) * 100_000)})
+    loader = StatefulDataLoader.from_storage(
+        storage, list, sequence_length=2048, local_batch_size=8, shuffle=True, shuffle_seed=42
+    )
+    with loader:
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+        state = loader.state_dict()
+    assert list(documented) == list(state)
+    varying = {"base_seed", "dataset_fingerprint"}  # drawn per run; the data's digests
+    assert {k: v for k, v in documented.items() if k not in varying} == {
+        k: v for k, v in state.items() if k not in varying
+    }
+    assert list(documented["dataset_fingerprint"]) == list(state["dataset_fingerprint"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import gc
 import multiprocessing
+import os
 import signal
 import threading
 from typing import Any
@@ -206,3 +207,52 @@ def test_workers_of_a_loop_left_by_ctrl_c_end_with_the_loader(mode, ending):
             gc.collect()
     assert multiprocessing.active_children() == []
     assert threads_end() == []
+
+
+# -- a worker process killed between epochs ------------------------------------------------------
+
+
+def _kill_and_reap(loader: StatefulDataLoader, index: int) -> None:
+    """SIGKILL worker process ``index`` of ``loader`` and wait until it has been reaped."""
+    process = loader._process_pool._workers[index].process  # type: ignore[union-attr]
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(60)
+    assert process.exitcode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("before", ["drained", "closed early", "killed while open"])
+def test_the_next_iterator_replaces_a_worker_killed_between_epochs(persistent, before):
+    loader = _loader(
+        num_workers=2, parallel_method="process", prefetch=1, persistent_workers=persistent
+    )
+    expected = list(_loader())  # no workers
+    if before == "drained":
+        assert list(loader) == expected
+        state = loader.state_dict()  # the next epoch's start
+        resumed = expected
+    else:
+        iterator = iter(loader)
+        assert next(iterator) == expected[0]
+        state = loader.state_dict()
+        if before == "killed while open":  # with batches in flight: closing must not fail
+            for index in (0, 1):
+                _kill_and_reap(loader, index)
+        iterator.close()  # the workers may hold answers of batches never taken
+        resumed = expected[1:]
+    if before != "killed while open":
+        for index in (0, 1):
+            _kill_and_reap(loader, index)
+    with pytest.warns(
+        RuntimeWarning, match=r"worker process \d .*killed by SIGKILL.*replaces"
+    ) as got:
+        loader.load_state_dict(state)
+        batches = list(loader)
+    assert batches == resumed
+    assert sorted(str(w.message).split()[2] for w in got) == ["0", "1"]
+    assert len(multiprocessing.active_children()) == 2  # the two new ones, no more
+    _kill_and_reap(loader, 1)  # and again: always
+    with pytest.warns(RuntimeWarning, match="worker process 1"):
+        assert list(loader) == expected
+    loader.close()
+    assert multiprocessing.active_children() == []

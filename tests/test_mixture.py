@@ -295,6 +295,9 @@ def test_bad_seed_num_samples_and_components_are_refused():
         MixtureDataset(components, {"a": 1}, seed=-1)
     with pytest.raises(ValueError, match="num_samples must be >= 1, got 0"):
         MixtureDataset(components, {"a": 1}, seed=0, num_samples=0)
+    with pytest.raises(ValueError, match=rf"num_samples must be < 2\*\*63 .*got {2**63}"):
+        MixtureDataset(components, {"a": 1}, seed=0, num_samples=2**63)
+    assert len(MixtureDataset(components, {"a": 1}, seed=0, num_samples=2**63 - 1)) == 2**63 - 1
     with pytest.raises(TypeError, match="non-empty mapping"):
         MixtureDataset({}, {}, seed=0)
     with pytest.raises(TypeError, match="names must be str"):

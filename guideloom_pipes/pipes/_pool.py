@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -161,18 +162,20 @@ def _timed_out(timeout: float) -> DataLoaderTimeoutError:
     return DataLoaderTimeoutError(f"DataLoader timed out after {seconds_text(timeout)} seconds")
 
 
+def _how_it_ended(code: int | None) -> str:
+    """`` (killed by SIGKILL)``, `` (exit code 1)``, or nothing for an unknown exit code."""
+    if code is not None and code < 0:
+        try:
+            return f" (killed by {signal.Signals(-code).name})"
+        except ValueError:
+            return f" (killed by signal {-code})"
+    return "" if code is None else f" (exit code {code})"
+
+
 def _broken(start_method: str, worker: _Worker) -> BrokenProcessPool:
     if worker.process.exitcode is None:
         worker.process.join(1.0)  # its pipe closed: it is exiting, for the exit code
-    code = worker.process.exitcode
-    how = ""
-    if code is not None and code < 0:
-        try:
-            how = f" (killed by {signal.Signals(-code).name})"
-        except ValueError:
-            how = f" (killed by signal {-code})"
-    elif code is not None:
-        how = f" (exit code {code})"
+    how = _how_it_ended(worker.process.exitcode)
     guard = (
         "With the 'forkserver' and 'spawn' start methods each worker imports your main "
         'module, so a script must guard its top-level code with `if __name__ == "__main__":`.'
@@ -482,12 +485,13 @@ class _ProcessJob:
 class _Worker:
     """A worker process, the pipe to it, its result ring and its jobs in flight, in order."""
 
-    __slots__ = ("_poller", "conn", "jobs", "process", "ring")
+    __slots__ = ("_poller", "broken", "conn", "jobs", "process", "ring")
 
     def __init__(self, process: Any, conn: Any, ring: ResultRing | None) -> None:
         self.process = process
         self.conn = conn
         self.ring = ring
+        self.broken = False  # its pipe ended while no iterator waited (replaced at begin())
         self.jobs: collections.deque[_ProcessJob] = collections.deque()
         self._poller: Any = None
 
@@ -561,49 +565,105 @@ class _ProcessPool:
         self._epochs = 0  # begin() calls so far
         self._persistent = persistent
         self.closed = False
+        self._context = context
+        self._num_workers = num_workers
         self._start_method = str(context.get_start_method())
+        self._base_seed = base_seed
+        self._worker_init_fn = worker_init_fn
+        # what the workers hold now: a replacement of a dead one starts with the same
+        self._payload: tuple[Any, Callable[[Any], Any] | None] = (dataset, collate_fn)
         _preload_forkserver(context, dataset, collate_fn)
         try:
             for index in range(num_workers):
-                ring = ResultRing.create_if_supported()
-                try:
-                    conn, child_conn = context.Pipe()
-                except BaseException:
-                    if ring is not None:
-                        ring.close()
-                    raise
-                setup = (
-                    None
-                    if base_seed is None
-                    else WorkerSetup(index, num_workers, base_seed, worker_init_fn)
-                )
-                handle = None if ring is None else ring.handle()
-                process = context.Process(  # type: ignore[attr-defined]
-                    target=_process_worker,
-                    args=(dataset, collate_fn, child_conn, handle, setup),
-                    name=f"guideloom-read-{index}",
-                    daemon=True,
-                )
-                self._workers.append(_Worker(process, conn, ring))
-                try:
-                    process.start()
-                finally:
-                    child_conn.close()
+                self._workers.append(self._start_worker(index))
         except BaseException:
             self.close()
             raise
 
+    def _start_worker(self, index: int) -> _Worker:
+        """Start worker ``index`` with the dataset and ``collate_fn`` the workers hold."""
+        ring = ResultRing.create_if_supported()
+        try:
+            conn, child_conn = self._context.Pipe()
+        except BaseException:
+            if ring is not None:
+                ring.close()
+            raise
+        setup = (
+            None
+            if self._base_seed is None
+            else WorkerSetup(index, self._num_workers, self._base_seed, self._worker_init_fn)
+        )
+        handle = None if ring is None else ring.handle()
+        dataset, collate_fn = self._payload
+        process = self._context.Process(  # type: ignore[attr-defined]
+            target=_process_worker,
+            args=(dataset, collate_fn, child_conn, handle, setup),
+            name=f"guideloom-read-{index}",
+            daemon=True,
+        )
+        worker = _Worker(process, conn, ring)
+        try:
+            process.start()
+        except BaseException:
+            conn.close()
+            if ring is not None:
+                ring.close()
+            raise
+        finally:
+            child_conn.close()
+        return worker
+
+    def _replace(self, index: int) -> None:
+        """Put a new worker in the place of worker ``index``, which has ended (or whose pipe
+        broke): its jobs in flight are dropped (nobody waits for them between epochs)."""
+        old = self._workers[index]
+        process = old.process
+        if process.exitcode is None:  # (its pipe broke: it is ending; make sure)
+            process.kill()
+            process.join(_EXIT_SECONDS)
+        how = _how_it_ended(process.exitcode)
+        new = self._start_worker(index)  # (if it fails, close() ends the old one as usual)
+        self._workers[index] = new
+        if process.exitcode is not None:
+            process.close()
+        old.conn.close()
+        if old.ring is not None:
+            old.ring.close()
+        warnings.warn(
+            f"worker process {index} of the loader had exited{how}; a new one replaces it, "
+            "with a fresh copy of the dataset",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
     def begin(self, dataset: Any, collate_fn: Callable[[Any], Any] | None) -> None:
-        """Start an epoch: after the first, without ``persistent``, send every worker a new
-        copy of ``dataset`` and ``collate_fn`` (pickled once), ahead of the epoch's jobs."""
+        """Start an epoch: replace workers that have died since the last one (killed by a
+        signal, the out-of-memory killer), then, after the first epoch, without
+        ``persistent``, send every other worker a new copy of ``dataset`` and
+        ``collate_fn`` (pickled once), ahead of the epoch's jobs."""
         self._epochs += 1
-        if self._epochs == 1 or self._persistent:
+        fresh = self._epochs > 1 and not self._persistent
+        if fresh:
+            self._payload = (dataset, collate_fn)
+        replaced = set()
+        for index, worker in enumerate(self._workers):
+            if worker.broken or worker.process.exitcode is not None:
+                self._replace(index)  # (started with the current copy)
+                replaced.add(index)
+        if not fresh:
             return
         payload = pickle.dumps((dataset, collate_fn), protocol=5)
-        for worker in self._workers:
+        for index, worker in enumerate(self._workers):
+            if index in replaced:
+                continue
             job = _ProcessJob(self._next_id, worker, 0)
             self._next_id += 1
-            self._send(worker, (job.id, None, payload))
+            try:
+                worker.conn.send_bytes(pickle.dumps((job.id, None, payload), protocol=5))
+            except OSError:  # it died since the look above
+                self._replace(index)
+                continue
             worker.jobs.append(job)
 
     def _send(self, worker: _Worker, message: Any) -> None:
@@ -625,10 +685,15 @@ class _ProcessPool:
     def release(self) -> None:
         """The epoch's reader is done with the pool (an iterator ended or closed early):
         answers of its jobs that have come are read and dropped; the rest are dropped as
-        they come, before the next epoch's."""
+        they come, before the next epoch's. A worker found dead here is replaced by the next
+        :meth:`begin` (closing an iterator never fails for it)."""
         for worker in self._workers:
-            while worker.jobs and worker.wait(0)[0]:
-                self._receive(worker)
+            try:
+                while worker.jobs and worker.wait(0)[0]:
+                    self._receive(worker)
+            except BrokenProcessPool:  # it died: nobody needs its answers, begin() replaces it
+                worker.broken = True
+                worker.jobs.clear()
             for job in worker.jobs:
                 job.abandoned = True
 
