@@ -16,9 +16,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from guideloom_pipes.progress import Progress
 from guideloom_pipes.storage.base import StorageBase
-from guideloom_pipes.storage.commit import WRITER_MODES, remove_shards_from
+from guideloom_pipes.storage.commit import (
+    WRITER_MODES,
+    CreateLock,
+    refuse_other_kind,
+    remove_shards_from,
+)
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.names import RECORD, shard_ids, shard_name
 from guideloom_pipes.storage.records import ShardRecord, format_name
@@ -123,11 +130,18 @@ def _fingerprint(
 
 
 def _write_shard(
-    storage: Any, shard: int, item: Any, convert: Callable[[Any], Iterable[Any]], fp: str
+    storage: Any,
+    shard: int,
+    item: Any,
+    convert: Callable[[Any], Iterable[Any]],
+    fp: str,
+    same_kind: bool = True,
 ) -> tuple[int, int]:
-    """In a worker: convert ``item`` and commit it as shard ``shard``; (records, bytes)."""
+    """In a worker: convert ``item`` and commit it as shard ``shard``; (records, bytes).
+    ``same_kind``: refuse a dataset of another kind or dtype (a run in ``"update"`` mode)."""
     writer: Any = storage.sync_writer(mode="update")
     writer._warn_older_above = False  # the other shards are other workers' business
+    writer._same_as_committed = same_kind
     with writer:
         writer.start(shard)  # an item that yields nothing is an empty shard, not a gap
         records = 0
@@ -294,11 +308,14 @@ def write_parallel(
     work = list(items)
     started = time.perf_counter()
     remote = _remote(storage)
-    if mode == "create" and _shards_present(storage, remote):
+    if mode == "create" and remote is not None and _shards_present(storage, remote):
         raise FileExistsError(
             f"{directory} already holds shards and write_parallel was called with "
             f"mode='create'; write into a new directory, or use mode='overwrite'"
         )
+    if mode == "update" and remote is None and os.path.isdir(directory):
+        dtype = getattr(storage.format, "stream_dtype", None)
+        refuse_other_kind(directory, storage.kind, None if dtype is None else np.dtype(dtype))
     report = WriteReport()
     prints = [_fingerprint(item, convert_bytes, storage, fingerprint) for item in work]
     todo = []
@@ -309,6 +326,9 @@ def write_parallel(
             report.skipped.append(shard)
         else:
             todo.append(shard)
+    creating = None  # a local create run's claim on the directory, held to the end
+    if mode == "create" and remote is None:
+        creating = CreateLock(directory)  # a dataset there, or another create run: refused
     owned = executor is None
     if owned:
         workers = max_workers or os.cpu_count() or 1
@@ -318,6 +338,7 @@ def write_parallel(
         pool = getattr(executor, "_max_workers", None)
         max_in_flight = 2 * pool if isinstance(pool, int) and pool > 0 else 256
     failures: list[tuple[int, Any, BaseException]] = []
+    same = mode == "update"  # overwrite and create runs replace every shard
     bar = Progress("write_parallel", len(work), "items", enabled=progress)
     try:
         if report.skipped:
@@ -328,7 +349,7 @@ def write_parallel(
         def fill() -> None:
             for shard in queue:
                 future = executor.submit(
-                    _write_shard, storage, shard, work[shard], convert, prints[shard]
+                    _write_shard, storage, shard, work[shard], convert, prints[shard], same
                 )
                 pending[future] = shard
                 if len(pending) >= max_in_flight:
@@ -355,6 +376,8 @@ def write_parallel(
         if owned:
             executor.shutdown(wait=True, cancel_futures=True)
         bar.close()
+        if creating is not None:
+            creating.release()
     report.written.sort()
     report.failed.sort()
     report.seconds = time.perf_counter() - started

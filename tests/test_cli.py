@@ -232,13 +232,18 @@ def test_verify_reports_a_truncated_file(sound: Path) -> None:
     assert "rewrite shard 1" in problem
 
 
-def test_verify_reports_a_shard_of_another_dtype(sound: Path) -> None:
-    other = np.dtype([("tokens", "<i2")])
-    with (
-        pytest.warns(UserWarning, match="remain above"),
-        StreamStorage(sound, StreamNumpyFormat(other)).sync_writer() as writer,
-    ):
-        writer.append(1, {"tokens": np.arange(10)})
+def _copy_in_shard_1(sound: Path, elsewhere: Path, dtype: str) -> None:
+    """Shard 1 of ``sound`` replaced by a shard of ``dtype`` written elsewhere and copied in
+    by hand (a writer refuses to mix dtypes)."""
+    other = StreamStorage(elsewhere, StreamNumpyFormat(np.dtype([("tokens", dtype)])))
+    with other.sync_writer() as writer:
+        writer.append(1, {"tokens": np.arange(10, dtype=dtype)})
+    for name in ("0000001.in_band.bin", "0000001.shard.json"):
+        shutil.copy(elsewhere / name, sound / name)
+
+
+def test_verify_reports_a_shard_of_another_dtype(sound: Path, tmp_path: Path) -> None:
+    _copy_in_shard_1(sound, tmp_path / "other", "<i2")
     done = cli("verify", sound)
     assert done.returncode == 1
     (problem,) = _problems(done)

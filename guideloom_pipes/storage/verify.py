@@ -141,6 +141,15 @@ def _check_record(
         )
     if dtype is not None and record.dtype is not None and record.dtype != dtype:
         hint = dtype_hint(record.dtype) if dtype_hint else f"np.dtype({record.dtype.descr!r})"
+        others = [s for s, r in sorted(listing.records.items()) if r.dtype == dtype][:3]
+        if others:  # opening it with its own dtype fails on those: the fix is the data
+            raise ValueError(
+                f"shard {name} of {where} was written with dtype {record.dtype} but the "
+                f"format asks for {dtype}, the dtype of shard(s) "
+                f"{', '.join(map(shard_name, others))}: the dataset mixes dtypes, which no "
+                f"format reads (guideloom-pipes info lists the shards of each). Rewrite shard "
+                f"{shard} with {dtype}, or the whole dataset with mode='overwrite'"
+            )
         raise ValueError(
             f"shard {name} of {where} was written with dtype {record.dtype} but the format "
             f"asks for {dtype}; reading it would return garbage. Open it with {hint}"
