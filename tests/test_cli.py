@@ -283,6 +283,23 @@ def test_verify_reports_every_bad_shard_on_its_own_line(sound: Path) -> None:
     assert report["exit_status"] == 1
 
 
+def test_info_of_a_dataset_mixing_dtypes_exits_1_and_names_the_shards_that_differ(
+    sound: Path, tmp_path: Path
+) -> None:
+    _copy_in_shard_1(sound, tmp_path / "other", "<u2")
+    done = cli("info", sound)
+    assert done.returncode == 1, done.stdout
+    assert "mixed:     the shards' commit records name different kinds or dtypes" in done.stdout
+    assert '  shards 0000000, 0000002: stream [["tokens", "<i4"]]' in done.stdout
+    assert '  shards 0000001: stream [["tokens", "<u2"]]' in done.stdout
+    facts = json.loads(cli("info", sound, "--json").stdout)
+    assert [(g["dtype"], g["shards"]) for g in facts["mixed"]] == [
+        ([["tokens", "<i4"]], [0, 2]),
+        ([["tokens", "<u2"]], [1]),
+    ]
+    assert cli("info", _write(tmp_path / "one_dtype"), "--json").returncode == 0
+
+
 def test_info_still_describes_a_damaged_dataset(sound: Path) -> None:
     (sound / "0000002.shard.json").unlink()
     facts = json.loads(cli("info", sound, "--json").stdout)

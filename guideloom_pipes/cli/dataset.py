@@ -200,6 +200,9 @@ class ShardState:
     bytes: int = 0
     files: dict[str, int] = field(default_factory=dict)
     fingerprint: str | None = None
+    #: the kind and stream dtype its commit record names (None: no readable record)
+    kind: str | None = None
+    dtype: np.dtype[Any] | None = None
 
 
 @dataclass
@@ -270,6 +273,7 @@ def survey(opened: Opened) -> Survey:
                 state.state = "committing"
             state.count, state.payloads = record.count, record.payloads
             state.fingerprint = record.fingerprint
+            state.kind, state.dtype = record.kind, record.dtype
         elif have_records:
             state.state = "uncommitted"
         if record is None:
