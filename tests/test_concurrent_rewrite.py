@@ -7,6 +7,9 @@
   and held descriptors stay valid across the renames; a file opened (or reopened by the LRU)
   after the rewrite is checked to be the one listed (device, inode, size), or the read fails
   with :class:`DatasetChangedError`, never returning bytes of another version.
+* ``verify`` while a writer commits checks the files it listed, lists again for a shard
+  recommitted before it read it, and says that a writer is committing rather than report a
+  sound dataset as corrupt.
 """
 
 from __future__ import annotations

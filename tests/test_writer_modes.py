@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import errno
+import gc
 import os
 import signal
 import subprocess
@@ -421,6 +422,16 @@ def test_a_second_create_writer_is_refused_while_the_first_is_open(tmp_path: Pat
     assert CREATE_LOCK not in shard_kinds.names(tmp_path)
     with pytest.raises(FileExistsError, match="already holds shard files"):
         storage("stream", tmp_path).sync_writer(mode="create").open()
+
+
+def test_a_create_writer_dropped_without_close_releases_the_directory(tmp_path: Path) -> None:
+    writer = storage("stream", tmp_path).sync_writer(mode="create")
+    append("stream", writer, 0, [1])
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del writer
+        gc.collect()
+    write_mode("stream", tmp_path, {0: [2]}, "create")
+    assert read("stream", tmp_path) == [2]
 
 
 CREATOR = """
