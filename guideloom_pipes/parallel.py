@@ -21,9 +21,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from guideloom_pipes.progress import Progress
 from guideloom_pipes.storage.base import StorageBase
-from guideloom_pipes.storage.commit import WRITER_MODES, remove_shards_from
+from guideloom_pipes.storage.commit import (
+    WRITER_MODES,
+    CreateLock,
+    refuse_other_kind,
+    remove_shards_from,
+)
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.names import RECORD, shard_ids, shard_name
 from guideloom_pipes.storage.records import ShardRecord, format_name
@@ -260,10 +267,12 @@ def _write_shard(
     fp: str,
     driver: int = -1,
     run: str = "",
+    same_kind: bool = True,
 ) -> tuple[int, int]:
     """In a worker: convert ``item`` and commit it as shard ``shard``; (records, bytes).
     ``driver``: the pid of write_parallel's process; ``run``: a token of the call, so that
-    an executor that caches results by their arguments (Dask) runs each call afresh."""
+    an executor that caches results by their arguments (Dask) runs each call afresh;
+    ``same_kind``: refuse a dataset of another kind or dtype (a run in ``"update"`` mode)."""
     if not _GUARD.installed and _in_pool_worker(driver):
         _guard(parent_death_signal=False)  # a user's pool: its forking thread may be gone
     guarded = _GUARD.installed and threading.current_thread() is threading.main_thread()
@@ -272,6 +281,7 @@ def _write_shard(
     try:
         writer: Any = storage.sync_writer(mode="update")
         writer._warn_older_above = False  # the other shards are other workers' business
+        writer._same_as_committed = same_kind
         with writer:
             if guarded:
                 _GUARD.deferred = False
@@ -535,11 +545,14 @@ def write_parallel(
     remote = _remote(storage)
     if remote is not None:
         sweep_staging()  # what workers killed in an earlier run left in the temporary dir
-    if mode == "create" and _shards_present(storage, remote):
+    if mode == "create" and remote is not None and _shards_present(storage, remote):
         raise FileExistsError(
             f"{directory} already holds shards and write_parallel was called with "
             f"mode='create'; write into a new directory, or use mode='overwrite'"
         )
+    if mode == "update" and remote is None and os.path.isdir(directory):
+        dtype = getattr(storage.format, "stream_dtype", None)
+        refuse_other_kind(directory, storage.kind, None if dtype is None else np.dtype(dtype))
     report = WriteReport()
     prints = [_fingerprint(item, convert_bytes, storage, fingerprint) for item in work]
     todo = []
@@ -550,6 +563,9 @@ def write_parallel(
             report.skipped.append(shard)
         else:
             todo.append(shard)
+    creating = None  # a local create run's claim on the directory, held to the end
+    if mode == "create" and remote is None:
+        creating = CreateLock(directory)  # a dataset there, or another create run: refused
     owned = executor is None
     if owned:
         workers = max_workers or os.cpu_count() or 1
@@ -566,6 +582,7 @@ def write_parallel(
         pool = getattr(executor, "_max_workers", None)
         max_in_flight = 2 * pool if isinstance(pool, int) and pool > 0 else 256
     failures: list[tuple[int, Any, BaseException]] = []
+    same = mode == "update"  # overwrite and create runs replace every shard
     bar = Progress("write_parallel", len(work), "items", enabled=progress)
     driver, run = os.getpid(), os.urandom(8).hex()
     pending: dict[cf.Future[tuple[int, int]], int] = {}
@@ -591,6 +608,7 @@ def write_parallel(
                         prints[shard],
                         driver,
                         run,
+                        same,
                     )
                 except cf.BrokenExecutor:
                     broken = True
@@ -625,6 +643,8 @@ def write_parallel(
         if owned:
             executor.shutdown(wait=True, cancel_futures=True)
         bar.close()
+        if creating is not None:
+            creating.release()
     if broken:  # once our own pool's workers are joined: what they committed is final
         _settle_broken(storage, remote, prints, failures, report)
     report.written.sort()

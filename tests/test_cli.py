@@ -275,13 +275,18 @@ def test_verify_reports_a_truncated_file(sound: Path) -> None:
     assert "rewrite shard 1" in problem
 
 
-def test_verify_reports_a_shard_of_another_dtype(sound: Path) -> None:
-    other = np.dtype([("tokens", "<i2")])
-    with (
-        pytest.warns(UserWarning, match="remain above"),
-        StreamStorage(sound, StreamNumpyFormat(other)).sync_writer() as writer,
-    ):
-        writer.append(1, {"tokens": np.arange(10)})
+def _copy_in_shard_1(sound: Path, elsewhere: Path, dtype: str) -> None:
+    """Shard 1 of ``sound`` replaced by a shard of ``dtype`` written elsewhere and copied in
+    by hand (a writer refuses to mix dtypes)."""
+    other = StreamStorage(elsewhere, StreamNumpyFormat(np.dtype([("tokens", dtype)])))
+    with other.sync_writer() as writer:
+        writer.append(1, {"tokens": np.arange(10, dtype=dtype)})
+    for name in ("0000001.in_band.bin", "0000001.shard.json"):
+        shutil.copy(elsewhere / name, sound / name)
+
+
+def test_verify_reports_a_shard_of_another_dtype(sound: Path, tmp_path: Path) -> None:
+    _copy_in_shard_1(sound, tmp_path / "other", "<i2")
     done = cli("verify", sound)
     assert done.returncode == 1
     (problem,) = _problems(done)
@@ -319,6 +324,23 @@ def test_verify_reports_every_bad_shard_on_its_own_line(sound: Path) -> None:
     report = json.loads(cli("verify", sound, "--json").stdout)
     assert sorted(p["shard"] for p in report["problems"]) == [0, 1, 2]
     assert report["exit_status"] == 1
+
+
+def test_info_of_a_dataset_mixing_dtypes_exits_1_and_names_the_shards_that_differ(
+    sound: Path, tmp_path: Path
+) -> None:
+    _copy_in_shard_1(sound, tmp_path / "other", "<u2")
+    done = cli("info", sound)
+    assert done.returncode == 1, done.stdout
+    assert "mixed:     the shards' commit records name different kinds or dtypes" in done.stdout
+    assert '  shards 0000000, 0000002: stream [["tokens", "<i4"]]' in done.stdout
+    assert '  shards 0000001: stream [["tokens", "<u2"]]' in done.stdout
+    facts = json.loads(cli("info", sound, "--json").stdout)
+    assert [(g["dtype"], g["shards"]) for g in facts["mixed"]] == [
+        ([["tokens", "<i4"]], [0, 2]),
+        ([["tokens", "<u2"]], [1]),
+    ]
+    assert cli("info", _write(tmp_path / "one_dtype"), "--json").returncode == 0
 
 
 def test_info_still_describes_a_damaged_dataset(sound: Path) -> None:
@@ -404,6 +426,7 @@ def test_verify_lists_the_entries_it_ignored_and_stays_sound(sound: Path) -> Non
     (sound / ".DS_Store").write_bytes(b"\0")
     (sound / "sub").mkdir()
     (sound / "0000000.out_of_band.bin").write_bytes(b"")  # a file of another kind
+    (sound / ".guideloom_pipes-create.lock").write_bytes(b"")  # ours: a killed create run's
     done = cli("verify", sound)
     assert done.returncode == 0, done.stdout
     assert (

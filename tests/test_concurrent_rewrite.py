@@ -7,10 +7,16 @@
   and held descriptors stay valid across the renames; a file opened (or reopened by the LRU)
   after the rewrite is checked to be the one listed (device, inode, size), or the read fails
   with :class:`DatasetChangedError`, never returning bytes of another version.
+* ``verify`` while a writer commits checks the files it listed, lists again for a shard
+  recommitted before it read it, and says that a writer is committing rather than report a
+  sound dataset as corrupt.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -21,7 +27,9 @@ import pytest
 from shard_kinds import KINDS, expected, read, storage, write
 
 from guideloom_pipes import StreamDataset
-from guideloom_pipes.storage import DatasetChangedError, StaleWriteWarning, listing
+from guideloom_pipes.cli import verify as cli_verify
+from guideloom_pipes.cli.main import main
+from guideloom_pipes.storage import DatasetChangedError, StaleWriteWarning, base, commit, listing
 from guideloom_pipes.storage.io import MmapIO, PosixPreadIO, SeekIO
 
 OLD = {0: list(range(0, 7)), 1: list(range(100, 103)), 2: list(range(200, 209))}
@@ -222,3 +230,169 @@ def test_a_loader_running_while_the_dataset_is_rewritten_delivers_only_old_sampl
         refused = True
     assert delivered >= 3
     assert refused or delivered == len(stream) // length
+
+
+# verify while a writer commits ------------------------------------------------------------
+
+
+def listed(kind: str, path: Path) -> Any:
+    """The listing an open of ``path`` takes now."""
+    store = storage(kind, path)
+    return listing.discover(store._resolve_io(), store.dir, store.suffixes)
+
+
+def verify_with_listings(
+    monkeypatch: pytest.MonkeyPatch, path: Path, listings: list[Any], *args: str
+) -> int:
+    """``guideloom-pipes verify path``, its first listings being ``listings`` (taken
+    earlier, as a verify that listed just before a writer's commit would have)."""
+
+    real = cli_verify.discover
+    monkeypatch.setattr(
+        cli_verify, "discover", lambda *a: listings.pop(0) if listings else real(*a)
+    )
+    return main(["verify", str(path), *args])
+
+
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_listing_just_before_a_writer_recommits_checks_the_new_version_and_exits_0(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write(kind, tmp_path, OLD)
+    before = listed(kind, tmp_path)
+    write(kind, tmp_path, {1: NEW[1]})  # committed between verify's listing and its reads
+    assert verify_with_listings(monkeypatch, tmp_path, [before]) == 0
+    out = capsys.readouterr().out
+    assert "problem:" not in out and out.startswith("sound: 3 shards")
+
+
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
+@pytest.mark.parametrize("kind", KINDS)
+def test_verify_listing_a_commit_before_it_rolled_forward_reads_the_files_it_listed(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+
+    write(kind, tmp_path, OLD)
+    during: list[Any] = []
+
+    def fault(step: str, target: str) -> None:  # the record names 0000001.v2.*: list now
+        if step == "link" and not during:
+            during.append(listed(kind, tmp_path))
+
+    monkeypatch.setattr(commit, "_fault", fault)
+    write(kind, tmp_path, {1: NEW[1]})  # then the commit finishes: the .v2 names are gone
+    monkeypatch.undo()
+    assert ".v2." in during[0].file_name(1, storage(kind, tmp_path).suffixes[0])
+    assert verify_with_listings(monkeypatch, tmp_path, during) == 0
+    assert capsys.readouterr().out.startswith("sound: 3 shards, ")
+
+
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
+def test_verify_says_a_writer_is_committing_when_a_shard_changes_at_every_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+
+    write("stream", tmp_path, OLD)
+    real = cli_verify.discover
+    versions = [NEW, OLD]
+
+    def discover(*args: Any) -> Any:
+        found = real(*args)
+        versions.reverse()
+        write("stream", tmp_path, {1: versions[0][1]})  # recommitted after every listing
+        return found
+
+    monkeypatch.setattr(cli_verify, "discover", discover)
+    assert main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "problem:" not in out
+    assert "note: shard(s) 0000001 were recommitted by a writer each time verify read" in out
+    assert "a writer is committing to this dataset right now" in out
+    assert "no problems found, but not every shard could be verified" in out
+    assert main(["verify", str(tmp_path), "--strict"]) == 1
+
+
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
+def test_verify_that_cannot_list_while_a_writer_commits_says_so_and_does_not_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write("stream", tmp_path, OLD)
+    real = listing._read_local
+    versions = [NEW, OLD]
+
+    def read_local(path: str) -> bytes:
+        versions.reverse()
+        write("stream", tmp_path, {1: versions[0][1]})  # a commit in every listing
+        return real(path)
+
+    monkeypatch.setattr(listing, "_read_local", read_local)
+    monkeypatch.setattr(listing.time, "sleep", lambda seconds: None)
+    assert main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "problem:" not in out
+    assert "a writer is committing to this dataset right now" in out
+    assert "nothing was verified" in out
+    assert main(["verify", str(tmp_path), "--strict"]) == 1
+
+
+@pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
+def test_storage_verify_checks_a_shard_recommitted_after_its_listing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    write("stream", tmp_path, OLD)
+    stale = [listed("stream", tmp_path)]
+    write("stream", tmp_path, {1: NEW[1]})
+    real = base.discover
+    monkeypatch.setattr(base, "discover", lambda *a: stale.pop(0) if stale else real(*a))
+    with (
+        storage("stream", tmp_path).sync_reader() as reader,  # the stale listing
+        pytest.raises(DatasetChangedError, match=r"shard\(s\) 0000001 .* recommitted"),
+    ):
+        reader.verify()  # its version is gone: not a checksum mismatch
+    stale.append(listed("stream", tmp_path))
+    write("stream", tmp_path, {1: OLD[1]})
+    assert storage("stream", tmp_path).verify()["shards"] == 3  # listed again, sound
+
+
+REWRITER = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from shard_kinds import write
+path, stop = Path({path!r}), {stop!r}
+for round_ in range(100_000):
+    write("stream", path, {{1: range(round_ % 7 * 100, round_ % 7 * 100 + 100)}})
+    if round_ == 0:
+        print("ready", flush=True)
+    if os.path.exists(stop):
+        break
+"""
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_verify_while_another_process_recommits_a_shard_never_fails_a_sound_dataset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+
+    tests = Path(__file__).resolve().parent
+    data, stop = tmp_path / "data", tmp_path / "stop"
+    # 16 MB in shard 0, so that each verify checksums for a while before it reaches shard 1,
+    # which the other process recommits (same size, new bytes) as fast as it can
+    write("stream", data, {0: range(4_000_000), 1: OLD[1], 2: OLD[2]})
+    child = subprocess.Popen(
+        [sys.executable, "-c", REWRITER.format(tests=str(tests), path=str(data), stop=str(stop))],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tests.parent)},
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        statuses = [main(["verify", str(data)]) for _ in range(30)]
+        out = capsys.readouterr().out
+    finally:
+        stop.touch()
+        child.wait(60)
+    assert "problem:" not in out
+    assert statuses == [0] * 30

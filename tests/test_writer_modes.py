@@ -9,21 +9,29 @@ step leaves every shard old or new, no gap, and never new shards beside old shar
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import errno
+import gc
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import shard_kinds
 from shard_kinds import KINDS, append, expected, read, storage, write
 from test_commit_faults import shard_contents
 
-from guideloom_pipes.storage import StaleWriteWarning, commit
+from guideloom_pipes import write_parallel
+from guideloom_pipes.storage import StaleWriteWarning, StorageError, commit
+from guideloom_pipes.storage.names import CREATE_LOCK
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -283,3 +291,236 @@ def test_create_writes_into_a_new_or_empty_directory(tmp_path: Path) -> None:
 def test_a_bad_mode_is_a_value_error_naming_the_choices(tmp_path: Path, mode: Any) -> None:
     with pytest.raises(ValueError, match=r"mode must be one of 'update', 'overwrite', 'create'"):
         storage("document", tmp_path).sync_writer(mode=mode)
+
+
+# a writer of another kind or dtype ---------------------------------------------------------
+
+#: writers whose shards do not belong in a dataset of ``<i4`` stream shards, and what the
+#: refusal names for each
+FOREIGN = {
+    "<u2": ("stream", [("tokens", "<u2")], "[('tokens', '<u2')]"),
+    ">i4": ("stream", [("tokens", ">i4")], "[('tokens', '>i4')]"),
+    "renamed field": ("stream", [("text", "<i4")], "[('text', '<i4')]"),
+    "document": ("document", None, "document shards"),
+    "stream_meta": ("stream_meta", None, "stream_meta shards of dtype '<i4'"),
+}
+
+
+def foreign_writer(case: str, path: Path, mode: str = "update") -> tuple[Any, Any]:
+    """A writer of ``FOREIGN[case]`` and the record it appends."""
+    kind, dtype, _ = FOREIGN[case]
+    if kind == "stream":
+        record = {np.dtype(dtype).names[0]: np.arange(4, dtype=np.dtype(dtype)[0])}
+        return storage(kind, path, np.dtype(dtype)).sync_writer(mode=mode), record
+    return storage(kind, path).sync_writer(mode=mode), {"n": 1} if kind == "document" else [1]
+
+
+@pytest.mark.parametrize("case", FOREIGN)
+def test_update_refuses_the_first_append_of_another_kind_or_dtype(
+    tmp_path: Path, case: str
+) -> None:
+    write("stream", tmp_path, FOUR)
+    before = shard_kinds.names(tmp_path)
+    writer, record = foreign_writer(case, tmp_path)
+    with writer, pytest.raises(StorageError) as error:
+        writer.append(1, record)
+    message = str(error.value)
+    assert FOREIGN[case][2] in message  # the writer's
+    assert "stream shards of dtype [('tokens', '<i4')]" in message  # the dataset's
+    assert "shard 0000000" in message and "mode='overwrite'" in message
+    assert shard_kinds.names(tmp_path) == before  # nothing was written
+    assert read("stream", tmp_path) == expected("stream", FOUR)
+
+
+@pytest.mark.parametrize(
+    ("kind", "other"), [(kind, other) for kind in KINDS for other in KINDS if other != kind]
+)
+def test_update_refuses_a_writer_of_another_storage_kind(
+    tmp_path: Path, kind: str, other: str
+) -> None:
+    write(kind, tmp_path, FOUR)
+    with storage(other, tmp_path).sync_writer() as writer, pytest.raises(StorageError) as error:
+        append(other, writer, 0, [5])
+    assert f"whose committed shards are {kind} shards" in str(error.value)
+    assert read(kind, tmp_path) == expected(kind, FOUR)
+
+
+def test_update_refuses_another_kind_in_a_dataset_without_records(tmp_path: Path) -> None:
+    write("document", tmp_path, FOUR)
+    for record in tmp_path.glob("*.shard.json"):
+        record.unlink()  # as GuideLoom writes it: the kind shows in the file names
+    with storage("stream", tmp_path).sync_writer() as writer, pytest.raises(StorageError) as error:
+        append("stream", writer, 0, [5])
+    assert "whose committed shards are document shards (shard 0000000" in str(error.value)
+
+
+@pytest.mark.parametrize("mode", ["overwrite", "create"])
+@pytest.mark.parametrize("case", ["<u2", "document"])
+def test_overwrite_and_create_accept_another_kind_or_dtype(
+    tmp_path: Path, mode: str, case: str
+) -> None:
+    target = tmp_path / "data"
+    if mode == "overwrite":
+        write("stream", target, FOUR)
+    writer, record = foreign_writer(case, target, mode)
+    with writer:
+        writer.append(0, record)
+    kind, dtype, _ = FOREIGN[case]
+    reopened = storage(kind, target, None if dtype is None else np.dtype(dtype))
+    with reopened.sync_reader() as reader:
+        assert reader.num_shards == 1 and reader.total_length in (1, 4)
+
+
+def test_a_reader_of_a_dataset_that_mixes_dtypes_says_so_whichever_dtype_it_asks_for(
+    tmp_path: Path,
+) -> None:
+    write("stream", tmp_path / "data", FOUR)
+    u2 = np.dtype([("tokens", "<u2")])
+    with storage("stream", tmp_path / "other", u2).sync_writer() as writer:
+        writer.append(2, {"tokens": np.arange(3, dtype="<u2")})
+    for name in ("0000002.in_band.bin", "0000002.shard.json"):  # copied in by hand
+        (tmp_path / "data" / name).write_bytes((tmp_path / "other" / name).read_bytes())
+    for asked, odd, usual in ((None, "0000002", "0000000"), (u2, "0000000", "0000002")):
+        with pytest.raises(ValueError) as error:
+            storage("stream", tmp_path / "data", asked).sync_reader().open()
+        message = str(error.value)
+        assert f"shard {odd} of" in message and f"the dtype of shard(s) {usual}" in message
+        assert "the dataset mixes dtypes" in message and "Open it with" not in message
+
+
+def foreign_tokens(item: int) -> Iterator[dict[str, np.ndarray]]:
+    yield {"tokens": np.arange(item, dtype="<u2")}
+
+
+def test_write_parallel_update_refuses_another_dtype_before_any_work(tmp_path: Path) -> None:
+    write("stream", tmp_path, FOUR)
+    before = shard_kinds.names(tmp_path)
+    other = storage("stream", tmp_path, np.dtype([("tokens", "<u2")]))
+    with cf.ThreadPoolExecutor(2) as pool, pytest.raises(StorageError, match="'<u2'"):
+        write_parallel(other, [3, 4], foreign_tokens, executor=pool, mode="update", progress=False)
+    assert shard_kinds.names(tmp_path) == before
+    with cf.ThreadPoolExecutor(2) as pool:  # overwrite (write_parallel's default) replaces it
+        write_parallel(other, [3, 4], foreign_tokens, executor=pool, progress=False)
+    with other.sync_reader() as reader:
+        assert (reader.num_shards, reader.total_length) == (2, 7)
+
+
+# create runs at the same time --------------------------------------------------------------
+
+
+def test_a_second_create_writer_is_refused_while_the_first_is_open(tmp_path: Path) -> None:
+    first = storage("stream", tmp_path).sync_writer(mode="create")
+    with first:
+        append("stream", first, 0, [1, 2])
+        second = storage("stream", tmp_path).sync_writer(mode="create")
+        with pytest.raises(FileExistsError) as error:
+            second.open()
+        message = str(error.value)
+        assert "another mode='create' writer" in message and CREATE_LOCK in message
+        append("stream", first, 1, [3])
+    assert read("stream", tmp_path) == [1, 2, 3]  # the first one completed
+    assert CREATE_LOCK not in shard_kinds.names(tmp_path)
+    with pytest.raises(FileExistsError, match="already holds shard files"):
+        storage("stream", tmp_path).sync_writer(mode="create").open()
+
+
+def test_a_create_writer_dropped_without_close_releases_the_directory(tmp_path: Path) -> None:
+    writer = storage("stream", tmp_path).sync_writer(mode="create")
+    append("stream", writer, 0, [1])
+    with pytest.warns(ResourceWarning, match="dropped without close"):
+        del writer
+        gc.collect()
+    write_mode("stream", tmp_path, {0: [2]}, "create")
+    assert read("stream", tmp_path) == [2]
+
+
+CREATOR = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from shard_kinds import append, storage
+writer = storage("stream", Path({path!r})).sync_writer(mode="create")
+writer.open()
+append("stream", writer, 0, [7, 8])
+print("open", flush=True)
+sys.stdin.readline()
+append("stream", writer, 1, [9])
+writer.close()
+print("done", flush=True)
+"""
+
+
+def start_creator(path: Path) -> subprocess.Popen[str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", CREATOR.format(tests=str(TESTS), path=str(path))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline() == "open\n"  # it holds its create writer open
+    return child
+
+
+def test_a_create_run_in_another_process_is_refused_up_front_and_the_first_completes(
+    tmp_path: Path,
+) -> None:
+    child = start_creator(tmp_path)
+    try:
+        with pytest.raises(FileExistsError, match="another mode='create' writer"):
+            write_mode("stream", tmp_path, {0: [1], 1: [2]}, "create")
+        out, _ = child.communicate("go\n", timeout=60)
+    finally:
+        child.kill()
+    assert (child.returncode, out) == (0, "done\n")
+    assert read("stream", tmp_path) == [7, 8, 9]
+
+
+def test_a_killed_create_writer_does_not_block_the_next_create(tmp_path: Path) -> None:
+    child = start_creator(tmp_path)
+    child.send_signal(signal.SIGKILL)
+    child.communicate(timeout=60)
+    assert CREATE_LOCK in shard_kinds.names(tmp_path)  # left behind, no longer locked
+    write_mode("stream", tmp_path, {0: [1], 1: [2]}, "create")  # its leftovers cleaned
+    assert read("stream", tmp_path) == [1, 2]
+    assert not shard_kinds.leftovers(tmp_path) and CREATE_LOCK not in shard_kinds.names(tmp_path)
+
+
+#: the first write_parallel create run holds its first item here until the second has tried
+HOLD = threading.Event()
+STARTED = threading.Event()
+
+
+def held_tokens(item: int) -> Iterator[dict[str, np.ndarray]]:
+    if item == 0:
+        STARTED.set()
+        assert HOLD.wait(60)
+    yield {"tokens": np.full(3, item, dtype="<i4")}
+
+
+def test_two_write_parallel_create_runs_the_second_is_refused_the_first_completes(
+    tmp_path: Path,
+) -> None:
+    HOLD.clear()
+    STARTED.clear()
+    store = storage("stream", tmp_path)
+    with cf.ThreadPoolExecutor(2) as pool:
+        first = threading.Thread(
+            target=lambda: results.append(
+                write_parallel(
+                    store, range(4), held_tokens, executor=pool, mode="create", progress=False
+                )
+            )
+        )
+        results: list[Any] = []
+        first.start()
+        assert STARTED.wait(60)  # the first run's workers are writing
+        try:
+            with pytest.raises(FileExistsError, match="another mode='create' writer"):
+                write_parallel(store, range(2), held_tokens, mode="create", progress=False)
+        finally:
+            HOLD.set()
+            first.join(60)
+    assert results[0].written == [0, 1, 2, 3]
+    assert read("stream", tmp_path) == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3

@@ -24,7 +24,15 @@ from guideloom_pipes.opening import (
 )
 from guideloom_pipes.storage.commit import _is_locked
 from guideloom_pipes.storage.errors import StorageError
-from guideloom_pipes.storage.names import _NAME, IN_BAND, INDEX, RECORD, TMP, shard_name
+from guideloom_pipes.storage.names import (
+    _NAME,
+    CREATE_LOCK,
+    IN_BAND,
+    INDEX,
+    RECORD,
+    TMP,
+    shard_name,
+)
 from guideloom_pipes.storage.records import ShardRecord
 from guideloom_pipes.storage.remote import RemotePath, file_url_path, is_url
 from guideloom_pipes.storage.stream_meta import record_dtype
@@ -46,14 +54,14 @@ def ignored_entries(directory: Path, suffixes: Sequence[str]) -> list[str]:
     """The entries of a local dataset directory that readers and ``verify`` pass over
     (sorted; a directory with a trailing ``/``): names that are not shard files (``notes.txt``,
     ``.DS_Store``), shard names that are not regular files, and shard files of another kind
-    than ``suffixes``. Packing sidecars (ours) are not listed."""
+    than ``suffixes``. Packing sidecars and a create run's lock file (ours) are not listed."""
     from guideloom_pipes.packing import SIDECAR_PREFIX  # only here: verify of a directory
 
     ignored = []
     with os.scandir(directory) as entries:
         for entry in entries:
             name = entry.name
-            if name.startswith("." + SIDECAR_PREFIX):
+            if name.startswith("." + SIDECAR_PREFIX) or name == CREATE_LOCK:
                 continue
             match = _NAME.match(name)
             try:
@@ -237,6 +245,9 @@ class ShardState:
     bytes: int = 0
     files: dict[str, int] = field(default_factory=dict)
     fingerprint: str | None = None
+    #: the kind and stream dtype its commit record names (None: no readable record)
+    kind: str | None = None
+    dtype: np.dtype[Any] | None = None
 
 
 @dataclass
@@ -314,6 +325,7 @@ def survey(opened: Opened) -> Survey:
                 state.state = "committing"
             state.count, state.payloads = record.count, record.payloads
             state.fingerprint = record.fingerprint
+            state.kind, state.dtype = record.kind, record.dtype
         elif have_records:
             state.state = "uncommitted"
         if record is None:

@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import Any
 
-from guideloom_pipes.cli.dataset import open_dataset, refuse_url, survey
+from guideloom_pipes.cli.dataset import ShardState, open_dataset, refuse_url, survey
 from guideloom_pipes.progress import human_bytes
 from guideloom_pipes.storage.records import dtype_to_json
 
@@ -64,6 +64,7 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
         }
         for s in shards
     ]
+    out["mixed"] = _mixed(shards)
     out["leftovers"] = [
         {"shard": shard, "files": names, "live_writer": live}
         for shard, (names, live) in sorted(found.leftovers.items())
@@ -71,12 +72,42 @@ def describe(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _mixed(shards: list[ShardState]) -> list[dict[str, Any]]:
+    """The groups of committed shards by the kind and dtype their records name, when there
+    is more than one (a dataset no format opens whole); else ``[]``."""
+    groups: dict[str, dict[str, Any]] = {}
+    for shard in shards:
+        if shard.kind is None or shard.state not in ("committed", "committing"):
+            continue
+        dtype = None if shard.dtype is None else dtype_to_json(shard.dtype)
+        key = json.dumps([shard.kind, dtype])
+        group = groups.setdefault(key, {"kind": shard.kind, "dtype": dtype, "shards": []})
+        group["shards"].append(shard.shard)
+    return list(groups.values()) if len(groups) > 1 else []
+
+
+def _ranges(ids: list[int]) -> str:
+    """``0000000-0000002, 0000005`` for ``[0, 1, 2, 5]``."""
+    parts: list[str] = []
+    start = previous = ids[0]
+    for shard in [*ids[1:], None]:
+        if shard is not None and shard == previous + 1:
+            previous = shard
+            continue
+        parts.append(f"{start:07d}" if start == previous else f"{start:07d}-{previous:07d}")
+        if shard is not None:
+            start = previous = shard
+    return ", ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the description; exit status 0."""
+    """Print the description; exit status 0, or 1 for a dataset whose shards mix kinds or
+    dtypes."""
     facts = describe(args)
+    status = 1 if facts["mixed"] else 0
     if args.json:
         print(json.dumps(facts))
-        return 0
+        return status
     unit = "documents" if facts["kind"] == "document" else "elements"
     lines = [
         f"path:      {facts['path']}",
@@ -108,5 +139,14 @@ def run(args: argparse.Namespace) -> int:
     for left in facts["leftovers"]:
         who = "a live writer is writing it" if left["live_writer"] else "stale: run recover"
         lines.append(f"leftovers of shard {left['shard']:07d}: {', '.join(left['files'])} ({who})")
+    if facts["mixed"]:
+        lines.append(
+            "mixed:     the shards' commit records name different kinds or dtypes, so no "
+            "format opens the whole dataset; rewrite the odd ones with the dataset's dtype, "
+            "or the whole dataset with mode='overwrite':"
+        )
+        for group in facts["mixed"]:
+            dtype = "" if group["dtype"] is None else f" {json.dumps(group['dtype'])}"
+            lines.append(f"  shards {_ranges(group['shards'])}: {group['kind']}{dtype}")
     print("\n".join(lines))
-    return 0
+    return status

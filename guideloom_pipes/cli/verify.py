@@ -40,6 +40,8 @@ class _Findings:
         self.notes: list[str] = []
         #: entries of the directory that are not shard files of the dataset
         self.ignored: list[str] = []
+        #: whether some shards could not be verified (a writer kept recommitting them)
+        self.unverified = False
 
     def problem(self, error: BaseException | str, shard: int | None = None) -> None:
         message = str(error)
@@ -48,16 +50,31 @@ class _Findings:
         self.problems.append({"shard": shard, "message": message})
 
 
+#: how many times verify lists the dataset (the first time included) to check the shards a
+#: writer recommitted while it read them
+ATTEMPTS = 4
+
+
 def check(opened: Opened, args: argparse.Namespace, findings: _Findings) -> dict[str, Any]:
-    """Run every check on ``opened``; problems and notes go to ``findings``. Counts."""
+    """Run every check on ``opened``; problems and notes go to ``findings``. Counts.
+
+    Each file is read as readers read it: the very file the listing saw (by device and
+    inode), so that a writer recommitting a shard meanwhile changes nothing. A shard whose
+    listed file is gone (recommitted before verify opened it) is checked again in a new
+    listing, a few times; one that changes every time is noted as not verified (a writer is
+    committing), not reported as a problem."""
     storage = opened.storage
     io = storage._resolve_io()
     counts: dict[str, Any] = {"shards": 0, "files": 0, "bytes": 0, "seconds": 0.0}
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         try:
-            listing = discover(io, storage.dir, storage.suffixes)
-        except (OSError, ValueError, DatasetChangedError) as error:
+            listing = _list(io, storage)
+        except DatasetChangedError as error:  # sound or not, nothing could be checked
+            findings.unverified = True
+            findings.notes.append(f"{error}; nothing was verified, run verify again then")
+            return counts
+        except (OSError, ValueError) as error:
             # OSError: a missing shard, or a server that refuses a file (PermissionError)
             findings.problem(error)
             return counts
@@ -73,31 +90,94 @@ def check(opened: Opened, args: argparse.Namespace, findings: _Findings) -> dict
             f"ignored {len(findings.ignored)} entries that are not shard files of this "
             f"dataset (readers ignore them too): {shown}"
         )
-    dtype = opened.dtype
+    if opened.kind != "document" and opened.dtype is None:
+        findings.notes.append(
+            "dtype unknown (no commit records): element sizes not checked; pass --dtype"
+        )
+    if not listing.records:
+        findings.notes.append("no commit records: no checksums (written by GuideLoom)")
+    changed = _check_pass(opened, listing, None, args, findings, counts)
+    for _ in range(ATTEMPTS - 1):
+        if not changed:
+            break
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # noted from the first listing
+                listing = discover(io, storage.dir, storage.suffixes)
+        except (FileNotFoundError, ValueError, DatasetChangedError):
+            break  # the writer is still at it: noted below
+        gone = sorted(s for s in changed if s >= listing.num_shards)
+        if gone:
+            findings.notes.append(
+                f"shard(s) {_names(gone)} were removed by a writer while verify ran"
+            )
+        changed = _check_pass(opened, listing, sorted(changed - set(gone)), args, findings, counts)
+    if changed:
+        findings.unverified = True
+        findings.notes.append(
+            f"shard(s) {_names(sorted(changed))} were recommitted by a writer each time verify "
+            f"read them ({ATTEMPTS} listings): a writer is committing to this dataset right "
+            f"now, so they are not verified (the rest is); run verify again once it has closed"
+        )
+    return counts
+
+
+def _list(io: Any, storage: Any) -> ShardListing:
+    """The listing of ``storage``, tried up to ``ATTEMPTS`` times while a writer commits
+    (each try lists a few times itself)."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return discover(io, storage.dir, storage.suffixes)
+        except DatasetChangedError:
+            if attempt == ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _names(shards: list[int]) -> str:
+    return ", ".join(shard_name(s) for s in shards)
+
+
+def _check_pass(
+    opened: Opened,
+    listing: ShardListing,
+    shards: list[int] | None,
+    args: argparse.Namespace,
+    findings: _Findings,
+    counts: dict[str, Any],
+) -> set[int]:
+    """The checks of ``shards`` (None: all) in ``listing``; their problems go to
+    ``findings``, except those of shards a writer recommitted meanwhile: those are
+    returned, to be checked again."""
+    storage = opened.storage
+    io = storage._resolve_io()
+    found = _Findings()
+    changed: set[int] = set()
     errors: list[Exception] = []
     sizes = check_listing(
         listing,
         io,
         storage.kind,
         storage.suffixes,
-        dtype,
+        opened.dtype,
         lambda d: f"--dtype '{json.dumps(d.descr)}' (the dtype it was written with)",
         problems=errors,
     )
-    for found in errors:
-        findings.problem(found)
-    bad = {p["shard"] for p in findings.problems}
-    if opened.kind != "document" and dtype is None:
-        findings.notes.append(
-            "dtype unknown (no commit records): element sizes not checked; pass --dtype"
-        )
-    else:
-        _check_contents(opened, listing, sizes, bad, findings)
-    recorded = [s for s in range(listing.num_shards) if s in listing.records and s not in bad]
-    if not listing.records:
-        findings.notes.append("no commit records: no checksums (written by GuideLoom)")
-    _checksums(opened, listing, recorded, args, findings, counts)
-    return counts
+    for error in errors:
+        found.problem(error)
+    wanted = set(range(listing.num_shards)) if shards is None else set(shards)
+    found.problems = [p for p in found.problems if p["shard"] is None or p["shard"] in wanted]
+    bad = {p["shard"] for p in found.problems}
+    if opened.kind == "document" or opened.dtype is not None:
+        _check_contents(opened, listing, sizes, bad, found, sorted(wanted), changed)
+    recorded = [s for s in sorted(wanted) if s in listing.records and s not in bad]
+    _checksums(opened, listing, recorded, args, found, counts, changed)
+    findings.problems.extend(
+        p
+        for p in found.problems
+        if p["shard"] not in changed and (p["shard"] is None or p["shard"] in wanted)
+    )
+    return changed
 
 
 def _check_contents(
@@ -106,8 +186,11 @@ def _check_contents(
     sizes: list[dict[str, int]],
     bad: set[int | None],
     findings: _Findings,
+    shards: list[int],
+    changed: set[int],
 ) -> None:
-    """What the reader checks as it sets up and first reads: element sizes, indexes."""
+    """What the reader checks as it sets up and first reads: element sizes, indexes (of
+    ``shards``; those whose files a writer replaced meanwhile go to ``changed``)."""
     storage = opened.storage
     if opened.dtype is not None:
         element = opened.dtype if opened.kind == "stream" else record_dtype(opened.dtype)
@@ -131,9 +214,11 @@ def _check_contents(
         reader._attach(listing, sizes)
         index = getattr(reader, "_index", None) or getattr(reader, "_payloads", None)
         if index is not None:
-            for shard in range(listing.num_shards):
+            for shard in shards:
                 try:
                     index._check(shard)
+                except DatasetChangedError:
+                    changed.add(shard)  # the reader's own check: not the version listed
                 except (OSError, ValueError) as error:
                     findings.problem(error, shard)
     except (OSError, ValueError) as error:
@@ -149,6 +234,7 @@ def _checksums(
     args: argparse.Namespace,
     findings: _Findings,
     counts: dict[str, Any],
+    changed: set[int],
 ) -> None:
     storage = opened.storage
     files = recorded_files(listing, storage.suffixes, recorded)
@@ -159,6 +245,9 @@ def _checksums(
         io = storage._resolve_io()
         for check in check_files(listing, io, files, progress.update, errors="collect"):
             shard = check.shard
+            if check.changed:
+                changed.add(shard)
+                continue
             if check.error is not None:
                 findings.problem(
                     f"shard {shard_name(shard)}: {check.error}; rewrite shard {shard}", shard
@@ -174,7 +263,7 @@ def _checksums(
                     f"changed after it was committed. Restore it or rewrite shard {shard}",
                     shard,
                 )
-    counts["seconds"] = time.perf_counter() - started
+    counts["seconds"] += time.perf_counter() - started
 
 
 def run(args: argparse.Namespace) -> int:
@@ -182,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     opened = open_dataset(args.path, args.dtype, args.kind)
     findings = _Findings()
     counts = check(opened, args, findings)
-    unverified = not opened.found.recorded
+    unverified = not opened.found.recorded or findings.unverified
     status = 1 if findings.problems or (args.strict and unverified) else 0
     seconds = counts["seconds"]
     rate = counts["bytes"] / seconds / 1e9 if seconds > 0 else None
@@ -220,7 +309,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"NOT SOUND: {len(findings.problems)} problem(s) in {args.path}; {summary}")
     elif unverified:
         strict = " (--strict: exit status 1)" if args.strict else ""
-        print(f"no problems found, but no checksums to verify{strict}: {summary}")
+        what = (
+            "not every shard could be verified (see the notes)"
+            if findings.unverified
+            else "no checksums to verify"
+        )
+        print(f"no problems found, but {what}{strict}: {summary}")
     else:
         print(f"sound: {summary}")
     return status

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.storage.commit import _fsync_directory, recover_directory, seal_shard
+from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing, discover
 from guideloom_pipes.storage.names import shard_name
@@ -19,6 +20,10 @@ from guideloom_pipes.storage.remote import RetryPolicy, is_url, resolve_location
 from guideloom_pipes.storage.shard_files import ShardFiles
 from guideloom_pipes.storage.verify import check_listing, verify_checksums
 from guideloom_pipes.types import Storage
+
+#: how many times ``storage.verify()`` opens the dataset again when a writer recommitted a
+#: shard it was checking
+_VERIFY_ATTEMPTS = 4
 
 
 class StorageBase(Storage):
@@ -110,9 +115,20 @@ class StorageBase(Storage):
         return resolve_backend(self.read_interface)
 
     def verify(self) -> dict[str, int]:
-        """Check every committed shard's checksums; raise on a mismatch. Counts checked."""
-        with self.sync_reader() as reader:
-            return reader.verify()
+        """Check every committed shard's checksums; raise on a mismatch. Counts checked.
+
+        A shard that a writer recommits while it is being checked is checked again in its
+        new version (the dataset is listed again, up to a few times; then the
+        :class:`~guideloom_pipes.storage.DatasetChangedError` says a writer is committing).
+        """
+        for attempt in range(_VERIFY_ATTEMPTS):
+            try:
+                with self.sync_reader() as reader:
+                    return reader.verify()
+            except DatasetChangedError:
+                if attempt == _VERIFY_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def seal(self) -> list[int]:
         """Record shards that have no commit record yet, after checking their files.

@@ -51,7 +51,9 @@ may see a mix of a multi-file shard's old and new files.
 
 *Writer modes.* ``"update"`` (default) commits only the shards written, and warns at close
 of shards that were there when the writer opened and remain above the highest one it
-wrote. ``"create"`` refuses a directory holding shard files. ``"overwrite"`` also removes
+wrote; its first append refuses a dataset whose committed shards are of another kind or
+dtype (:func:`refuse_other_kind`). ``"create"`` refuses a directory holding shard files,
+and one that another create run holds (:class:`CreateLock`). ``"overwrite"`` also removes
 every other shard (:class:`_Removal`): between steps 2a and 2b it takes their write locks
 and replaces each one's record by one in state ``"deleted"``, highest id first (readers
 treat such a shard as absent, so the ids never have a gap); after step 2e it removes their
@@ -91,6 +93,7 @@ from guideloom_pipes.storage.checksums import BlockCrc32
 from guideloom_pipes.storage.errors import CorruptShardError, ShardLockedError, StorageError
 from guideloom_pipes.storage.names import (
     _NAME,
+    CREATE_LOCK,
     IN_BAND,
     INDEX,
     OUT_OF_BAND,
@@ -707,6 +710,128 @@ def refuse_to_create(location: str, found: Sequence[str]) -> None:
     )
 
 
+def _lock_or_none(path: str) -> int | None:
+    """Open ``path`` and take an exclusive ``flock`` on it without waiting; the descriptor,
+    or None when another open file holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return None
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # its holder removed it as it finished: take the new one
+
+
+class CreateLock:
+    """The claim of one ``mode="create"`` run on a local directory, held from its check that
+    the directory holds no shard files until the run ends (:meth:`release`).
+
+    It is an exclusive ``flock`` on :data:`~guideloom_pipes.storage.names.CREATE_LOCK` in
+    the directory, taken before the check: a second create run started meanwhile finds it
+    held and is refused at once with ``FileExistsError``, before it writes anything. The
+    kernel drops the lock of a process that dies, so a run that was killed never blocks the
+    next one (the file it leaves is ignored by readers and taken over by the next run, which
+    also recovers the killed run's leftovers before it looks for shard files: temporaries
+    are cleaned, shards it committed stay and refuse the new run).
+    ``write_parallel`` takes one for a whole run: its workers are that run.
+    """
+
+    def __init__(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, CREATE_LOCK)
+        fd = _lock_or_none(self.path)
+        if fd is None:
+            raise FileExistsError(
+                f"another mode='create' writer is creating a dataset in {directory} right now "
+                f"(it holds the lock on {self.path}), and this writer was opened with "
+                f"mode='create'. Write into another location, or let that run finish (then "
+                f"use mode='overwrite' to replace what it wrote)",
+            )
+        self._release = weakref.finalize(self, _drop_lock, fd, self.path)
+        try:
+            recover_directory(directory)  # what a killed run left is no dataset
+            refuse_to_create(directory, [n for n in os.listdir(directory) if _NAME.match(n)])
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """End the claim: remove the lock file and drop the lock (idempotent)."""
+        self._release()
+
+
+def _committed_kind(directory: str) -> tuple[int, str, np.dtype[Any] | None] | None:
+    """What the committed shards of ``directory`` are, from the lowest-numbered one that
+    says: ``(shard, kind, dtype)`` from its commit record, or for a dataset without records
+    (GuideLoom's) the kind its data files show (dtype None); None for no shards."""
+    records: list[int] = []
+    files: dict[int, set[str]] = {}
+    for name in os.listdir(directory):
+        match = _NAME.match(name)
+        if match is None or match.group("temporary") or match.group("generation") is not None:
+            continue
+        shard = int(match.group("shard"))
+        if match.group("suffix") == RECORD:
+            records.append(shard)
+        else:
+            files.setdefault(shard, set()).add(match.group("suffix"))
+    for shard in sorted(records):
+        record = _read_record(os.path.join(directory, shard_name(shard)))
+        if record is not None and record.state == "committed":
+            return shard, record.kind, record.dtype
+    if records:
+        return None  # records, none of them readable and committed: nothing to go by
+    for shard in sorted(files):
+        kind = _KIND_OF_FILES.get(frozenset(files[shard]))
+        if kind is not None:
+            return shard, kind, None
+    return None
+
+
+def refuse_other_kind(directory: str, kind: str, dtype: np.dtype[Any] | None) -> None:
+    """Raise :class:`StorageError` if the committed shards of ``directory`` are of another
+    kind than ``kind`` or another stream dtype than ``dtype`` (an ``"update"`` writer's
+    check: the dataset would mix them, and no format could open it)."""
+    found = _committed_kind(directory)
+    if found is None:
+        return
+    shard, committed_kind, committed = found
+    if committed_kind == kind and (committed is None or committed == dtype):
+        return
+    raise StorageError(
+        f"this writer writes {_describe(kind, dtype)} into {directory}, whose committed "
+        f"shards are {_describe(committed_kind, committed)} (shard {shard_name(shard)} is "
+        f"one): a dataset holds one kind and dtype, and a mix of them is a dataset no format "
+        f"opens. Write with the dataset's dtype and storage class; or replace the whole "
+        f"dataset with sync_writer(mode='overwrite') (write_parallel(..., mode='overwrite')), "
+        f"or write into a new directory"
+    )
+
+
+#: the kind of a shard that has exactly these data files
+_KIND_OF_FILES = {
+    frozenset({IN_BAND}): "stream",
+    frozenset({INDEX, OUT_OF_BAND}): "document",
+    frozenset({IN_BAND, INDEX, OUT_OF_BAND}): "stream_meta",
+}
+
+
+def _describe(kind: str, dtype: np.dtype[Any] | None) -> str:
+    if dtype is None:
+        return f"{kind} shards"
+    shown = repr(dtype.descr) if dtype.names else repr(dtype.str)
+    return f"{kind} shards of dtype {shown}"
+
+
 def _too_many_files(error: OSError, shard: int, open_shards: int, per_shard: int) -> OSError:
     import resource
 
@@ -739,6 +864,10 @@ class ShardWriterBase:
     #: whether an ``"update"`` close warns of older shards left above the ones written
     #: (``write_parallel``'s workers write one shard each and turn it off)
     _warn_older_above = True
+    #: whether an ``"update"`` writer's first append checks that the committed shards are
+    #: of its kind and dtype (``write_parallel``'s workers of an overwrite or create run,
+    #: which replace every shard, turn it off)
+    _same_as_committed = True
 
     def __init__(self, directory: PurePath, mode: str = "update", backend: Any = None) -> None:
         if mode not in WRITER_MODES:
@@ -763,6 +892,9 @@ class ShardWriterBase:
         self._fingerprints: dict[int, str] = {}
         self._closed = False
         self._opened = False
+        self._kind_checked = False
+        #: a local ``"create"`` writer's claim on its directory, from open to close
+        self._creating: CreateLock | None = None
         #: serialises append, close and abort: a writer may be shared by threads
         self._lock = threading.RLock()
         # A writer dropped (or left open at exit) without close() or abort(): warn, and
@@ -784,7 +916,9 @@ class ShardWriterBase:
         if self._upload is not None:
             self._upload.open()
         os.makedirs(self.directory, exist_ok=True)
-        if self.mode == "create":
+        if self.mode == "create" and self._upload is None:
+            self._creating = CreateLock(self.directory)  # refuses a dataset, or a second run
+        elif self.mode == "create":
             refuse_to_create(
                 self.directory, [n for n in os.listdir(self.directory) if _NAME.match(n)]
             )
@@ -820,6 +954,8 @@ class ShardWriterBase:
         transaction = self._transactions.get(shard)
         if transaction is None:
             self.open()
+            if not self._kind_checked:
+                self._check_committed_kind()
             try:
                 transaction = ShardTransaction(self.directory, shard, self.kind, self.suffixes)
             except OSError as error:
@@ -830,6 +966,13 @@ class ShardWriterBase:
                 raise
             self._transactions[shard] = transaction
         return transaction
+
+    def _check_committed_kind(self) -> None:
+        """In ``"update"`` mode, refuse to write shards of another kind or dtype than the
+        committed ones (see :func:`refuse_other_kind`)."""
+        if self.mode == "update" and self._same_as_committed and self._upload is None:
+            refuse_other_kind(self.directory, self.kind, getattr(self, "dtype", None))
+        self._kind_checked = True
 
     def _written(self, shard: int) -> None:
         """Record that an append to ``shard`` succeeded (its transaction will commit)."""
@@ -864,7 +1007,14 @@ class ShardWriterBase:
         :func:`commit_transactions`).
         """
         with self._lock:
-            self._close()
+            try:
+                self._close()
+            finally:
+                self._end_creation()
+
+    def _end_creation(self) -> None:
+        if self._creating is not None:
+            self._creating.release()
 
     def _close(self) -> None:
         if self._closed:
@@ -932,6 +1082,7 @@ class ShardWriterBase:
                     transaction.abort()
             if self._upload is not None:
                 shutil.rmtree(self.directory, ignore_errors=True)  # nothing was uploaded
+            self._end_creation()
 
 
 #: the modes of a writer: replace the shards written (GuideLoom's behaviour); make the

@@ -18,6 +18,9 @@ INDEX = ".out_of_band.index"
 RECORD = ".shard.json"
 TMP = ".tmp"
 PENDING = ".pending"
+#: the lock file a ``mode="create"`` run holds in the directory it creates (not a shard
+#: file: readers and GuideLoom ignore it; a run that died leaves it unlocked and harmless)
+CREATE_LOCK = ".guideloom_pipes-create.lock"
 
 #: Names of shard files: the id as ``shard_name`` writes it (7 digits, or more without a
 #: leading zero past 9,999,999), ``.v<generation>`` for a versioned data file (see

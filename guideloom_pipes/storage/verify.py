@@ -8,15 +8,20 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.commit import _is_locked
-from guideloom_pipes.storage.errors import CorruptShardError, UncommittedShardError
+from guideloom_pipes.storage.commit import _is_locked, _read_record
+from guideloom_pipes.storage.errors import (
+    CorruptShardError,
+    DatasetChangedError,
+    UncommittedShardError,
+)
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import ShardListing, _backend_size
-from guideloom_pipes.storage.names import RECORD, TMP, _display, shard_name
+from guideloom_pipes.storage.names import _NAME, RECORD, TMP, _display, shard_name
 from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord
 from guideloom_pipes.storage.remote import FsspecIO
 
@@ -145,6 +150,15 @@ def _check_record(
         )
     if dtype is not None and record.dtype is not None and record.dtype != dtype:
         hint = dtype_hint(record.dtype) if dtype_hint else f"np.dtype({record.dtype.descr!r})"
+        others = [s for s, r in sorted(listing.records.items()) if r.dtype == dtype][:3]
+        if others:  # opening it with its own dtype fails on those: the fix is the data
+            raise ValueError(
+                f"shard {name} of {where} was written with dtype {record.dtype} but the "
+                f"format asks for {dtype}, the dtype of shard(s) "
+                f"{', '.join(map(shard_name, others))}: the dataset mixes dtypes, which no "
+                f"format reads (guideloom-pipes info lists the shards of each). Rewrite shard "
+                f"{shard} with {dtype}, or the whole dataset with mode='overwrite'"
+            )
         raise ValueError(
             f"shard {name} of {where} was written with dtype {record.dtype} but the format "
             f"asks for {dtype}; reading it would return garbage. Open it with {hint}"
@@ -195,7 +209,9 @@ def file_crc32(reader: Any, size: int, progress: Callable[[int], None] | None = 
 @dataclass(frozen=True)
 class FileCheck:
     """One recorded file checksummed: its size and CRC-32 now against its commit record's,
-    or the ``OSError`` reading it raised (``check_files(..., errors="collect")``)."""
+    or the ``OSError`` reading it raised (``check_files(..., errors="collect")``), or
+    ``changed``: the file the listing saw is gone because a writer recommitted the shard
+    since (not checked: list again to check the new version)."""
 
     shard: int
     name: str
@@ -203,15 +219,56 @@ class FileCheck:
     size: int = -1
     crc32: int = 0
     error: OSError | None = None
+    changed: bool = False
 
     @property
     def matches(self) -> bool:
         """Whether the file reads whole and is what was committed."""
         return (
-            self.error is None
+            not self.changed
+            and self.error is None
             and self.size == self.expected.size
             and self.crc32 == self.expected.crc32
         )
+
+
+def _identity_of(path: PurePath) -> tuple[int, int] | None:
+    try:
+        info = os.stat(os.fspath(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _recommitted(listing: ShardListing, shard: int) -> bool:
+    """Whether the shard's commit record on disk is no longer the one ``listing`` read (a
+    writer committed or removed the shard since)."""
+    stem = os.path.join(os.fspath(listing.directory), shard_name(shard))
+    return _read_record(stem) != listing.records.get(shard)
+
+
+def _listed_identity(listing: ShardListing, shard: int, name: str) -> tuple[int, int] | None:
+    """The device and inode ``listing`` saw for the file ``name`` of ``shard`` (local
+    listings; None where unknown)."""
+    match = _NAME.match(name)
+    return listing.identities.get((shard, match.group("suffix"))) if match else None
+
+
+def _locate(listing: ShardListing, shard: int, name: str) -> PurePath | None:
+    """Where the file ``name`` of ``shard`` that ``listing`` saw is now, as readers find it
+    (local listings know each file's device and inode: under its listed name, or under its
+    canonical name once its commit rolled forward); None when that file is gone because a
+    writer recommitted the shard. A file replaced by anything else (a copy, ``rsync``) is
+    checked where it is, at its name."""
+    path = listing.directory / name
+    identity = _listed_identity(listing, shard, name)
+    match = _NAME.match(name)
+    if identity is None or match is None:
+        return path
+    for candidate in dict.fromkeys((name, shard_name(shard) + match.group("suffix"))):
+        if _identity_of(listing.directory / candidate) == identity:
+            return listing.directory / candidate
+    return None if _recommitted(listing, shard) else path
 
 
 def recorded_files(
@@ -240,20 +297,51 @@ def check_files(
     is a check carrying it (the CLI reports every file and goes on)."""
     backend = resolve_backend(backend)
     for shard, name, expected in files:
-        reader = backend.reader(listing.directory / name)
         try:
-            reader.open()
-            try:
-                size = reader.filesize()
-                crc = file_crc32(reader, size, progress)
-            finally:
-                reader.close()
+            check = _check_file(listing, backend, shard, name, expected, progress)
         except OSError as error:
-            if errors != "collect":
+            if _recommitted_here(listing, shard):
+                check = FileCheck(shard, name, expected, changed=True)
+            elif errors != "collect":
                 raise
-            yield FileCheck(shard, name, expected, error=error)
-            continue
-        yield FileCheck(shard, name, expected, size, crc)
+            else:
+                check = FileCheck(shard, name, expected, error=error)
+        else:
+            if not check.matches and _recommitted_here(listing, shard):
+                # the file listed was replaced by a commit after all (its inode number
+                # reused by the new version): not a mismatch, another version
+                check = FileCheck(shard, name, expected, changed=True)
+        yield check
+
+
+def _recommitted_here(listing: ShardListing, shard: int) -> bool:
+    """:func:`_recommitted` for a local listing (False for others: their records are not
+    local files)."""
+    return bool(listing.identities) and _recommitted(listing, shard)
+
+
+def _check_file(
+    listing: ShardListing,
+    backend: ResolvedBackend,
+    shard: int,
+    name: str,
+    expected: FileRecord,
+    progress: Callable[[int], None] | None,
+) -> FileCheck:
+    """Checksum the file ``name`` of ``shard`` that ``listing`` saw (see :func:`_locate`)."""
+    path = _locate(listing, shard, name)
+    if path is None:
+        return FileCheck(shard, name, expected, changed=True)
+    reader = backend.reader(path)
+    reader.open()
+    try:
+        identity = _listed_identity(listing, shard, name)
+        if identity is not None and _identity_of(path) != identity:
+            return FileCheck(shard, name, expected, changed=True)  # replaced as it opened
+        size = reader.filesize()
+        return FileCheck(shard, name, expected, size, file_crc32(reader, size, progress))
+    finally:
+        reader.close()
 
 
 def verify_checksums(
@@ -280,11 +368,14 @@ def verify_checksums(
         if shard in listing.records
     ]
     checked["unrecorded"] = listing.num_shards - len(recorded)
-    _check_sizes(listing, backend, suffixes, recorded)
+    changed = _check_sizes(listing, backend, suffixes, recorded)
     problems: list[str] = []
     checked["shards"] = len(recorded)
-    files = recorded_files(listing, suffixes, [shard for shard, _ in recorded])
+    files = recorded_files(listing, suffixes, [s for s, _ in recorded if s not in changed])
     for check in check_files(listing, backend, files, progress):
+        if check.changed:
+            changed.add(check.shard)
+            continue
         checked["files"] += 1
         checked["bytes"] += check.size
         if not check.matches:
@@ -305,6 +396,14 @@ def verify_checksums(
             f"checksum mismatch in {_display(listing.directory)} (the files changed after "
             f"they were committed): " + "; ".join(problems) + ". Restore or rewrite these shards"
         )
+    if changed:
+        raise DatasetChangedError(
+            f"shard(s) {', '.join(shard_name(s) for s in sorted(changed))} of "
+            f"{_display(listing.directory)} were recommitted by a writer after this reader "
+            f"listed the dataset, so the version it opened could not be verified there (every "
+            f"other shard was checked and is sound). Open the dataset again to verify the new "
+            f"version (storage.verify() does, a few times)"
+        )
     return checked
 
 
@@ -313,17 +412,26 @@ def _check_sizes(
     backend: ResolvedBackend,
     suffixes: Sequence[str],
     recorded: list[tuple[int, ShardRecord]],
-) -> None:
+) -> set[int]:
     """Raise :class:`CorruptShardError` naming every recorded file whose size differs from
-    its commit record (or that is gone), with both sizes."""
+    its commit record (or that is gone), with both sizes; the shards a writer recommitted
+    since they were listed (not checked)."""
     wrong: list[str] = []
     shards: list[int] = []
+    changed: set[int] = set()
     for shard, record in recorded:
         for suffix in suffixes:
             name = listing.file_name(shard, suffix)
             expected = record.files[suffix.lstrip(".")].size
-            size = _backend_size(backend, listing.directory / name)
+            path = _locate(listing, shard, name)
+            if path is None:
+                changed.add(shard)
+                continue
+            size = _backend_size(backend, path)
             if size == expected:
+                continue
+            if _recommitted_here(listing, shard):
+                changed.add(shard)  # replaced by a commit since it was listed
                 continue
             if size is None:
                 wrong.append(f"{name} is missing (committed with {expected} bytes)")
@@ -340,3 +448,4 @@ def _check_sizes(
             f"reader kills it with SIGBUS; see 'Files changing under a reader' in "
             f"docs/storage.md). Restore them or rewrite shard(s) {rewrite}"
         )
+    return changed
