@@ -250,29 +250,17 @@ def _take_lock(path: str, shard: int, directory: str, wait: float = 0.2) -> int:
     """
     deadline = time.monotonic() + wait
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(fd)
-            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            if time.monotonic() < deadline:
-                time.sleep(0.005)
-                continue
-            raise ShardLockedError(
-                error.errno,
-                f"shard {shard_name(shard)} of {directory} is being written by another writer "
-                f"(it holds the lock on {path}); write each shard id from one writer at a time",
-            ) from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+        fd = _lock_or_none(path)
+        if fd is not None:
             os.ftruncate(fd, 0)
             return fd
-        os.close(fd)  # the lock file was removed under us: take the new one
+        if time.monotonic() >= deadline:
+            raise ShardLockedError(
+                errno.EWOULDBLOCK,
+                f"shard {shard_name(shard)} of {directory} is being written by another writer "
+                f"(it holds the lock on {path}); write each shard id from one writer at a time",
+            )
+        time.sleep(0.005)
 
 
 def _drop_lock(fd: int, path: str) -> None:
