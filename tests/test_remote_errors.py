@@ -250,6 +250,10 @@ def test_another_4xx_mid_epoch_is_an_os_error_naming_the_status_that_pickles(
     assert "HTTP 400 Bad Request" in message
     assert proxy.count("400") == 1  # not retried
     assert str(pickle.loads(pickle.dumps(caught.value))) == message  # crosses a process
+    # and so do its cause and context, which tblib's pickling (installed by importing
+    # dask.distributed) pickles with it: aiohttp's own error, which does not pickle, is neither
+    for linked in (caught.value.__cause__, caught.value.__context__):
+        assert linked is None or pickle.loads(pickle.dumps(linked)) is not None
 
 
 def test_a_server_that_ignores_range_is_named_at_the_first_read(http: HttpServer) -> None:

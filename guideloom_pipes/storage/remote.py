@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import pickle
 import random
 import threading
 import time
@@ -347,6 +348,15 @@ def _refused(what: str, url: str, error: BaseException, http: bool) -> OSError |
     return None
 
 
+def _picklable(error: BaseException) -> bool:
+    """Whether ``error`` survives ``pickle.dumps`` (an error path only: it costs a dump)."""
+    try:
+        pickle.dumps(error)
+    except Exception:
+        return False
+    return True
+
+
 def _precondition_failed(error: BaseException) -> bool:
     """Whether ``error`` (or one it was raised from) is an HTTP 412: a conditional read
     (``If-Match``) of an object that changed."""
@@ -464,6 +474,7 @@ class FsspecIO(BackendBase):
         same and the server's answer."""
         policy = self.retry
         started = time.monotonic()
+        unchained: OSError | None = None
         for attempt in range(1, policy.attempts + 1):
             try:
                 return function()
@@ -472,7 +483,14 @@ class FsspecIO(BackendBase):
                     refused = _refused(what, url, error, self._speaks_http())
                     if refused is None:
                         raise
-                    raise refused from error
+                    if _picklable(error):
+                        raise refused from error
+                    # aiohttp's errors do not pickle, and where tblib's pickling is
+                    # installed (importing dask.distributed does that) an error crossing a
+                    # worker process is pickled with its cause and context: raised below,
+                    # outside this handler, it has neither
+                    unchained = refused
+                    break
                 if attempt == policy.attempts:
                     elapsed = time.monotonic() - started
                     raise RemoteReadError(
@@ -495,6 +513,8 @@ class FsspecIO(BackendBase):
                     delay,
                 )
                 time.sleep(delay)
+        if unchained is not None:
+            raise unchained
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _speaks_http(self) -> bool:
