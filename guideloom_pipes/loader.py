@@ -1039,6 +1039,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             self._check_mixture(state_dict[_MIXTURE_KEY], epoch)
         saved_shuffle = state_dict["shuffle"]
         saved_seed = state_dict["shuffle_seed"]
+        seed_before = self.shuffle_seed
         saved_drop_last = state_dict["drop_last"]
         if saved_shuffle != self.shuffle:
             warnings.warn(
@@ -1072,6 +1073,22 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 UserWarning,
                 stacklevel=2,
             )
+        try:
+            self._load_position(state_dict, epoch, offset, saved_batch, saved_base_seed)
+        except BaseException:
+            self.shuffle_seed = seed_before  # a refused state changes nothing
+            raise
+
+    def _load_position(
+        self,
+        state_dict: Mapping[str, Any],
+        epoch: int,
+        offset: int,
+        saved_batch: int | None,
+        saved_base_seed: int | None,
+    ) -> None:
+        """The checks of ``load_state_dict`` that need the state's seed in place (the shard
+        order's plan follows it), then the position itself."""
         saved_fingerprint = state_dict.get(_FINGERPRINT_KEY)
         if saved_fingerprint is not None:
             self._check_fingerprint(saved_fingerprint)
@@ -1090,7 +1107,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
                 f"the state was taken on a dataset of {saved_n} samples, this loader's has "
                 f"{n}: the offset and the shuffled order now refer to other samples",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
         # Padding (drop_last=False) takes the offset past n by less than one global batch
         # of the run that reached it: a state of ours records that batch size; for

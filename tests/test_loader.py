@@ -918,6 +918,17 @@ def test_load_state_dict_rejects_bad_states_naming_the_value(state, error, match
         _loader().load_state_dict(state)
 
 
+def test_a_refused_state_leaves_an_unseeded_loaders_seed_as_it_was():
+    loader = _loader(local_batch_size=2, shuffle=True)  # shuffle_seed=None: adopts a state's
+    seed = loader.shuffle_seed
+    past_the_end = _state(0, 10_000, shuffle=True, shuffle_seed=seed + 1)
+    with pytest.raises(ValueError, match="past the end of the epoch"):
+        loader.load_state_dict(past_the_end)
+    assert loader.shuffle_seed == seed
+    loader.load_state_dict(_state(0, 4, shuffle=True, shuffle_seed=seed + 1))
+    assert loader.shuffle_seed == seed + 1  # a state that loads is still adopted
+
+
 def test_the_largest_epoch_and_base_seed_still_read_a_batch():
     loader = _loader(local_batch_size=2)
     loader.load_state_dict({**_state(2**64 - 1, 4), "base_seed": 2**64 - 1})
