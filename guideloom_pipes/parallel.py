@@ -550,9 +550,11 @@ def write_parallel(
             f"{directory} already holds shards and write_parallel was called with "
             f"mode='create'; write into a new directory, or use mode='overwrite'"
         )
-    if mode == "update" and remote is None and os.path.isdir(directory):
+    if mode == "update" and (remote is not None or os.path.isdir(directory)):
         dtype = getattr(storage.format, "stream_dtype", None)
-        refuse_other_kind(directory, storage.kind, None if dtype is None else np.dtype(dtype))
+        refuse_other_kind(
+            directory, storage.kind, None if dtype is None else np.dtype(dtype), remote
+        )
     report = WriteReport()
     prints = [_fingerprint(item, convert_bytes, storage, fingerprint) for item in work]
     todo = []

@@ -42,9 +42,10 @@ from guideloom_pipes import (
     StreamNumpyFormat,
     StreamStorage,
     StreamWithMetaStorage,
+    write_parallel,
 )
 from guideloom_pipes.io import MmapIO, SeekIO
-from guideloom_pipes.storage import CorruptShardError, UncommittedShardError
+from guideloom_pipes.storage import CorruptShardError, StorageError, UncommittedShardError
 from guideloom_pipes.storage.remote import (
     RemotePath,
     RemoteReadError,
@@ -884,6 +885,35 @@ def test_writer_modes_on_s3(s3: S3Server) -> None:
     assert names == ["0000000.in_band.bin", "0000000.shard.json"]
     with StreamDataset(storage, 4).sync_reader() as reader:
         assert len(reader) == 1 and reader[0]["tokens"].tolist() == [5] * 4
+
+
+def test_an_update_writer_to_s3_refuses_another_dtype_than_the_committed_shards(
+    s3: S3Server,
+) -> None:
+    url = f"s3://{BUCKET}/one-dtype"
+    storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+    with storage.sync_writer() as writer:
+        for shard in range(2):
+            writer.append(shard, {"tokens": np.full(4, shard, dtype="<i4")})
+    before = sorted(s3.filesystem().ls(f"{BUCKET}/one-dtype"))
+    u2 = StreamNumpyFormat(np.dtype([("tokens", "<u2")]))
+    other = StreamStorage(url, u2, storage_options=s3.options(), retry=FAST)
+    with other.sync_writer() as writer, pytest.raises(StorageError) as error:
+        writer.append(2, {"tokens": np.arange(4, dtype="<u2")})
+    message = str(error.value)
+    assert "[('tokens', '<u2')]" in message and "[('tokens', '<i4')]" in message
+    assert url in message and "shard 0000000" in message
+    with pytest.raises(StorageError, match="'<u2'"):  # before any item runs
+        write_parallel(other, [3, 4], _u2_tokens, mode="update", progress=False)
+    assert sorted(s3.filesystem().ls(f"{BUCKET}/one-dtype")) == before  # nothing uploaded
+    with other.sync_writer(mode="overwrite") as writer:  # a new dtype replaces the dataset
+        writer.append(0, {"tokens": np.arange(4, dtype="<u2")})
+    with StreamDataset(other, 4).sync_reader() as reader:
+        assert len(reader) == 1 and reader[0]["tokens"].tolist() == [0, 1, 2, 3]
+
+
+def _u2_tokens(n: int) -> Iterator[dict[str, np.ndarray]]:
+    yield {"tokens": np.arange(n, dtype="<u2")}
 
 
 def test_a_record_naming_versioned_files_on_s3_reads_the_new_shard(s3: S3Server) -> None:

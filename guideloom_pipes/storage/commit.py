@@ -81,7 +81,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import PurePath
 from types import TracebackType
@@ -757,13 +757,16 @@ class CreateLock:
         self._release()
 
 
-def _committed_kind(directory: str) -> tuple[int, str, np.dtype[Any] | None] | None:
-    """What the committed shards of ``directory`` are, from the lowest-numbered one that
-    says: ``(shard, kind, dtype)`` from its commit record, or for a dataset without records
-    (GuideLoom's) the kind its data files show (dtype None); None for no shards."""
+def _committed_kind(
+    names: Iterable[str], read_record: Callable[[int], ShardRecord | None]
+) -> tuple[int, str, np.dtype[Any] | None] | None:
+    """What the committed shards among ``names`` (a directory's or a URL's listing) are,
+    from the lowest-numbered one that says: ``(shard, kind, dtype)`` from its commit record
+    (``read_record(shard)``), or for a dataset without records (GuideLoom's) the kind its
+    data files show (dtype None); None for no shards."""
     records: list[int] = []
     files: dict[int, set[str]] = {}
-    for name in os.listdir(directory):
+    for name in names:
         match = _NAME.match(name)
         if match is None or match.group("temporary") or match.group("generation") is not None:
             continue
@@ -773,7 +776,7 @@ def _committed_kind(directory: str) -> tuple[int, str, np.dtype[Any] | None] | N
         else:
             files.setdefault(shard, set()).add(match.group("suffix"))
     for shard in sorted(records):
-        record = _read_record(os.path.join(directory, shard_name(shard)))
+        record = read_record(shard)
         if record is not None and record.state == "committed":
             return shard, record.kind, record.dtype
     if records:
@@ -785,11 +788,21 @@ def _committed_kind(directory: str) -> tuple[int, str, np.dtype[Any] | None] | N
     return None
 
 
-def refuse_other_kind(directory: str, kind: str, dtype: np.dtype[Any] | None) -> None:
+def refuse_other_kind(
+    directory: str, kind: str, dtype: np.dtype[Any] | None, upload: Any = None
+) -> None:
     """Raise :class:`StorageError` if the committed shards of ``directory`` are of another
     kind than ``kind`` or another stream dtype than ``dtype`` (an ``"update"`` writer's
-    check: the dataset would mix them, and no format could open it)."""
-    found = _committed_kind(directory)
+    check: the dataset would mix them, and no format could open it). ``upload``: the
+    :class:`~guideloom_pipes.storage.upload.RemoteUpload` of a dataset at a URL, whose
+    listing and records are the ones asked (``directory`` is then its URL)."""
+    if upload is not None:
+        found = _committed_kind(upload.object_sizes(), upload.record)
+    else:
+        found = _committed_kind(
+            os.listdir(directory),
+            lambda shard: _read_record(os.path.join(directory, shard_name(shard))),
+        )
     if found is None:
         return
     shard, committed_kind, committed = found
@@ -958,8 +971,12 @@ class ShardWriterBase:
     def _check_committed_kind(self) -> None:
         """In ``"update"`` mode, refuse to write shards of another kind or dtype than the
         committed ones (see :func:`refuse_other_kind`)."""
-        if self.mode == "update" and self._same_as_committed and self._upload is None:
-            refuse_other_kind(self.directory, self.kind, getattr(self, "dtype", None))
+        if self.mode == "update" and self._same_as_committed:
+            dtype = getattr(self, "dtype", None)
+            if self._upload is None:
+                refuse_other_kind(self.directory, self.kind, dtype)
+            else:  # the committed shards are at the URL, not in the staging directory
+                refuse_other_kind(self._upload.url, self.kind, dtype, self._upload)
         self._kind_checked = True
 
     def _written(self, shard: int) -> None:
