@@ -35,7 +35,6 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.cli": 4,
     "guideloom_pipes.__main__": 4,
     "guideloom_pipes.pipes": 5,
-    "guideloom_pipes.loader_args": 6,
     "guideloom_pipes.loader": 6,
     "guideloom_pipes.bench": 7,
 }

@@ -214,7 +214,7 @@ def test_workers_of_a_loop_left_by_ctrl_c_end_with_the_loader(mode, ending):
 
 def _kill_and_reap(loader: StatefulDataLoader, index: int) -> None:
     """SIGKILL worker process ``index`` of ``loader`` and wait until it has been reaped."""
-    process = loader._process_pool._workers[index].process  # type: ignore[union-attr]
+    process = loader._held.pool._workers[index].process  # type: ignore[union-attr]
     os.kill(process.pid, signal.SIGKILL)
     process.join(60)
     assert process.exitcode == -signal.SIGKILL

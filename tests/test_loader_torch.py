@@ -25,7 +25,8 @@ from loader_helpers import (
     threads_end,
 )
 
-from guideloom_pipes import StatefulDataLoader, loader_args
+from guideloom_pipes import StatefulDataLoader
+from guideloom_pipes.loader import torch_keywords
 from guideloom_pipes.pipes import ReadSamples, default_collate
 from guideloom_pipes.pipes._pool import _ThreadPool
 
@@ -311,7 +312,7 @@ def test_len_of_an_iterator_is_the_batches_it_delivers():
 
 
 def test_snapshot_every_n_steps_is_accepted_with_a_note_once(monkeypatch):
-    monkeypatch.setattr(loader_args, "_snapshot_note_given", False)
+    monkeypatch.setattr(torch_keywords, "snapshot_note_given", False)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         loader = _loader(snapshot_every_n_steps=10)
@@ -334,7 +335,7 @@ def test_snapshot_every_n_steps_must_be_a_positive_int(value, error):
 
 def test_more_worker_processes_than_cpus_gives_torchs_warning(monkeypatch):
     monkeypatch.setattr(torch.utils.data.dataloader.torch._utils, "cpu_count", lambda: 2)
-    monkeypatch.setattr(loader_args, "_cpu_count", lambda: 2)
+    monkeypatch.setattr(torch_keywords, "cpu_count", lambda: 2)
     with pytest.warns(UserWarning) as torch_record:
         torch.utils.data.DataLoader(Ids(22), num_workers=3)
     torch_text = str(torch_record[0].message)

@@ -29,6 +29,7 @@ from guideloom_pipes import (
     StreamStorage,
 )
 from guideloom_pipes.io import PosixPreadIO
+from guideloom_pipes.loader.orders import pinned_ring
 from guideloom_pipes.pipes import (
     Collate,
     PinnedRing,
@@ -163,8 +164,8 @@ def _ring_loader(
     )
     if ring:
         # a CUDA device as far as the ring is concerned, with plain buffers and fake events
-        loader._ring_device = lambda: True  # type: ignore[method-assign]
-        loader._new_ring = SpyRing  # type: ignore[method-assign, assignment]
+        loader._held.ring_device = lambda settings: True  # type: ignore[method-assign]
+        loader._held.new_ring = SpyRing  # type: ignore[method-assign, assignment]
     return loader
 
 
@@ -388,7 +389,7 @@ def test_the_loader_delivers_through_the_ring_what_it_delivers_without(
     for _ in range(2):  # an epoch, then another with the buffers the loader keeps
         loader = _ring_loader(storage, mode, True, drop_last=False)
         held = list(loader)  # every batch kept: later reads must not change any
-        ring = loader._ring
+        ring = loader._held.ring
         assert isinstance(ring, SpyRing)
         assert [describe(batch) for batch in held] == expected
         assert ring.violations == []
@@ -396,21 +397,21 @@ def test_the_loader_delivers_through_the_ring_what_it_delivers_without(
         assert len(ring.events) == len(expected)  # and its copy recorded an event
         assert ring.counts["reused"] > 0
         loader.close()
-        assert loader._ring is None
+        assert loader._held.ring is None
 
 
 def test_the_inline_loader_keeps_a_ring_of_what_is_in_flight(tmp_path: Path) -> None:
     storage = _stream(tmp_path)
     loader = _ring_loader(storage, (0, "thread", 0), True)
     batches = sum(1 for _ in loader)
-    ring = loader._ring
+    ring = loader._held.ring
     assert isinstance(ring, SpyRing)
     assert ring.size == 2 and ring.allocated == 2  # one read, one copy that may run
     assert ring.counts == {"reused": batches - 2, "waited": batches - 2, "grown": 0}
     # the prefetch thread's ring plans for the batches it reads ahead as well
     loader = _ring_loader(storage, (0, "thread", 3), True)
     next(iter(loader))
-    assert loader._ring is not None and loader._ring.size == 1 + 3 + 2
+    assert loader._held.ring is not None and loader._held.ring.size == 1 + 3 + 2
     loader.close()
 
 
@@ -429,7 +430,7 @@ def test_a_resumed_loader_reads_on_through_the_ring(
     resumed.load_state_dict(state)
     assert [describe(batch) for batch in resumed] == rest
     assert resumed.state_dict() == plain.state_dict()
-    ring = resumed._ring
+    ring = resumed._held.ring
     assert isinstance(ring, SpyRing) and ring.violations == []
 
 
@@ -447,12 +448,12 @@ def test_where_the_ring_does_not_apply_the_pinning_copy_stays(tmp_path: Path) ->
     }
     for what, loader in cases.items():
         with loader:
-            assert loader._pinned_ring() is None, what
+            assert pinned_ring(loader) is None, what
     # and without a CUDA device (pin_memory is then dropped, with its warning)
     with pytest.warns(UserWarning, match="pin_memory=True has no effect"):
         loader = _ring_loader(storage, (0, "thread", 0), False, pin_memory=True, device="cpu")
     with loader:
-        assert not loader._ring_device() and loader._pinned_ring() is None
+        assert not loader._held.ring_device(loader.settings) and pinned_ring(loader) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -468,7 +469,7 @@ def test_on_a_gpu_windows_are_read_into_pinned_buffers(
     torch.cuda.synchronize()
     assert [describe({k: v.cpu() for k, v in batch.items()}) for batch in held] == expected
     assert all(batch["tokens"].device.type == "cuda" for batch in held)
-    ring = loader._ring
+    ring = loader._held.ring
     assert ring is not None and ring.allocated >= 1
     assert all(torch.from_numpy(slot.buffer).is_pinned() for slot in ring._slots)
     loader.close()
@@ -495,8 +496,8 @@ def test_closing_the_loader_closes_its_ring(tmp_path: Path) -> None:
     loader = _ring_loader(_stream(tmp_path), (0, "thread", 0), True)
     for _ in loader:
         pass
-    ring = loader._ring
+    ring = loader._held.ring
     assert isinstance(ring, SpyRing) and ring.allocated == 2
     loader.close()
-    assert loader._ring is None and ring.allocated == 0
+    assert loader._held.ring is None and ring.allocated == 0
     assert all(event.done for event in ring.events)

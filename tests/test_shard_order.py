@@ -110,7 +110,7 @@ def test_each_rank_reads_each_of_its_shards_once_in_one_call(
         StreamDatasetReader, "read_batch", lambda *a: pytest.fail("a per-batch read")
     )
     loader = _loader(storage, world_size=2, rank=1, drop_last=False)
-    plan = loader._shard_plan(0)
+    plan = loader._order.plan(loader, 0)
     delivered = _epoch(loader)
     assert calls == [(span.first, span.size) for span in plan.spans]
     assert sorted(i for batch in delivered for i in batch) == sorted(
@@ -166,7 +166,7 @@ def test_a_resume_reads_only_the_shards_of_the_buffer_in_progress(
     storage: StreamStorage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loader = _loader(storage, shuffle_buffer=20)
-    plan = loader._shard_plan(0)
+    plan = loader._order.plan(loader, 0)
     k = len(loader) // 2
     list(loader.steps(k))
     state = loader.state_dict()
@@ -197,7 +197,7 @@ def test_epochs_shuffle_shards_and_samples_by_seed(storage: StreamStorage) -> No
     assert first != second
     assert _epoch(_loader(storage)) == first  # same seed, same order
     assert _epoch(_loader(storage, shuffle_seed=12)) != first
-    plan = loader._shard_plan(0)
+    plan = loader._order.plan(loader, 0)
     # a buffer of several shards mixes their samples (not one shard after the other)
     held = plan.buffer_starts[1]
     ids = [i for batch in first for i in batch][:held]
@@ -208,7 +208,7 @@ def test_epochs_shuffle_shards_and_samples_by_seed(storage: StreamStorage) -> No
 def test_without_shuffle_each_rank_reads_its_shards_in_order(storage: StreamStorage) -> None:
     loader = _loader(storage, shuffle=False, world_size=2, rank=0, drop_last=False)
     ids = [i for batch in _epoch(loader) for i in batch]
-    spans = loader._shard_plan(0).spans
+    spans = loader._order.plan(loader, 0).spans
     assert [s.shard for s in spans] == sorted(s.shard for s in spans)
     assert ids == [i for s in spans for i in range(s.first, s.first + s.size)]
 

@@ -391,6 +391,7 @@ def _ours_contender(
     **options: Any,
 ) -> Contender:
     from guideloom_pipes.loader import StatefulDataLoader
+    from guideloom_pipes.loader.orders import batches_ahead
 
     options.setdefault("shuffle", True)
     options.setdefault("shuffle_seed", SEED)
@@ -402,7 +403,7 @@ def _ours_contender(
         count,
         setup=loader.open,
         teardown=loader.close,
-        ahead=loader._batches_ahead(),
+        ahead=batches_ahead(loader),
     )
 
 
@@ -415,6 +416,7 @@ def _ours_dataset_contender(
 ) -> Contender:
     """Our loader over a dataset (rather than a storage), shuffled with the bench's seed."""
     from guideloom_pipes.loader import StatefulDataLoader
+    from guideloom_pipes.loader.orders import batches_ahead
 
     options.setdefault("shuffle", True)
     options.setdefault("shuffle_seed", SEED)
@@ -426,7 +428,7 @@ def _ours_dataset_contender(
         count,
         setup=loader.open,
         teardown=loader.close,
-        ahead=loader._batches_ahead(),
+        ahead=batches_ahead(loader),
     )
 
 

@@ -94,6 +94,7 @@ def pinned_ring_rows(
         return []
     storage = tokens()
     from guideloom_pipes.loader import StatefulDataLoader
+    from guideloom_pipes.loader.orders import batches_ahead
 
     device = _device()
     count = _synced_count(LENGTH)
@@ -126,7 +127,7 @@ def pinned_ring_rows(
             count,
             setup=loader.open,
             teardown=lambda: finish(name, loader),
-            ahead=loader._batches_ahead(),
+            ahead=batches_ahead(loader),
         )
 
     torch_loader = torch.utils.data.DataLoader(

@@ -1,0 +1,15 @@
+"""The resumable loader: :class:`StatefulDataLoader` and its parts.
+
+- :mod:`.settings`: the constructor's keywords, checked once into a frozen ``LoaderSettings``;
+- :mod:`.orders`: the orders an epoch is read in, each building its own pipeline;
+- :mod:`.checkpoint`: ``state_dict()`` / ``load_state_dict()`` and what a state is checked
+  against;
+- :mod:`.iterator`, :mod:`.samplers`: an epoch being delivered; ``loader.sampler``;
+- :mod:`.stateful`: the class itself.
+"""
+
+from guideloom_pipes.loader.samplers import EpochBatchSampler, EpochSampler
+from guideloom_pipes.loader.stateful import StatefulDataLoader
+from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
+
+__all__ = ["DataLoaderTimeoutError", "EpochBatchSampler", "EpochSampler", "StatefulDataLoader"]
