@@ -44,7 +44,7 @@ def get_worker_info() -> WorkerInfo | None:
     """
     info = getattr(_thread_info, "info", None)
     if info is not None:
-        return info  # type: ignore[no-any-return]
+        return info
     if "torch" not in sys.modules:
         return None
     from torch.utils.data import get_worker_info as torch_get_worker_info
