@@ -1,7 +1,8 @@
 """guideloom_pipes: GuideLoom-compatible shard storage and a resumable PyTorch data loader.
 
 The storage, format, dataset and shuffle layers need only numpy; the loader and the
-``pipes`` stages import torch and torchdata lazily, on first use of those names.
+``pipes`` stages import torch and torchdata lazily, on first use of those names
+(``get_worker_info`` loads on first use too, and never imports torch).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
     from guideloom_pipes.pipes.collate import pad_collate
     from guideloom_pipes.pipes.packed import collate_packed
+    from guideloom_pipes.pipes.worker_info import get_worker_info
 
 _LAZY = {
     "StatefulDataLoader": ("guideloom_pipes.loader", "StatefulDataLoader"),
@@ -36,6 +38,8 @@ _LAZY = {
     "pipes": ("guideloom_pipes.pipes", None),
     "collate_packed": ("guideloom_pipes.pipes.packed", "collate_packed"),
     "pad_collate": ("guideloom_pipes.pipes.collate", "pad_collate"),
+    # (torch-free, but it loads the ``pipes`` package: on first use too)
+    "get_worker_info": ("guideloom_pipes.pipes.worker_info", "get_worker_info"),
 }
 
 
@@ -73,6 +77,7 @@ __all__ = [
     "WriteReport",
     "__version__",
     "collate_packed",
+    "get_worker_info",
     "io",
     "open_storage",
     "pad_collate",

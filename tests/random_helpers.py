@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from guideloom_pipes.pipes import batch_rng
+from guideloom_pipes.pipes import batch_rng, get_worker_info
 
 
 class Draws(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -49,7 +49,8 @@ def draws_collate(samples: list[Any]) -> list[Any]:
 
 class WhoReads(torch.utils.data.Dataset):  # type: ignore[type-arg]
     """Sample ``i`` is ``(i, worker info fields, pid, epoch, tag)``: ``epoch`` is set in the
-    main process (``set_epoch``), ``tag`` by :func:`tag_worker` in the worker's copy."""
+    main process (``set_epoch``), ``tag`` by :func:`tag_worker` in the worker's copy. The
+    fields are what ``guideloom_pipes.get_worker_info()`` answers (in threads and processes)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -63,7 +64,7 @@ class WhoReads(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return self.n
 
     def __getitem__(self, index: int) -> tuple[Any, ...]:
-        info = torch.utils.data.get_worker_info()
+        info = get_worker_info()
         fields = None
         if info is not None:
             same = info.dataset is self
@@ -71,9 +72,28 @@ class WhoReads(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return (index, fields, os.getpid(), self.epoch, tuple(self.tag))
 
 
+def _fields(info: Any) -> tuple[int, int, int] | None:
+    return None if info is None else (info.id, info.num_workers, info.seed)
+
+
+class BothAsk(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample ``i`` is ``(i, torch's worker info fields, ours)``: what
+    ``torch.utils.data.get_worker_info()`` and ``guideloom_pipes.get_worker_info()`` answer
+    (``(id, num_workers, seed)`` or ``None``) where the sample is read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> tuple[Any, ...]:
+        return (index, _fields(torch.utils.data.get_worker_info()), _fields(get_worker_info()))
+
+
 def tag_worker(worker_id: int) -> None:
     """A worker_init_fn: appends the worker id to its copy of the dataset's ``tag``."""
-    info = torch.utils.data.get_worker_info()
+    info = get_worker_info()
     assert info is not None and info.id == worker_id
     info.dataset.tag.append(worker_id)
 
@@ -86,7 +106,7 @@ class InitCalls:
         self._lock = threading.Lock()
 
     def __call__(self, worker_id: int) -> None:
-        info = torch.utils.data.get_worker_info()
+        info = get_worker_info()
         with self._lock:
             self.calls.append((worker_id, threading.get_ident(), info))
 

@@ -43,8 +43,13 @@ LAYERS: dict[str, int] = {
 FACADE = "guideloom_pipes"
 #: Highest layer that must import with torch blocked (the tools: the CLI, write_parallel).
 TORCH_FREE_UP_TO = 4
-#: Modules of torch layers that worker processes import, so they stay torch-free too.
-TORCH_FREE_EXTRA = ("guideloom_pipes.pipes._worker", "guideloom_pipes.pipes._transport")
+#: Modules of torch layers that worker processes import, so they stay torch-free too (and
+#: ``get_worker_info``'s, which a torch-free dataset may ask).
+TORCH_FREE_EXTRA = (
+    "guideloom_pipes.pipes._worker",
+    "guideloom_pipes.pipes._transport",
+    "guideloom_pipes.pipes.worker_info",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -130,6 +135,8 @@ class Block(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, Block())
 for name in {modules!r}:
     importlib.import_module(name)
+import guideloom_pipes
+assert guideloom_pipes.get_worker_info() is None  # (asks torch only where it is imported)
 print(len({modules!r}))
 """
     env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}

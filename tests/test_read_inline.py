@@ -23,7 +23,7 @@ from torchdata.nodes import BaseNode
 
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.datasets import open_reader
-from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle
+from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle, get_worker_info
 from guideloom_pipes.pipes import read as read_module
 from guideloom_pipes.pipes._pool import _ThreadPool
 from guideloom_pipes.pipes.collate import default_collate
@@ -218,7 +218,7 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
     first.close()
 
     readers.threads.clear()
-    # the next epoch's stage, the same figures (its workers told who they are, for torch's
+    # the next epoch's stage, the same figures (its workers told who they are, for our
     # get_worker_info(), or not: either way they would only read batches)
     second = _stage(readers, figures=figures, base_seed=5 if told else None)
     second.reset()
@@ -288,11 +288,10 @@ def test_a_user_collate_stays_on_workers_that_a_worker_init_fn_set_up(
 def test_a_user_collate_on_told_workers_is_read_by_the_calling_thread_as_a_worker(
     readers: Readers, clock: FakeClock
 ) -> None:
-    torch = pytest.importorskip("torch")
     asked: list[tuple[str, Any]] = []
 
     def asking_collate(samples: list[Any]) -> list[Any]:
-        info = torch.utils.data.get_worker_info()
+        info = get_worker_info()
         asked.append((threading.current_thread().name, info and (info.id, info.seed)))
         return samples
 
@@ -310,7 +309,7 @@ def test_a_user_collate_on_told_workers_is_read_by_the_calling_thread_as_a_worke
     # ... each collated as worker delivered % 2 would be, with that worker's seed
     assert all(info in ((0, 5), (1, 6)) for _, info in asked)
     assert {info for info in here} == {(0, 5), (1, 6)}
-    assert torch.utils.data.get_worker_info() is None  # and not outside the batches
+    assert get_worker_info() is None  # and not outside the batches
 
 
 class UserTokens(StreamNumpyFormat):
@@ -355,9 +354,11 @@ def test_a_users_format_or_the_benchmarks_collate_are_read_as_a_worker_reads_the
         assert all(n._pool._caller_runs for n in (ours, users, bench))  # type: ignore[union-attr]
         torch = pytest.importorskip("torch")
         with users._as_worker(1):
-            info = torch.utils.data.get_worker_info()
+            info = get_worker_info()
+            assert info is not None
             assert (info.id, info.num_workers, info.seed) == (1, 2, 6)
-        assert torch.utils.data.get_worker_info() is None
+            assert torch.utils.data.get_worker_info() is None  # torch's: one per process
+        assert get_worker_info() is None
     finally:
         for node in (ours, users, bench):
             node.close()

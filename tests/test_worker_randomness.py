@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import random
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +24,7 @@ import torch
 from loader_helpers import Ids, ids_collate, threads_end
 from random_helpers import (
     BatchDraws,
+    BothAsk,
     Draws,
     InitCalls,
     WhoReads,
@@ -27,9 +32,8 @@ from random_helpers import (
     failing_init,
     tag_worker,
 )
-from torch.utils.data import get_worker_info  # bound before the loader wraps anything
 
-from guideloom_pipes import StatefulDataLoader
+from guideloom_pipes import StatefulDataLoader, get_worker_info
 from guideloom_pipes.pipes import batch_rng
 
 pytestmark = [
@@ -37,6 +41,7 @@ pytestmark = [
     pytest.mark.timeout(180),
 ]
 
+REPO = Path(__file__).resolve().parents[1]
 PROCESSES = {"num_workers": 2, "parallel_method": "process"}
 MODES = {
     "inline": {},
@@ -243,7 +248,7 @@ def test_get_worker_info_in_worker_processes():
     assert get_worker_info() is None
 
 
-def test_get_worker_info_per_thread_even_when_imported_before_the_loader():
+def test_get_worker_info_per_thread():
     dataset = WhoReads(30)
     # With a timeout the training thread never reads a batch itself: worker threads read all.
     loader = _loader(dataset, num_workers=2, timeout=60)
@@ -252,6 +257,57 @@ def test_get_worker_info_per_thread_even_when_imported_before_the_loader():
     expected = {(0, 2, seed, True, "thread"), (1, 2, seed + 1, True, "thread")}
     assert {s[1] for s in samples} <= expected
     assert get_worker_info() is None
+
+
+def test_torchs_get_worker_info_is_none_in_worker_threads():
+    # (ours answers per thread; torch's is one value per process: the loader sets it only in
+    # worker processes, as torch does, and never rewrites torch's function)
+    loader = _loader(BothAsk(30), num_workers=2, timeout=60)
+    samples = [s for batch in _epochs(loader, 1)[0] for s in batch]
+    seed = loader.base_seed
+    assert {s[1] for s in samples} == {None}
+    assert {s[2] for s in samples} <= {(0, 2, seed), (1, 2, seed + 1)}
+    assert None not in {s[2] for s in samples}
+
+
+def test_torchs_get_worker_info_answers_in_worker_processes_as_ours_does():
+    loader = _loader(BothAsk(12), **PROCESSES)
+    samples = [s for batch in _epochs(loader, 1)[0] for s in batch]
+    seed = loader.base_seed
+    assert {s[1] for s in samples} <= {(0, 2, seed), (1, 2, seed + 1)}
+    assert None not in {s[1] for s in samples}
+    assert all(s[1] == s[2] for s in samples)
+    assert torch.utils.data.get_worker_info() is None and get_worker_info() is None
+
+
+def test_importing_the_package_leaves_torchs_get_worker_info_alone():
+    code = """
+import torch.utils.data as data
+import torch.utils.data._utils.worker as worker
+import torch.utils.data.dataloader as dataloader
+
+function = data.get_worker_info
+code = function.__code__
+names = set(vars(worker))
+import guideloom_pipes
+import guideloom_pipes.pipes.read
+from guideloom_pipes import StatefulDataLoader, get_worker_info
+list(StatefulDataLoader(list(range(8)), list, local_batch_size=2, num_workers=2))
+assert function.__code__ is code, "torch's get_worker_info was rewritten"
+assert data.get_worker_info is worker.get_worker_info is dataloader.get_worker_info is function
+assert set(vars(worker)) == names, set(vars(worker)) ^ names
+assert get_worker_info() is None
+print("ok")
+"""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
 
 
 def test_batches_the_training_thread_reads_for_busy_thread_workers_see_no_worker_info():

@@ -154,10 +154,11 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
             ``sampler`` is an :class:`EpochSampler` describing this rank's order.
         batch_sampler: Not supported (pass ``batch_size``/``drop_last``); the attribute is
             an :class:`EpochBatchSampler`.
-        worker_init_fn: Called with the worker id in each worker, after torch's
-            ``get_worker_info()`` is set there: once per worker thread (threads start with
-            each iterator), and in a worker process each time it takes a copy of the
-            dataset (each epoch, or once with ``persistent_workers``).
+        worker_init_fn: Called with the worker id in each worker, after
+            :func:`~guideloom_pipes.get_worker_info` is set there (and torch's
+            ``get_worker_info()`` in worker processes): once per worker thread (threads
+            start with each iterator), and in a worker process each time it takes a copy of
+            the dataset (each epoch, or once with ``persistent_workers``).
         persistent_workers: Worker processes keep their copy of the dataset across epochs
             (``False``: the dataset is sent to them again at each epoch start, so changes
             made in the main process are seen). The processes themselves start once per

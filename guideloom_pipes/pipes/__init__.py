@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         ShuffleBuffer,
     )
     from guideloom_pipes.pipes.shuffle import Shuffle, draw_seed
+    from guideloom_pipes.pipes.worker_info import get_worker_info
 
 # The stages load on first use: a process worker imports ``guideloom_pipes.pipes._worker``
 # (torch-free), and importing this package must not import torch for it.
@@ -71,6 +72,7 @@ _STAGES = {
     "ShuffleBuffer": "shards",
     "Shuffle": "shuffle",
     "draw_seed": "shuffle",
+    "get_worker_info": "worker_info",
 }
 
 
@@ -112,6 +114,7 @@ __all__ = [
     "collate_packed",
     "default_collate",
     "draw_seed",
+    "get_worker_info",
     "num_steps",
     "pad_collate",
 ]

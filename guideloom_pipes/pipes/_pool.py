@@ -197,7 +197,7 @@ class _ThreadPool:
     and the caller adds itself only when they are all busy. With ``caller_runs=False`` (a
     timeout: a job the caller ran could not be timed out) the caller only ever waits. With
     ``caller_as``, a job the caller runs runs as one of the workers (what the user's code
-    in it can ask, e.g. torch's ``get_worker_info()``, answers as in that worker).
+    in it can ask, e.g. ``guideloom_pipes.get_worker_info()``, answers as in that worker).
 
     Wake-ups are what a handoff costs (tens of microseconds of CPU each on a small VM), so
     there are as few as the work allows: a job wakes a worker only if one is asleep, and a
@@ -545,8 +545,9 @@ class _ProcessPool:
     ``persistent=False`` hands every worker a fresh copy of the dataset at each epoch after
     the first (torch's ``persistent_workers=False``: changes made to the dataset in the main
     process are seen, ``worker_init_fn`` runs again); ``True`` keeps the workers' copies.
-    With ``base_seed`` each worker knows itself (torch's ``get_worker_info()``, seed
-    ``base_seed + worker_id``) and runs ``worker_init_fn(worker_id)`` first.
+    With ``base_seed`` each worker knows itself (torch's ``get_worker_info()``, which
+    ``guideloom_pipes.get_worker_info()`` answers with there, seed ``base_seed +
+    worker_id``) and runs ``worker_init_fn(worker_id)`` first.
     """
 
     def __init__(

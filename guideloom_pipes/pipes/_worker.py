@@ -451,7 +451,10 @@ class WorkerSetup(NamedTuple):
 
 def _set_torch_worker_info(setup: WorkerSetup, dataset: Any) -> bool:
     """Make ``torch.utils.data.get_worker_info()`` describe this worker process, if torch is
-    imported here (a worker whose dataset needs no torch never imports it); whether it is."""
+    imported here (a worker whose dataset needs no torch never imports it); whether it is.
+
+    Set as torch's own workers set it (its module global), so torch's function answers
+    here, and ``guideloom_pipes.get_worker_info()`` answers with it."""
     if "torch" not in sys.modules:
         return False
     worker = importlib.import_module("torch.utils.data._utils.worker")

@@ -21,8 +21,9 @@ __all__ = ["Collate", "default_collate", "pad_collate"]
 
 def _stack_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
     """torch's tensor collate without its shared-memory output: torch allocates that when
-    ``get_worker_info()`` is set (for its pipe to worker processes); our worker threads
-    need none, and our worker processes hand results back through their result ring."""
+    its ``get_worker_info()`` is set, as it is in our worker processes (for torch's pipe
+    from its own worker processes); ours hand results back through their result ring, and
+    worker threads need none."""
     elem = batch[0]
     if elem.is_nested or elem.layout != torch.strided:  # torch's errors for these
         return _torch_collate_tensor_fn(batch, collate_fn_map=collate_fn_map)

@@ -7,7 +7,6 @@ import contextlib
 import multiprocessing
 import multiprocessing.context
 import operator
-import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -38,6 +37,7 @@ from guideloom_pipes.pipes._worker import (
 from guideloom_pipes.pipes.collate import collated_read_fn
 from guideloom_pipes.pipes.positions import Positions
 from guideloom_pipes.pipes.shuffle import Shuffle, state_marks
+from guideloom_pipes.pipes.worker_info import _thread_info, thread_worker_info
 
 __all__ = ["ReadSamples"]
 
@@ -82,52 +82,6 @@ def _ours(obj: Any) -> bool:
         return False
     top, _, rest = module.partition(".")
     return top == "guideloom_pipes" and rest.partition(".")[0] != "bench"
-
-
-# -- torch's get_worker_info() in worker threads --------------------------------------------
-# torch's function returns a module global, which is per process. For our worker threads it
-# must answer per thread: its code is swapped for code that first looks at a thread-local
-# slot (the same function object, so every name bound to it, including one imported with
-# ``from torch.utils.data import get_worker_info`` before this module, answers per thread).
-_THREAD_INFO = "_guideloom_thread_worker_info"
-_thread_info = threading.local()
-
-
-def _per_thread_get_worker_info() -> Any:  # pragma: no cover - runs as torch's function
-    info = getattr(_guideloom_thread_worker_info, "info", None)  # type: ignore[name-defined]  # noqa: F821
-    return _worker_info if info is None else info  # type: ignore[name-defined]  # noqa: F821
-
-
-def _answer_worker_info_per_thread() -> None:
-    """Make ``torch.utils.data.get_worker_info()`` answer per thread (idempotent)."""
-    namespace = vars(_torch_worker)
-    if _THREAD_INFO in namespace:
-        return
-    function = _torch_worker.get_worker_info
-    code = _per_thread_get_worker_info.__code__
-    namespace[_THREAD_INFO] = _thread_info
-    if function.__code__.co_freevars or "_worker_info" not in namespace:
-        # Not the function we know (another torch): wrap the names instead.
-        def get_worker_info() -> Any:
-            info = getattr(_thread_info, "info", None)
-            return function() if info is None else info
-
-        get_worker_info.__doc__ = function.__doc__
-        import torch.utils.data as data
-        import torch.utils.data.dataloader as dataloader
-
-        for module in (_torch_worker, data, dataloader):
-            module.get_worker_info = get_worker_info  # type: ignore[attr-defined]
-        return
-    function.__code__ = code.replace(co_name=function.__code__.co_name)
-
-
-_answer_worker_info_per_thread()
-
-
-def thread_worker_info(info: Any) -> None:
-    """Set (or with ``None`` clear) what ``get_worker_info()`` answers in this thread."""
-    _thread_info.info = info
 
 
 def _to_ids(item: Any) -> _I64:
@@ -248,8 +202,8 @@ class ReadSamples(BaseNode[Any]):
     with work of its own between batches (a training step) keeps the workers reading ahead.
     Only where user code cannot tell: the batches run only this library's code (one of our
     datasets, no ``collate_fn`` or one of ours), or the workers are not told who they are
-    (no ``base_seed``, no ``worker_init_fn``: torch's ``get_worker_info()`` is ``None`` in
-    both threads). The figures are kept current as batches go, so batches that start to
+    (no ``base_seed``, no ``worker_init_fn``: :func:`~guideloom_pipes.get_worker_info` is
+    ``None`` in both threads). The figures are kept current as batches go, so batches that start to
     wait, or a caller that slows down, go back to the workers.
 
     Thread workers run jobs that compute one at a time: threads running them side by side
@@ -298,8 +252,9 @@ class ReadSamples(BaseNode[Any]):
             seed the global generators of ``random``, numpy and torch; reading inline seeds
             them and puts the caller's states back; worker threads, which share them, leave
             them alone), and ``batch_rng()`` gives the batch's own generators in every mode.
-        base_seed: Seed of the workers (``base_seed + worker_id``) as torch's
-            ``get_worker_info()`` reports it in worker threads and processes; without it
+        base_seed: Seed of the workers (``base_seed + worker_id``) as
+            :func:`~guideloom_pipes.get_worker_info` reports it in worker threads and
+            processes (torch's ``get_worker_info()`` in worker processes); without it
             (and without ``worker_init_fn``) workers are not told who they are.
         worker_init_fn: Called with the worker's id once in each worker thread, and in each
             worker process whenever it takes a copy of the dataset, before it reads.
@@ -585,7 +540,7 @@ class ReadSamples(BaseNode[Any]):
         )
 
     def _init_thread(self, index: int) -> None:
-        """Tell worker thread ``index`` who it is (torch's ``get_worker_info()``), then run
+        """Tell worker thread ``index`` who it is (our ``get_worker_info()``), then run
         ``worker_init_fn``."""
         thread_worker_info(self._worker_info(index))
         if self.worker_init_fn is not None:
@@ -760,8 +715,9 @@ class ReadSamples(BaseNode[Any]):
         :meth:`_side_by_side`), so reading ahead in a thread only adds a handoff under the
         same GIL. A caller with work of its own between batches (a training step) keeps the
         workers reading ahead. Only where nothing can tell: the batches run only this
-        library's code, or the workers are not told who they are (torch's
-        ``get_worker_info()``, with no ``base_seed`` or ``worker_init_fn``). The calling
+        library's code, or the workers are not told who they are
+        (:func:`~guideloom_pipes.get_worker_info`, with no ``base_seed`` or
+        ``worker_init_fn``). The calling
         thread takes over once the jobs already submitted are delivered; the batches it
         reads keep the figures current, so batches that start to wait, or a caller that
         slows, go back to the workers."""
