@@ -27,8 +27,8 @@ GUIDELOOM_VERSION = "1.1.0"
 if TYPE_CHECKING:
     from guideloom_pipes import pipes
     from guideloom_pipes.loader import StatefulDataLoader
-    from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
     from guideloom_pipes.pipes.collate import pad_collate
+    from guideloom_pipes.pipes.errors import DataLoaderTimeoutError
     from guideloom_pipes.pipes.packed import collate_packed
     from guideloom_pipes.pipes.worker_info import get_worker_info
 

@@ -10,6 +10,6 @@
 
 from guideloom_pipes.loader.samplers import EpochBatchSampler, EpochSampler
 from guideloom_pipes.loader.stateful import StatefulDataLoader
-from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
+from guideloom_pipes.pipes.errors import DataLoaderTimeoutError
 
 __all__ = ["DataLoaderTimeoutError", "EpochBatchSampler", "EpochSampler", "StatefulDataLoader"]

@@ -9,9 +9,13 @@ from typing import TYPE_CHECKING, Any
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.pipes import close_pipeline
-from guideloom_pipes.pipes._errors import is_batch_failure, mark_batch_failure
-from guideloom_pipes.pipes._pool import DataLoaderTimeoutError, seconds_text
+from guideloom_pipes.pipes._pool import seconds_text
 from guideloom_pipes.pipes._worker import Seeding, seeded
+from guideloom_pipes.pipes.errors import (
+    DataLoaderTimeoutError,
+    is_batch_failure,
+    mark_batch_failure,
+)
 from guideloom_pipes.pipes.read import _together
 
 if TYPE_CHECKING:

@@ -26,10 +26,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from guideloom_pipes.pipes._pool import DataLoaderTimeoutError
     from guideloom_pipes.pipes._worker import BatchRandom, batch_rng
     from guideloom_pipes.pipes.collate import Collate, default_collate, pad_collate
     from guideloom_pipes.pipes.device import PinMemory, Prefetcher, ToDevice, apply_to_tensors
+    from guideloom_pipes.pipes.errors import DataLoaderTimeoutError
     from guideloom_pipes.pipes.packed import collate_packed
     from guideloom_pipes.pipes.positions import Positions, RankPositions, num_steps
     from guideloom_pipes.pipes.read import ReadSamples
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 # The stages load on first use: a process worker imports ``guideloom_pipes.pipes._worker``
 # (torch-free), and importing this package must not import torch for it.
 _STAGES = {
-    "DataLoaderTimeoutError": "_pool",
+    "DataLoaderTimeoutError": "errors",
     "BatchRandom": "_worker",
     "batch_rng": "_worker",
     "Collate": "collate",

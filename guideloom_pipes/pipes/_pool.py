@@ -25,6 +25,7 @@ from guideloom_pipes.pipes._worker import (
     _RemoteTraceback,
     pack_ids,
 )
+from guideloom_pipes.pipes.errors import DataLoaderTimeoutError
 
 # -- orphaned jobs ------------------------------------------------------------------------------
 # A thread pool closed while its workers run jobs does not wait for them: each such worker
@@ -138,18 +139,6 @@ def _run(fn: Callable[[Any], Any], job: _Job, clock: int | None = None) -> float
 #: sleeps (``_thread.interrupt_main()``, or a Ctrl-C just before the wait began) is raised
 #: within this time. Waiting itself never polls: a finished batch wakes the caller at once.
 WAKE_SECONDS = 0.25
-
-
-class DataLoaderTimeoutError(RuntimeError, TimeoutError):
-    """No batch came within the loader's ``timeout=``: a read or ``collate_fn`` hangs or is
-    slower than that. A ``RuntimeError`` (what torch's ``DataLoader`` raises) and a
-    ``TimeoutError``.
-
-    ``batches`` is how many batches the job that did not come held, the awaited one first:
-    quick batches are read a few at a time, and the one that hangs may be any of them.
-    """
-
-    batches = 1
 
 
 def seconds_text(seconds: float) -> str:

@@ -14,7 +14,7 @@ from torch.utils.data._utils.collate import default_collate_fn_map
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.batch import Batch, batch_arrays, token_array
-from guideloom_pipes.pipes._errors import mark_batch_failure
+from guideloom_pipes.pipes.errors import mark_batch_failure
 
 __all__ = ["Collate", "default_collate", "pad_collate"]
 

@@ -17,9 +17,7 @@ import torch.utils.data._utils.worker as _torch_worker
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.datasets import WindowBuffers, open_reader, reader_code
-from guideloom_pipes.pipes._errors import mark_batch_failure
 from guideloom_pipes.pipes._pool import (
-    DataLoaderTimeoutError,
     _ProcessPool,
     _ThreadPool,
     after_orphaned_jobs,
@@ -35,6 +33,7 @@ from guideloom_pipes.pipes._worker import (
     read_many_fn_for,
 )
 from guideloom_pipes.pipes.collate import collated_read_fn
+from guideloom_pipes.pipes.errors import DataLoaderTimeoutError, mark_batch_failure
 from guideloom_pipes.pipes.positions import Positions
 from guideloom_pipes.pipes.shuffle import Shuffle, state_marks
 from guideloom_pipes.pipes.worker_info import _thread_info, thread_worker_info

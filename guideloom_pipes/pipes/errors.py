@@ -1,4 +1,5 @@
-"""Batch failures: an exception that a dataset read or ``collate_fn`` raised for one batch.
+"""The pipeline's errors: :class:`DataLoaderTimeoutError`, and batch failures (an exception
+that a dataset read or ``collate_fn`` raised for one batch).
 
 Such an error fails its batch alone: the stages that raise it mark it, stages between them
 and the caller (``Prefetcher``) keep going past it, and the loader's iterator delivers the
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["is_batch_failure", "mark_batch_failure"]
+__all__ = ["DataLoaderTimeoutError", "is_batch_failure", "mark_batch_failure"]
 
 _MARK = "_guideloom_batch_failure"
 
@@ -26,3 +27,15 @@ def mark_batch_failure(error: BaseException) -> None:
 def is_batch_failure(error: BaseException) -> bool:
     """Whether ``error`` failed one batch only (see :func:`mark_batch_failure`)."""
     return isinstance(error, Exception) and getattr(error, _MARK, False) is True
+
+
+class DataLoaderTimeoutError(RuntimeError, TimeoutError):
+    """No batch came within the loader's ``timeout=``: a read or ``collate_fn`` hangs or is
+    slower than that. A ``RuntimeError`` (what torch's ``DataLoader`` raises) and a
+    ``TimeoutError``.
+
+    ``batches`` is how many batches the job that did not come held, the awaited one first:
+    quick batches are read a few at a time, and the one that hangs may be any of them.
+    """
+
+    batches = 1
