@@ -67,3 +67,10 @@ def pytest_report_header(config: pytest.Config) -> str:
     if TORCH_FREE:
         return "torch-free mode: modules that need torch are skipped"
     return "torch available"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # the docs' blocks that read from S3 run against moto on loopback: remote tests too
+    for item in items:
+        if "docs_s3" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.remote)

@@ -82,6 +82,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_json_holds_every_scenario(report: dict[str, Any]) -> None:
     assert set(report["scenarios"]) == set(bench.SCENARIOS)
@@ -101,6 +102,7 @@ def _remote_ran(report: dict[str, Any], scenario: str = "remote-cache") -> bool:
 REMOTE = ("remote-cache", "remote-range", "remote-s3")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [*THROUGHPUT, *REMOTE])
 def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> None:
     if scenario in REMOTE and not _remote_ran(report, scenario):
@@ -118,6 +120,7 @@ def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> 
             assert _positive(row["tokens_per_s"]), row
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_pinned_ring_scenario_measures_on_a_gpu_and_says_how_elsewhere(
     report: dict[str, Any],
@@ -139,6 +142,7 @@ def test_the_pinned_ring_scenario_measures_on_a_gpu_and_says_how_elsewhere(
     assert rings[pinned.PIN_COPY_0] is None  # the pinning copy, for comparison
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scale_resume_and_train_loop_figures_are_positive(report: dict[str, Any]) -> None:
     scenarios = report["scenarios"]
@@ -168,6 +172,7 @@ def test_scale_resume_and_train_loop_figures_are_positive(report: dict[str, Any]
         assert row["ms_per_step"] == pytest.approx(row["slowdown"] * row["step_alone_ms"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
     names = [target["name"] for target in report["targets"]]
@@ -371,6 +376,7 @@ def _burst_of_heads(port: int, requests: int, timeout: float) -> int:
     return answered.count(False)
 
 
+@pytest.mark.remote
 def test_the_benchmarks_nginx_answers_every_request_of_concurrent_bursts(
     tmp_path: Path,
 ) -> None:

@@ -411,6 +411,7 @@ def test_usage_errors_on_a_url_are_exit_2_before_anything_is_read(args: tuple[st
     assert args[1] in line or "--dtype 'int33'" in line
 
 
+@pytest.mark.remote
 @pytest.mark.parametrize("command", ["info", "recover"])
 def test_info_and_recover_of_a_url_are_exit_2_without_asking_a_failing_server(
     sound: Path, tmp_path: Path, command: str

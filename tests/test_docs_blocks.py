@@ -264,8 +264,21 @@ def test_an_unknown_directive_is_refused(tmp_path: Path) -> None:
         python_blocks(page)
 
 
+#: Chains that take more than 10 s alone (the tutorial tokenizes, trains, is killed and
+#: resumes): marked slow, run by ``-m slow``.
+_SLOW_PAGES = ("tutorial.md",)
+_PARAMS = [
+    pytest.param(
+        chain,
+        id=_chain_id(chain),
+        marks=[pytest.mark.slow] if chain[0].page.name in _SLOW_PAGES else [],
+    )
+    for chain in _CHAINS
+]
+
+
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("chain", _CHAINS, ids=[_chain_id(chain) for chain in _CHAINS])
+@pytest.mark.parametrize("chain", _PARAMS)
 def test_python_block_runs(
     chain: list[Block], tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -34,6 +34,7 @@ def test_a_thread_left_by_an_earlier_test_is_reported_not_held_against_this_one(
         stop.set()
 
 
+@pytest.mark.slow
 def test_a_thread_the_test_leaves_running_fails_it(monkeypatch):
     stop = threading.Event()
     try:

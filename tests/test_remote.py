@@ -53,6 +53,9 @@ from guideloom_pipes.storage.remote import (
     is_transient,
 )
 
+#: These tests run against servers on loopback (nginx, moto, the fault proxy).
+pytestmark = pytest.mark.remote
+
 FIXTURES = Path(__file__).parent / "data" / "guideloom-1.1"
 EXPECTED: dict[str, Any] = json.loads((FIXTURES / "expected.json").read_text())
 STREAM_DTYPE = np.dtype([tuple(field) for field in EXPECTED["stream"]["dtype"]])
@@ -796,6 +799,7 @@ def test_a_failed_upload_leaves_the_remote_dataset_as_it_was(s3: S3Server) -> No
         assert reader[0]["tokens"].tolist() == list(range(10))
 
 
+@pytest.mark.slow
 def test_an_upload_failing_at_any_request_leaves_the_old_shard_or_the_new_one(
     s3: S3Server,
 ) -> None:

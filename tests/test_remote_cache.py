@@ -51,6 +51,9 @@ from guideloom_pipes.storage import CorruptShardError, DatasetChangedError
 from guideloom_pipes.storage.cache import ShardCache
 from guideloom_pipes.storage.remote import RemoteReadError, RetryPolicy
 
+#: These tests run against servers on loopback (nginx, moto, the fault proxy).
+pytestmark = pytest.mark.remote
+
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 #: retries fast enough for tests; a request that hangs is abandoned after 10 s and tried
 #: again (here a request on a kept-alive connection to nginx has, rarely, never been answered)

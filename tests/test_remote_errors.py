@@ -38,6 +38,9 @@ from remote_servers import (
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
 from guideloom_pipes.storage.remote import RangeIgnoredError, RemoteReadError, RetryPolicy
 
+#: These tests run against servers on loopback (nginx, moto, the fault proxy).
+pytestmark = pytest.mark.remote
+
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 FAST = RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.01, timeout=10)
 SHARDS = 4

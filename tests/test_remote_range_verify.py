@@ -48,6 +48,9 @@ from guideloom_pipes.storage.checksums import BlockCrc32, crc32_combine
 from guideloom_pipes.storage.records import ShardRecord
 from guideloom_pipes.storage.remote import RetryPolicy
 
+#: These tests run against servers on loopback (nginx, moto, the fault proxy).
+pytestmark = pytest.mark.remote
+
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
 BUCKET = "verified"

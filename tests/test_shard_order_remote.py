@@ -18,6 +18,9 @@ pytest.importorskip("torch")
 from guideloom_pipes import StatefulDataLoader, StreamNumpyFormat, StreamStorage
 from guideloom_pipes.storage.remote import RetryPolicy
 
+#: These tests run against servers on loopback (nginx, moto, the fault proxy).
+pytestmark = pytest.mark.remote
+
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
 SHARDS, PER_SHARD, WINDOW = 4, 1000, 50

@@ -235,6 +235,7 @@ def s3() -> Iterator[S3Server]:
         yield server
 
 
+@pytest.mark.remote
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigkill"])
 def test_a_stopped_driver_writing_to_s3_leaves_no_worker_nor_staging_and_a_rerun_completes(
     tmp_path: Path, control: tuple[Path, int], s3: S3Server, how: str
@@ -271,6 +272,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.remote
 def test_the_staging_directory_of_a_killed_writer_is_swept_and_a_live_ones_kept(
     tmp_path: Path, s3: S3Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
