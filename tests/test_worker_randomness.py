@@ -201,7 +201,7 @@ def _global_draws() -> tuple[float, float, float]:
 
 
 def test_seeded_sets_the_batch_generators_and_restores_the_outer_ones():
-    from guideloom_pipes.pipes._worker import seed_globals, seeded
+    from guideloom_pipes.pipes.seeding import seed_globals, seeded
 
     seed_globals(11)
     expected = _global_draws()
@@ -221,17 +221,17 @@ def test_seeded_sets_the_batch_generators_and_restores_the_outer_ones():
 
 
 def test_seeded_restores_the_batch_generators_when_its_body_or_seeding_raises(monkeypatch):
-    from guideloom_pipes.pipes import _worker
+    from guideloom_pipes.pipes import seeding
 
-    with pytest.raises(KeyError), _worker.seeded(5, "globals"):
+    with pytest.raises(KeyError), seeding.seeded(5, "globals"):
         raise KeyError("a collate's error")
     assert batch_rng() is None
 
     def refuse(seed: int) -> None:
         raise RuntimeError(f"cannot seed {seed}")
 
-    monkeypatch.setattr(_worker, "seed_globals", refuse)
-    with pytest.raises(RuntimeError, match="cannot seed 5"), _worker.seeded(5, "globals"):
+    monkeypatch.setattr(seeding, "seed_globals", refuse)
+    with pytest.raises(RuntimeError, match="cannot seed 5"), seeding.seeded(5, "globals"):
         pytest.fail("the body ran although seeding failed")
     assert batch_rng() is None
 

@@ -10,13 +10,13 @@ from torchdata.nodes import BaseNode
 
 from guideloom_pipes.pipes import close_pipeline
 from guideloom_pipes.pipes._pool import seconds_text
-from guideloom_pipes.pipes._worker import Seeding, seeded
 from guideloom_pipes.pipes.errors import (
     DataLoaderTimeoutError,
     is_batch_failure,
     mark_batch_failure,
 )
 from guideloom_pipes.pipes.read import _together
+from guideloom_pipes.pipes.seeding import Seeding, seeded
 
 if TYPE_CHECKING:
     from guideloom_pipes.loader.stateful import StatefulDataLoader

@@ -36,8 +36,8 @@ from guideloom_pipes.pipes import (
     num_steps,
     pad_collate,
 )
-from guideloom_pipes.pipes._worker import Seeding, batch_seed
 from guideloom_pipes.pipes.read import _CHUNK_SECONDS
+from guideloom_pipes.pipes.seeding import Seeding, batch_seed
 from guideloom_pipes.pipes.shards import (
     BatchSamples,
     ListShards,

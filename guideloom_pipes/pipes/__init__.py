@@ -26,7 +26,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from guideloom_pipes.pipes._worker import BatchRandom, batch_rng
     from guideloom_pipes.pipes.collate import Collate, default_collate, pad_collate
     from guideloom_pipes.pipes.device import PinMemory, Prefetcher, ToDevice, apply_to_tensors
     from guideloom_pipes.pipes.errors import DataLoaderTimeoutError
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from guideloom_pipes.pipes.positions import Positions, RankPositions, num_steps
     from guideloom_pipes.pipes.read import ReadSamples
     from guideloom_pipes.pipes.ring import PinnedRing
+    from guideloom_pipes.pipes.seeding import BatchRandom, batch_rng
     from guideloom_pipes.pipes.shards import (
         BatchSamples,
         ListShards,
@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 # (torch-free), and importing this package must not import torch for it.
 _STAGES = {
     "DataLoaderTimeoutError": "errors",
-    "BatchRandom": "_worker",
-    "batch_rng": "_worker",
+    "BatchRandom": "seeding",
+    "batch_rng": "seeding",
     "Collate": "collate",
     "default_collate": "collate",
     "pad_collate": "collate",
