@@ -77,7 +77,7 @@ def batch_read_fn(
             if out is not None:
                 return functools.partial(read_arrays, out=out)
             return read_arrays
-    elif rows and isinstance(reader, _DatasetReaderBase):
+    elif rows and isinstance(reader, DatasetReaderBase):
         return reader.read_rows
     read_batch = getattr(reader, "read_batch", None)
     if callable(read_batch):
@@ -125,7 +125,7 @@ def _out_of_range(length: int, index: int) -> IndexError:
     )
 
 
-class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
+class DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
     """Shared ``len`` / ``[i]`` / slice / lifecycle of the dataset readers.
 
     A reader is a ``collections.abc.Sequence``: ``iter``, ``reversed``, ``in``, ``index``
@@ -232,7 +232,7 @@ class _DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
         return self.read_batch(ids)
 
 
-class StreamDatasetReader(_DatasetReaderBase):
+class StreamDatasetReader(DatasetReaderBase):
     """Reader of a :class:`StreamDataset` (windows of ``sequence_length`` elements)."""
 
     _storage_reader: StreamReader
@@ -387,7 +387,7 @@ class StreamDatasetReader(_DatasetReaderBase):
         ]
 
 
-class DocumentDatasetReader(_DatasetReaderBase):
+class DocumentDatasetReader(DatasetReaderBase):
     """Reader of a :class:`DocumentDataset`."""
 
     _storage_reader: DocumentReader
@@ -419,7 +419,7 @@ class _AsyncDatasetReader(DatasetAsyncReaderAbstract[Any]):
     ``read_batch``.
     """
 
-    def __init__(self, reader: _DatasetReaderBase) -> None:
+    def __init__(self, reader: DatasetReaderBase) -> None:
         self._sync = reader
 
     async def open(self) -> None:

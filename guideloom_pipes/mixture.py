@@ -40,9 +40,9 @@ import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch
 from guideloom_pipes.datasets import (
+    DatasetReaderBase,
     _as_ids,
     _AsyncDatasetReader,
-    _DatasetReaderBase,
     batch_read_fn,
     open_reader,
     reader_code,
@@ -636,7 +636,7 @@ class MixtureDataset:
         return f"MixtureDataset({{{parts}}}, seed={self.seed}, num_samples={self.num_samples})"
 
 
-class MixtureReader(_DatasetReaderBase):
+class MixtureReader(DatasetReaderBase):
     """Reader of a :class:`MixtureDataset`: opens a reader of every component.
 
     ``read_batch(ids)`` routes the ids (vectorised), reads each component's share with one

@@ -17,8 +17,15 @@ from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.io import resolve_backend
-from guideloom_pipes.storage.listing import _backend_size, _read_whole
-from guideloom_pipes.storage.names import _NAME, IN_BAND, INDEX, OUT_OF_BAND, RECORD, shard_name
+from guideloom_pipes.storage.listing import backend_size, read_whole
+from guideloom_pipes.storage.names import (
+    IN_BAND,
+    INDEX,
+    OUT_OF_BAND,
+    RECORD,
+    SHARD_NAME,
+    shard_name,
+)
 from guideloom_pipes.storage.records import ShardRecord, format_name
 from guideloom_pipes.storage.remote import RetryPolicy, file_url_path, is_url, resolve_location
 
@@ -37,7 +44,7 @@ KIND_SUFFIXES = {
     "document": (INDEX, OUT_OF_BAND),
 }
 _STREAM_NUMPY = format_name(StreamNumpyFormat(np.dtype([("x", "u1")])))
-_DOCUMENT_PICKLE = format_name(DocumentPickleFormat())
+DOCUMENT_PICKLE = format_name(DocumentPickleFormat())
 
 
 @dataclass
@@ -64,7 +71,7 @@ def _shard_files(names: Iterable[str]) -> tuple[set[str], list[int]]:
     suffixes: set[str] = set()
     records: list[int] = []
     for name in names:
-        match = _NAME.match(name)
+        match = SHARD_NAME.match(name)
         if match is None or match.group("temporary") or match.group("generation"):
             continue
         if match.group("suffix") == RECORD:
@@ -161,7 +168,7 @@ def _detect_remote(
         names = [
             first + suffix
             for suffix in (RECORD, IN_BAND, INDEX, OUT_OF_BAND)
-            if _backend_size(io, directory / (first + suffix)) is not None
+            if backend_size(io, directory / (first + suffix)) is not None
         ]
     suffixes, records = _shard_files(names)
     if not suffixes and not records:
@@ -173,7 +180,7 @@ def _detect_remote(
     for shard in sorted(records)[:8]:
         path = directory / (shard_name(shard) + RECORD)
         try:
-            candidate = ShardRecord.from_json(_read_whole(io, path), url)
+            candidate = ShardRecord.from_json(read_whole(io, path), url)
         except (OSError, StorageError):
             continue
         if candidate.state == "committed":
@@ -211,7 +218,7 @@ def _kind_of(suffixes: set[str]) -> str | None:
     return None
 
 
-def _is_pickled(directory: PurePath) -> bool:
+def is_pickled(directory: PurePath) -> bool:
     """Whether the first document of the first non-empty shard starts as a pickle does
     (a local directory; for a URL, False: pass ``fmt=``)."""
     if not isinstance(directory, Path):
@@ -322,7 +329,7 @@ def rebuilt_format(found: Detected) -> Any:
                 f"written with"
             )
         return StreamNumpyFormat(found.dtype)
-    if found.format == _DOCUMENT_PICKLE or (found.format is None and _is_pickled(where)):
+    if found.format == DOCUMENT_PICKLE or (found.format is None and is_pickled(where)):
         return DocumentPickleFormat()
     named = found.format or "a format that is not DocumentPickleFormat"
     raise ValueError(

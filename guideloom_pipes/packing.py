@@ -44,12 +44,12 @@ import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch, token_array
 from guideloom_pipes.datasets import (
+    DatasetReaderBase,
     DocumentDataset,
     StreamDataset,
     _as_ids,
     _AsyncDatasetReader,
     _check_sequence_length,
-    _DatasetReaderBase,
     batch_read_fn,
     open_reader,
     reader_code,
@@ -632,7 +632,7 @@ def _write_sidecar(path: Path, fingerprint: str, sums: _I64) -> bool:
     return True
 
 
-class PackedReader(_DatasetReaderBase):
+class PackedReader(DatasetReaderBase):
     """Reader of a :class:`PackedDataset`: a batch of windows per ``read_batch`` call."""
 
     def __init__(self, dataset: PackedDataset) -> None:

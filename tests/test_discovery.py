@@ -16,7 +16,7 @@ from shard_kinds import KINDS, SUFFIXES, expected, read, storage, write
 from guideloom_pipes.storage import StaleWriteWarning
 from guideloom_pipes.storage.io import MmapIO
 from guideloom_pipes.storage.listing import discover
-from guideloom_pipes.storage.names import _NAME, shard_name
+from guideloom_pipes.storage.names import SHARD_NAME, shard_name
 
 
 def guideloom_stream(path: Path, lengths: Iterable[int], ids: Iterable[int] | None = None) -> None:
@@ -150,7 +150,7 @@ def test_shard_names_have_seven_digits_and_more_past_9999999() -> None:
     ],
 )
 def test_shard_file_names_parse_to_their_id(name: str, shard: int) -> None:
-    match = _NAME.match(name)
+    match = SHARD_NAME.match(name)
     assert match is not None
     assert int(match.group(1)) == shard
 
@@ -159,12 +159,12 @@ def test_shard_file_names_parse_to_their_id(name: str, shard: int) -> None:
     "name", ["000001.in_band.bin", "00000001.in_band.bin", "0000001.in_band", "1.in_band.bin"]
 )
 def test_names_shard_name_cannot_produce_do_not_parse(name: str) -> None:
-    assert _NAME.match(name) is None
+    assert SHARD_NAME.match(name) is None
 
 
 def test_every_parsed_name_is_the_one_shard_name_writes() -> None:
     for shard in [0, 1, 999, 9_999_999, 10_000_000, 2**40]:
-        match = _NAME.match(shard_name(shard) + ".in_band.bin")
+        match = SHARD_NAME.match(shard_name(shard) + ".in_band.bin")
         assert match is not None and int(match.group(1)) == shard
 
 

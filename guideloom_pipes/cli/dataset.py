@@ -15,21 +15,21 @@ import numpy as np
 
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.opening import (
-    _DOCUMENT_PICKLE,
+    DOCUMENT_PICKLE,
     KIND_SUFFIXES,
     STORAGE_CLASSES,
     Detected,
-    _is_pickled,
     detect,
+    is_pickled,
 )
-from guideloom_pipes.storage.commit import _is_locked
+from guideloom_pipes.storage.commit import is_locked
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.names import (
-    _NAME,
     CREATE_LOCK,
     IN_BAND,
     INDEX,
     RECORD,
+    SHARD_NAME,
     TMP,
     shard_name,
 )
@@ -47,7 +47,7 @@ class UsageError(Exception):
 def is_shard_file(name: str) -> bool:
     """Whether ``name`` is the name of a shard file (a data file, a commit record, a
     versioned file of a commit, or a writer's temporary)."""
-    return _NAME.match(name) is not None
+    return SHARD_NAME.match(name) is not None
 
 
 def ignored_entries(directory: Path, suffixes: Sequence[str]) -> list[str]:
@@ -63,7 +63,7 @@ def ignored_entries(directory: Path, suffixes: Sequence[str]) -> list[str]:
             name = entry.name
             if name.startswith("." + SIDECAR_PREFIX) or name == CREATE_LOCK:
                 continue
-            match = _NAME.match(name)
+            match = SHARD_NAME.match(name)
             try:
                 regular = entry.is_file(follow_symlinks=True)
                 folder = not regular and entry.is_dir()
@@ -199,8 +199,8 @@ def open_dataset(path: str, dtype: str | None, kind: str | None) -> Opened:
             stream_dtype = _structured(given)
         source = "--dtype"
     if found.kind == "document":
-        if found.format == _DOCUMENT_PICKLE or (
-            found.format is None and _is_pickled(found.directory)
+        if found.format == DOCUMENT_PICKLE or (
+            found.format is None and is_pickled(found.directory)
         ):
             fmt: Any = DocumentPickleFormat()
             name = "DocumentPickleFormat"
@@ -283,7 +283,7 @@ def survey(opened: Opened) -> Survey:
     leftovers: dict[int, list[str]] = {}
     with os.scandir(directory) as entries:
         for entry in entries:
-            match = _NAME.match(entry.name)
+            match = SHARD_NAME.match(entry.name)
             if match is None or not entry.is_file():
                 continue
             shard = int(match.group("shard"))
@@ -344,7 +344,7 @@ def survey(opened: Opened) -> Survey:
     held = {
         shard: (
             sorted(names),
-            _is_locked(os.fspath(directory / (shard_name(shard) + RECORD + TMP))),
+            is_locked(os.fspath(directory / (shard_name(shard) + RECORD + TMP))),
         )
         for shard, names in leftovers.items()
     }

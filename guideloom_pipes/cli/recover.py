@@ -12,7 +12,7 @@ from pathlib import Path
 
 from guideloom_pipes.cli.dataset import UsageError, is_shard_file
 from guideloom_pipes.opening import local_path
-from guideloom_pipes.storage.commit import _is_locked, recover_directory, recovery_plan
+from guideloom_pipes.storage.commit import is_locked, recover_directory, recovery_plan
 from guideloom_pipes.storage.names import RECORD, TMP, shard_name
 
 
@@ -23,7 +23,7 @@ def plan(directory: Path) -> dict[str, list[int]]:
     result: dict[str, list[int]] = {"rolled_forward": [], "removed": [], "cleaned": [], "held": []}
     for shard, what in sorted(suspects.items()):
         lock = os.fspath(directory / (shard_name(shard) + RECORD + TMP))
-        result["held" if _is_locked(lock) else what].append(shard)
+        result["held" if is_locked(lock) else what].append(shard)
     return result
 
 

@@ -23,8 +23,8 @@ import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch, LazyRows, accepts_batch_arrays, batch_arrays
 from guideloom_pipes.datasets import (
+    DatasetReaderBase,
     WindowBuffers,
-    _DatasetReaderBase,
     batch_read_fn,
     open_reader,
 )
@@ -92,7 +92,7 @@ def read_many_fn_for(
     takes arrays and no ``out`` buffers are given, else None."""
     if out is not None or not accepts_batch_arrays(collate_fn):
         return None
-    if not isinstance(reader, _DatasetReaderBase):
+    if not isinstance(reader, DatasetReaderBase):
         return None
     read_many = getattr(reader, "read_arrays_many", None)
     return read_many if callable(read_many) else None

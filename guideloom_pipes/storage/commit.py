@@ -92,13 +92,13 @@ import numpy as np
 from guideloom_pipes.storage.checksums import BlockCrc32
 from guideloom_pipes.storage.errors import CorruptShardError, ShardLockedError, StorageError
 from guideloom_pipes.storage.names import (
-    _NAME,
     CREATE_LOCK,
     IN_BAND,
     INDEX,
     OUT_OF_BAND,
     PENDING,
     RECORD,
+    SHARD_NAME,
     TMP,
     check_shard_id,
     shard_ids,
@@ -271,7 +271,7 @@ def _drop_lock(fd: int, path: str) -> None:
         os.close(fd)
 
 
-def _is_locked(path: str) -> bool:
+def is_locked(path: str) -> bool:
     """Whether a live writer holds the write lock on ``path``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -590,7 +590,7 @@ def recovery_plan(directory: str) -> dict[int, str]:
     suspects: dict[int, str] = {}
     records: list[int] = []
     for name in names:
-        match = _NAME.match(name)
+        match = SHARD_NAME.match(name)
         if match is None:
             continue
         shard = int(match.group("shard"))
@@ -747,7 +747,7 @@ class CreateLock:
         self._release = weakref.finalize(self, _drop_lock, fd, self.path)
         try:
             recover_directory(directory)  # what a killed run left is no dataset
-            refuse_to_create(directory, [n for n in os.listdir(directory) if _NAME.match(n)])
+            refuse_to_create(directory, [n for n in os.listdir(directory) if SHARD_NAME.match(n)])
         except BaseException:
             self.release()
             raise
@@ -767,7 +767,7 @@ def _committed_kind(
     records: list[int] = []
     files: dict[int, set[str]] = {}
     for name in names:
-        match = _NAME.match(name)
+        match = SHARD_NAME.match(name)
         if match is None or match.group("temporary") or match.group("generation") is not None:
             continue
         shard = int(match.group("shard"))
@@ -921,7 +921,7 @@ class ShardWriterBase:
             self._creating = CreateLock(self.directory)  # refuses a dataset, or a second run
         elif self.mode == "create":
             refuse_to_create(
-                self.directory, [n for n in os.listdir(self.directory) if _NAME.match(n)]
+                self.directory, [n for n in os.listdir(self.directory) if SHARD_NAME.match(n)]
             )
         recover_directory(self.directory)
         self._present = _shards_in(self.directory)

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, TypeVar
 
-from guideloom_pipes.storage.commit import _is_locked
+from guideloom_pipes.storage.commit import is_locked
 from guideloom_pipes.storage.errors import DatasetChangedError, StaleWriteWarning
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.names import (
-    _NAME,
     IN_BAND,
     INDEX,
     OUT_OF_BAND,
     PENDING,
     RECORD,
+    SHARD_NAME,
     TMP,
     _display,
     shard_name,
@@ -85,7 +85,7 @@ _Entry = tuple[int, int, int]
 
 
 def _shard_of(name: str) -> int:
-    match = _NAME.match(name)
+    match = SHARD_NAME.match(name)
     return int(match.group("shard")) if match else -1
 
 
@@ -116,7 +116,7 @@ def _scan_local(directory: PurePath) -> dict[str, _Entry]:
             found = {}
             strays: list[os.DirEntry[str]] = []  # shard names that are not files
             for entry in entries:
-                if _NAME.match(entry.name) is None:
+                if SHARD_NAME.match(entry.name) is None:
                     continue  # not ours: no stat
                 with contextlib.suppress(FileNotFoundError):  # gone since listed: a temporary
                     if entry.is_file():
@@ -137,7 +137,7 @@ def _scan_local(directory: PurePath) -> dict[str, _Entry]:
         ) from None
 
 
-def _read_whole(backend: ResolvedBackend, path: PurePath) -> bytes:
+def read_whole(backend: ResolvedBackend, path: PurePath) -> bytes:
     reader = backend.reader(path)
     reader.open()
     try:
@@ -158,7 +158,7 @@ def _read_local(path: str) -> bytes:
         os.close(fd)
 
 
-def _backend_size(backend: ResolvedBackend, path: PurePath) -> int | None:
+def backend_size(backend: ResolvedBackend, path: PurePath) -> int | None:
     found = _backend_info(backend, path)
     return None if found is None else found[0]
 
@@ -216,7 +216,7 @@ def _relisted(directory: PurePath) -> dict[str, int]:
     with listing as entries:
         found = {}
         for entry in entries:
-            if _NAME.match(entry.name) is None or entry.name.endswith((TMP, PENDING)):
+            if SHARD_NAME.match(entry.name) is None or entry.name.endswith((TMP, PENDING)):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 if entry.is_file():  # as _scan_local lists them (d_type: no stat)
@@ -292,7 +292,7 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
 
         def read_remote(name: str) -> ShardRecord:
             path = directory / name
-            return ShardRecord.from_json(_read_whole(backend, path), _display(path))
+            return ShardRecord.from_json(read_whole(backend, path), _display(path))
 
         entries = {name: (int(size), 0, 0) for name, size in sized.items()}
         record_names = [name for name in entries if _is_record(name)]
@@ -311,7 +311,7 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
 
 def _is_record(name: str) -> bool:
     """Whether ``name`` is a shard's commit record (not a temporary one)."""
-    match = _NAME.match(name)
+    match = SHARD_NAME.match(name)
     return (
         match is not None
         and match.group("suffix") == RECORD
@@ -334,7 +334,7 @@ def _assemble(
     versioned: dict[int, list[str]] = {}
     foreign: set[str] = set()
     for name in entries:
-        match = _NAME.match(name)
+        match = SHARD_NAME.match(name)
         if match is None:
             continue
         shard, suffix = int(match.group("shard")), match.group("suffix")
@@ -428,7 +428,7 @@ def _finish(
 def _warn_stale(directory: PurePath, temporaries: dict[int, list[str]]) -> None:
     for shard, names in sorted(temporaries.items()):
         lock = os.fspath(directory / (shard_name(shard) + RECORD + TMP))
-        if _is_locked(lock):
+        if is_locked(lock):
             continue  # a live writer is writing this shard right now
         warnings.warn(
             f"stale temporary file(s) {', '.join(sorted(names))} in {_display(directory)}: a "
@@ -443,7 +443,7 @@ def _probe(backend: ResolvedBackend, directory: PurePath, ours: tuple[str, ...])
     primary = ours[0]
 
     def exists(shard: int) -> bool:
-        return _backend_size(backend, directory / (shard_name(shard) + primary)) is not None
+        return backend_size(backend, directory / (shard_name(shard) + primary)) is not None
 
     high = 0  # the first id without a data file
     if exists(0):
@@ -459,9 +459,9 @@ def _probe(backend: ResolvedBackend, directory: PurePath, ours: tuple[str, ...])
 
     def record_of(shard: int) -> ShardRecord | None:
         path = directory / (shard_name(shard) + RECORD)
-        if _backend_size(backend, path) is None:
+        if backend_size(backend, path) is None:
             return None
-        return ShardRecord.from_json(_read_whole(backend, path), _display(path))
+        return ShardRecord.from_json(read_whole(backend, path), _display(path))
 
     records: dict[int, ShardRecord] = {}
     names: dict[tuple[int, str], str] = {}

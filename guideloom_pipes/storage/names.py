@@ -26,7 +26,7 @@ CREATE_LOCK = ".guideloom_pipes-create.lock"
 #: leading zero past 9,999,999), ``.v<generation>`` for a versioned data file (see
 #: :func:`versioned_name`), a known suffix, and ``.tmp``/``.pending`` for temporaries.
 #: Groups: ``shard`` (also group 1), ``generation``, ``suffix``, ``temporary``.
-_NAME = re.compile(
+SHARD_NAME = re.compile(
     r"^(?P<shard>\d{7}|[1-9]\d{7,})"
     r"(?:\.v(?P<generation>0|[1-9]\d*))?"
     r"(?P<suffix>\.in_band\.bin|\.out_of_band\.bin|\.out_of_band\.index|\.shard\.json)"
@@ -39,7 +39,7 @@ def shard_ids(names: Iterable[str]) -> set[int]:
     or a record; temporaries and versioned files left out)."""
     found = set()
     for name in names:
-        match = _NAME.match(name)
+        match = SHARD_NAME.match(name)
         if match and not match.group("temporary") and match.group("generation") is None:
             found.add(int(match.group("shard")))
     return found

@@ -32,7 +32,7 @@ from guideloom_pipes.storage.cache import CachedFile, ShardCache
 from guideloom_pipes.storage.checksums import BlockChecksums
 from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError, StorageError
 from guideloom_pipes.storage.io import BackendBase, _MmapReader
-from guideloom_pipes.storage.names import _NAME, RECORD, shard_name
+from guideloom_pipes.storage.names import RECORD, SHARD_NAME, shard_name
 from guideloom_pipes.storage.records import ExpectedFile, ShardRecord
 from guideloom_pipes.types import IOSyncReaderAbstract
 
@@ -388,7 +388,7 @@ def _describe(error: BaseException) -> str:
 
 
 def _shard_label(url: str) -> str:
-    match = _NAME.match(url.rpartition("/")[2])
+    match = SHARD_NAME.match(url.rpartition("/")[2])
     return f"shard {shard_name(int(match.group('shard')))}" if match else "the dataset"
 
 
@@ -822,7 +822,7 @@ class _RemoteReader(IOSyncReaderAbstract):
     def _recommitted(self) -> bool:
         """Whether the shard's commit record, read again now (one try), describes this file
         otherwise than the record the open read; False where it cannot be told."""
-        match = _NAME.match(self.url.rpartition("/")[2])
+        match = SHARD_NAME.match(self.url.rpartition("/")[2])
         if match is None or self.expected is None:
             return False
         url = f"{self.url.rpartition('/')[0]}/{shard_name(int(match['shard']))}{RECORD}"

@@ -45,11 +45,11 @@ from dataclasses import replace
 from guideloom_pipes.storage.commit import _read_record, refuse_to_create
 from guideloom_pipes.storage.errors import CorruptShardError, StorageError
 from guideloom_pipes.storage.names import (
-    _NAME,
     IN_BAND,
     INDEX,
     OUT_OF_BAND,
     RECORD,
+    SHARD_NAME,
     shard_ids,
     shard_name,
     versioned_name,
@@ -156,7 +156,7 @@ class RemoteUpload:
             names = self.backend.list_dir_sizes(RemotePath(self.url))
         except FileNotFoundError:
             return {}
-        return {name: size for name, size in names.items() if _NAME.match(name)}
+        return {name: size for name, size in names.items() if SHARD_NAME.match(name)}
 
     def open(self) -> None:
         """Check ``mode="create"`` against the URL; note the shards already there."""
@@ -165,7 +165,7 @@ class RemoteUpload:
         found = sorted(self._shard_files())
         if self.mode == "create":
             refuse_to_create(self.url, found)
-        self.present = {int(_NAME.match(n).group("shard")) for n in found}  # type: ignore[union-attr]
+        self.present = {int(SHARD_NAME.match(n).group("shard")) for n in found}  # type: ignore[union-attr]
         self._opened = True
 
     def shards_present(self) -> set[int]:

@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.commit import _is_locked, _read_record
+from guideloom_pipes.storage.commit import _read_record, is_locked
 from guideloom_pipes.storage.errors import (
     CorruptShardError,
     DatasetChangedError,
     UncommittedShardError,
 )
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
-from guideloom_pipes.storage.listing import ShardListing, _backend_size
-from guideloom_pipes.storage.names import _NAME, RECORD, TMP, _display, shard_name
+from guideloom_pipes.storage.listing import ShardListing, backend_size
+from guideloom_pipes.storage.names import RECORD, SHARD_NAME, TMP, _display, shard_name
 from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord
 from guideloom_pipes.storage.remote import FsspecIO
 
@@ -87,7 +87,7 @@ def _check_shard(
         file_name = listing.file_name(shard, suffix)
         size = listing.sizes.get((shard, suffix))
         if size is None:
-            size = _backend_size(backend, directory / file_name)
+            size = backend_size(backend, directory / file_name)
         if size is None:
             # a URL's missing object is a 404 (FsspecIO raises PermissionError for a refusal)
             remote = isinstance(backend.backend, FsspecIO)
@@ -127,7 +127,7 @@ def _check_record(
     where = _display(listing.directory)
     if record.state != "committed":
         lock = listing.directory / (name + RECORD + TMP)
-        if listing.listed and _is_locked(os.fspath(lock)):
+        if listing.listed and is_locked(os.fspath(lock)):
             raise UncommittedShardError(
                 f"shard {name} of {where} is being committed by a live writer right now "
                 f"(it holds {_display(lock)}); open the dataset again once the writer has closed"
@@ -250,7 +250,7 @@ def _recommitted(listing: ShardListing, shard: int) -> bool:
 def _listed_identity(listing: ShardListing, shard: int, name: str) -> tuple[int, int] | None:
     """The device and inode ``listing`` saw for the file ``name`` of ``shard`` (local
     listings; None where unknown)."""
-    match = _NAME.match(name)
+    match = SHARD_NAME.match(name)
     return listing.identities.get((shard, match.group("suffix"))) if match else None
 
 
@@ -262,7 +262,7 @@ def _locate(listing: ShardListing, shard: int, name: str) -> PurePath | None:
     checked where it is, at its name."""
     path = listing.directory / name
     identity = _listed_identity(listing, shard, name)
-    match = _NAME.match(name)
+    match = SHARD_NAME.match(name)
     if identity is None or match is None:
         return path
     for candidate in dict.fromkeys((name, shard_name(shard) + match.group("suffix"))):
@@ -427,7 +427,7 @@ def _check_sizes(
             if path is None:
                 changed.add(shard)
                 continue
-            size = _backend_size(backend, path)
+            size = backend_size(backend, path)
             if size == expected:
                 continue
             if _recommitted_here(listing, shard):
