@@ -15,7 +15,7 @@ from guideloom_pipes.pipes.errors import (
     is_batch_failure,
     mark_batch_failure,
 )
-from guideloom_pipes.pipes.read import _together
+from guideloom_pipes.pipes.read import together_text
 from guideloom_pipes.pipes.seeding import Seeding, seeded
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class LoaderIterator(Iterator[Any]):
             f"DataLoader timed out after {seconds_text(settings.timeout)} seconds waiting for "
             f"batch {self._delivered} of this iterator (epoch {self._epoch}, global position "
             f"{self._position()}, rank {settings.rank} of {settings.world_size}) from {source}"
-            f"{_together(together)}: a read or collate_fn took longer than timeout=, or hangs. "
+            f"{together_text(together)}: a read or collate_fn took longer than timeout=, or hangs. "
             "Raise timeout= or find what blocks; the state still points at this batch, so the "
             "next iterator (or a resume) retries it"
         )

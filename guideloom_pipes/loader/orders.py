@@ -36,7 +36,7 @@ from guideloom_pipes.pipes import (
     num_steps,
     pad_collate,
 )
-from guideloom_pipes.pipes.read import _CHUNK_SECONDS
+from guideloom_pipes.pipes.read import CHUNK_SECONDS
 from guideloom_pipes.pipes.seeding import Seeding, batch_seed
 from guideloom_pipes.pipes.shards import (
     BatchSamples,
@@ -136,7 +136,7 @@ class GlobalOrder:
             max_in_flight=1 if inline else batches_ahead(loader),
             timeout=settings.timeout or None,
             reader=loader._held.reader,
-            chunk_seconds=0 if inline else _CHUNK_SECONDS,
+            chunk_seconds=0 if inline else CHUNK_SECONDS,
             batch_seeds=seeds,
             # workers know who they are (get_worker_info); the prefetch thread of
             # num_workers=0 is no worker, as in torch

@@ -15,7 +15,7 @@ from guideloom_pipes.loader.settings import LoaderSettings
 from guideloom_pipes.pipes import PinnedRing
 from guideloom_pipes.pipes._pool import _ProcessPool, after_orphaned_jobs
 from guideloom_pipes.pipes._worker import hold_small_object_reserve
-from guideloom_pipes.pipes.read import _mp_context
+from guideloom_pipes.pipes.read import start_context
 
 
 class LoaderResources:
@@ -85,7 +85,7 @@ class LoaderResources:
             dataset,
             settings.collate_fn,
             settings.num_workers,
-            _mp_context(settings.multiprocessing_context),
+            start_context(settings.multiprocessing_context),
             base_seed=base_seed,
             worker_init_fn=settings.worker_init_fn,
             persistent=settings.persistent_workers,

@@ -48,7 +48,7 @@ _METHODS = ("thread", "process")
 _WAITING = 0.35
 _START_METHODS = ("spawn", "forkserver", "fork")
 #: A worker's time per job of quick batches to aim for (``chunk_seconds``' default).
-_CHUNK_SECONDS = 0.002
+CHUNK_SECONDS = 0.002
 #: The calling thread reads the batches itself while it comes back for the next one within
 #: this share of a batch's read time: it is waiting for the data, and a worker thread reading
 #: ahead under the same GIL only adds a handoff (and colder memory) to every batch (8 windows
@@ -105,7 +105,7 @@ def _failed_error(failed: _Failed) -> BaseException:
     return error
 
 
-def _together(batches: int) -> str:
+def together_text(batches: int) -> str:
     """What a timeout message says of a job of several batches."""
     if batches <= 1:
         return ""
@@ -120,7 +120,7 @@ def _default_start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def _mp_context(value: Any) -> multiprocessing.context.BaseContext:
+def start_context(value: Any) -> multiprocessing.context.BaseContext:
     if value is None:
         return multiprocessing.get_context(_default_start_method())
     if isinstance(value, str):
@@ -288,7 +288,7 @@ class ReadSamples(BaseNode[Any]):
         max_in_flight: int | None = None,
         timeout: float | None = None,
         reader: Any = None,
-        chunk_seconds: float = _CHUNK_SECONDS,
+        chunk_seconds: float = CHUNK_SECONDS,
         max_chunk: int = 64,
         batch_seeds: Callable[[int], int] | None = None,
         base_seed: int | None = None,
@@ -325,7 +325,7 @@ class ReadSamples(BaseNode[Any]):
         if figures is not None and not isinstance(figures, ReadFigures):
             raise TypeError(f"figures must be a ReadFigures or None, got {figures!r}")
         self._figures = figures
-        self._mp = _mp_context(multiprocessing_context) if method == "process" else None
+        self._mp = start_context(multiprocessing_context) if method == "process" else None
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
         self.collate_fn = collate_fn
@@ -873,7 +873,7 @@ class ReadSamples(BaseNode[Any]):
         return (
             f"DataLoader timed out after {seconds_text(self.timeout or 0)} seconds waiting for "
             f"batch {self._delivered} (counting from 0 at the last reset) from {workers}"
-            f"{_together(together)}: a read or collate_fn took longer than the timeout, or "
+            f"{together_text(together)}: a read or collate_fn took longer than the timeout, or "
             "hangs; raise timeout= or find what blocks"
         )
 
