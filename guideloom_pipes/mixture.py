@@ -48,13 +48,11 @@ from guideloom_pipes.datasets import (
     reader_code,
     reader_fingerprint,
 )
-from guideloom_pipes.shuffle import FeistelPermutation
+from guideloom_pipes.shuffle import FeistelPermutation, FeistelStack
 
 __all__ = ["MixtureDataset"]
 
 _I64 = npt.NDArray[np.int64]
-_U64 = npt.NDArray[np.uint64]
-_U32 = npt.NDArray[np.uint32]
 #: The denominator weights are rounded to when they are not ratios of small integers.
 _DENOMINATOR = 1 << 30
 #: Largest denominator of one weight taken as an exact ratio (0.7 -> 7/10).
@@ -220,10 +218,8 @@ class _PassPermutations:
     """The Feistel permutations of (component, pass) pairs, applied in one vectorised walk.
 
     Each pair's :class:`~guideloom_pipes.shuffle.FeistelPermutation` is built on first use
-    (at most ``_PERMUTATIONS_KEPT`` are kept). Their round tables are stacked, so one call
-    evaluates every pair of a batch with the few numpy operations one permutation needs, with
-    exactly the permutations' results (pairs without a table, or with a round whose sum can
-    wrap around 2**64, are evaluated by their own permutation). Thread-safe.
+    (at most ``_PERMUTATIONS_KEPT`` are kept); a :class:`~guideloom_pipes.shuffle.FeistelStack`
+    of them evaluates every pair of a batch in one call. Thread-safe.
     """
 
     def __init__(self, dataset: MixtureDataset) -> None:
@@ -231,7 +227,7 @@ class _PassPermutations:
         self._lock = threading.Lock()
         self._slots: dict[tuple[int, int], int] = {}
         self._permutations: list[FeistelPermutation] = []
-        self._state: _Stacked | None = None
+        self._stack: FeistelStack | None = None
 
     def _slots_of(self, pairs: list[tuple[int, int]]) -> list[int]:
         """The slots of (component, pass) pairs, building the permutations not kept yet
@@ -246,98 +242,23 @@ class _PassPermutations:
             seed = _pass_key_seed(dataset.seed, dataset._keys[component], pass_)
             self._slots[(component, pass_)] = len(self._permutations)
             self._permutations.append(FeistelPermutation(dataset.lengths[component], seed))
-            self._state = None
+            self._stack = None
         return [self._slots[pair] for pair in pairs]
-
-    def _stacked(self) -> _Stacked:
-        if self._state is None:
-            permutations = self._permutations
-            fast = np.array(
-                [p._use_table and not any(p._get_tables()[1]) for p in permutations], dtype=bool
-            )
-            sides = [p._a if f else 1 for p, f in zip(permutations, fast)]
-            offsets = np.zeros(len(permutations), dtype=np.uint64)
-            np.cumsum(sides[:-1], out=offsets[1:])
-            tables = [
-                np.concatenate(
-                    [
-                        p._get_tables()[0][j] if f else np.zeros(1, np.uint32)
-                        for p, f in zip(permutations, fast)
-                    ]
-                )
-                for j in range(_ROUNDS)
-            ]
-            side64 = np.array(sides, dtype=np.uint64)
-            size = np.array([p.n for p in permutations], dtype=np.uint64)
-            self._state = (tables, offsets, side64.astype(np.uint32), side64, size, fast)
-        return self._state
 
     def apply(self, component: _I64, pass_: _I64, offset: _I64) -> _I64:
         """``perm(component, pass)[offset]`` for each element (int64 arrays of one shape)."""
+        if not len(offset):
+            return np.empty(0, dtype=np.int64)
         count = self._dataset._schedule.num_components
         key = pass_ * count + component
         pairs, inverse = np.unique(key, return_inverse=True)
         with self._lock:
             wanted = [(k % count, k // count) for k in pairs.tolist()]
             slots = np.array(self._slots_of(wanted), dtype=np.int64)
-            permutations = list(self._permutations)
-            tables, offsets, side32, side64, size, fast = self._stacked()
-        slot = slots[inverse.reshape(-1)]
-        quick = fast[slot]
-        if quick.all():
-            values = offset.astype(np.uint64)
-            walked = _walk(values, tables, offsets[slot], side32[slot], side64[slot], size[slot])
-            return walked.view(np.int64)
-        out = np.empty(len(offset), dtype=np.int64)
-        for s in np.unique(slot[~quick]).tolist():
-            rows = np.flatnonzero(slot == s)
-            out[rows] = permutations[s](offset[rows])
-        rows = np.flatnonzero(quick)
-        if len(rows):
-            part = slot[rows]
-            values = offset[rows].astype(np.uint64)
-            walked = _walk(values, tables, offsets[part], side32[part], side64[part], size[part])
-            out[rows] = walked.view(np.int64)
-        return out
-
-
-#: GuideLoom's Feistel rounds.
-_ROUNDS = 5
-#: Stacked round tables, and per slot: table offset, side ``a`` (uint32, uint64), size ``n``,
-#: and whether the stacked tables serve it.
-_Stacked = tuple[list[_U32], _U64, _U32, _U64, _U64, npt.NDArray[np.bool_]]
-
-
-def _feistel_pass(v: _U64, tables: list[_U32], offset: _U64, side32: _U32, side64: _U64) -> _U64:
-    """One pass of GuideLoom's 5-round Feistel network, each element with its own tables
-    (``F_j mod a``, from ``offset``) and side ``a`` (as ``FeistelPermutation._pass_table``)."""
-    right64, left64 = np.divmod(v, side64)
-    left = left64.astype(np.uint32)
-    right = right64.astype(np.uint32)
-    tmp = np.empty_like(left)
-    for table in tables:
-        np.take(table, offset + right, out=tmp)
-        np.add(left, tmp, out=left)  # < 2a <= 2**32
-        np.subtract(left, side32, out=tmp)  # wraps above left when left < a
-        np.minimum(left, tmp, out=left)
-        left, right = right, left
-    combined = left.astype(np.uint64)
-    np.multiply(combined, side64, out=combined)
-    np.add(combined, right, out=combined, casting="unsafe")
-    return combined
-
-
-def _walk(
-    v: _U64, tables: list[_U32], offset: _U64, side32: _U32, side64: _U64, size: _U64
-) -> _U64:
-    """Cycle walking: passes until each element is below its permutation's size."""
-    v = _feistel_pass(v, tables, offset, side32, side64)
-    todo = np.flatnonzero(v >= size)
-    while todo.size:
-        w = _feistel_pass(v[todo], tables, offset[todo], side32[todo], side64[todo])
-        v[todo] = w
-        todo = todo[w >= size[todo]]
-    return v
+            if self._stack is None:
+                self._stack = FeistelStack(self._permutations)
+            stack = self._stack
+        return stack(slots[inverse.reshape(-1)], offset)
 
 
 def _check_seed(seed: Any) -> int:

@@ -40,13 +40,13 @@ as each call has a fixed overhead.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FeistelPermutation", "epoch_key_seed"]
+__all__ = ["FeistelPermutation", "FeistelStack", "epoch_key_seed"]
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
@@ -304,19 +304,14 @@ class FeistelPermutation:
     def _walk(self, v: _U64, *, inverse: bool) -> _U64:
         """Cycle-walk ``v`` (uint64, every value < n); may reuse ``v``'s memory."""
         step = self._inverse_pass if inverse else self._pass
-        n = np.uint64(self.n)
-        v = step(v)
-        todo = np.flatnonzero(v >= n)
-        # A bijection of [0, a*a) reaches [0, n) within a*a - n + 1 passes.
-        budget = self._a * self._a - self.n
-        while todo.size:
-            if budget <= 0:
-                raise self._not_a_permutation()
-            budget -= 1
-            w = step(v[todo])
-            v[todo] = w
-            todo = todo[w >= n]
-        return v
+        return _cycle_walk(
+            v,
+            lambda values, rows: step(values),
+            np.uint64(self.n),
+            # A bijection of [0, a*a) reaches [0, n) within a*a - n + 1 passes.
+            self._a * self._a - self.n,
+            lambda rows: self._not_a_permutation(),
+        )
 
     def _get_tables(self) -> tuple[list[_U32], list[bool]]:
         """``F_j(R) mod a`` for every round j and R in ``[0, a)``, built on first use.
@@ -366,34 +361,19 @@ class FeistelPermutation:
 
     def _pass(self, v: _U64) -> _U64:
         """One forward pass of the Feistel network over ``[0, a*a)``."""
-        right, left = np.divmod(v, self._a64)
         if self._use_table:
-            return self._pass_table(left, right)
+            tables, wraps = self._get_tables()
+            exact = self._round_exact if any(wraps) else None
+            return _table_pass(
+                v, tables, self._a64, np.uint32(self._a), self.rounds % 2 == 1, wraps, exact
+            )
+        right, left = np.divmod(v, self._a64)
         for j in range(self.rounds):
             f = self._speck(right, j)
             np.add(f, left, out=f)  # wraps modulo 2**64, as GuideLoom's sum does
             np.remainder(f, self._a64, out=f)
             left, right = right, f
         return self._combine(left, right)
-
-    def _pass_table(self, left64: _U64, right64: _U64) -> _U64:
-        tables, wraps = self._get_tables()
-        a32 = np.uint32(self._a)
-        left = left64.astype(np.uint32)
-        right = right64.astype(np.uint32)
-        tmp = np.empty_like(left)
-        for j in range(self.rounds):
-            # left = (left + F_j(right)) mod 2**64 mod a, in place.
-            if wraps[j]:
-                self._round_exact(j, left, right)
-            else:
-                np.take(tables[j], right, out=tmp, mode="wrap")
-                # left + (F mod a) < 2a <= 2**32, and s - a wraps above s when s < a.
-                np.add(left, tmp, out=left)
-                np.subtract(left, a32, out=tmp)
-                np.minimum(left, tmp, out=left)
-            left, right = right, left
-        return self._combine(left.astype(np.uint64), right.astype(np.uint64))
 
     def _round_exact(self, j: int, left: _U32, right: _U32) -> None:
         f = self._speck(right.astype(np.uint64), j)
@@ -402,13 +382,7 @@ class FeistelPermutation:
         left[...] = f
 
     def _combine(self, left: _U64, right: _U64) -> _U64:
-        if self.rounds % 2:
-            np.multiply(left, self._a64, out=left)
-            np.add(left, right, out=left)
-            return left
-        np.multiply(right, self._a64, out=right)
-        np.add(right, left, out=right)
-        return right
+        return _combine(left, right, self._a64, self.rounds % 2 == 1)
 
     def _inverse_pass(self, v: _U64) -> _U64:
         """Undo one pass: the rounds in reverse order, each solved for the old left half."""
@@ -463,3 +437,220 @@ class FeistelPermutation:
             cand[use_alt] = alt[use_alt]
             old[risky] = cand
         return old
+
+
+class FeistelStack:
+    """Several :class:`FeistelPermutation` applied in one call, each element by its own.
+
+    ``stack(which, positions)`` maps ``positions[i]`` by ``permutations[which[i]]``, exactly
+    as that permutation's own call does. The round tables of the permutations that have
+    them are laid end to end, so a batch that mixes many permutations costs the few numpy
+    operations of one; a permutation without tables (side ``a > 2**17``) or with a round
+    whose sum can wrap around ``2**64`` is called by itself on its elements. Immutable once
+    built (the tables are built here), so one stack may serve several threads.
+
+    Args:
+        permutations: the permutations, numbered by their order (at least one; all with
+            the same number of rounds).
+    """
+
+    permutations: tuple[FeistelPermutation, ...]
+
+    def __init__(self, permutations: Sequence[FeistelPermutation]) -> None:
+        self.permutations = tuple(permutations)
+        if not self.permutations:
+            raise ValueError("FeistelStack needs at least one permutation, got none")
+        rounds = sorted({p.rounds for p in self.permutations})
+        if len(rounds) > 1:
+            raise ValueError(
+                f"the permutations of a FeistelStack must have the same number of rounds, "
+                f"got {rounds}; stack those with the same count together"
+            )
+        self._odd = rounds[0] % 2 == 1
+        fast = [p._use_table and not any(p._get_tables()[1]) for p in self.permutations]
+        self._fast = np.array(fast, dtype=bool)
+        # A permutation served by itself keeps a placeholder of side 1 in the stack.
+        sides = [p._a if f else 1 for p, f in zip(self.permutations, fast)]
+        self._offsets = np.zeros(len(sides), dtype=np.uint64)
+        np.cumsum(sides[:-1], out=self._offsets[1:])
+        self._tables = [
+            np.concatenate(
+                [
+                    p._get_tables()[0][j] if f else np.zeros(1, np.uint32)
+                    for p, f in zip(self.permutations, fast)
+                ]
+            )
+            for j in range(rounds[0])
+        ]
+        self._side64 = np.array(sides, dtype=np.uint64)
+        self._side32 = self._side64.astype(np.uint32)
+        self._sizes = np.array([p.n for p in self.permutations], dtype=np.uint64)
+        # Cycle walking of any stacked permutation ends within this many passes after the
+        # first (see FeistelPermutation._walk).
+        self._budget = max(
+            (p._a * p._a - p.n for p, f in zip(self.permutations, fast) if f), default=0
+        )
+
+    def __len__(self) -> int:
+        return len(self.permutations)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.permutations)} permutations)"
+
+    def __call__(self, which: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        """Map each position by the permutation ``which`` names.
+
+        Args:
+            which: the permutation of each element, an integer array of numbers in
+                ``[0, len(stack))``.
+            positions: an integer array of the shape of ``which``, each in ``[0, n)`` of
+                its permutation.
+
+        Returns:
+            The sample ids, an int64 array of that shape.
+
+        Raises:
+            IndexError: a number or a position is out of range (the message names it).
+        """
+        slot = np.asarray(which)
+        given = np.asarray(positions)
+        if slot.shape != given.shape:
+            raise ValueError(
+                f"which and positions must have the same shape, got {slot.shape} and {given.shape}"
+            )
+        for name, arr in (("which", slot), ("positions", given)):
+            if arr.size and arr.dtype.kind not in "iu":
+                raise TypeError(f"{name} must be integers, got an array of {arr.dtype}")
+        shape = given.shape
+        slot = slot.reshape(-1).astype(np.int64, copy=False)
+        offset = given.reshape(-1).astype(np.int64, copy=False)
+        if not offset.size:
+            return np.empty(shape, dtype=np.int64)
+        self._check(slot, offset)
+        quick = self._fast[slot]
+        if quick.all():
+            return self._walk(slot, offset).view(np.int64).reshape(shape)
+        out = np.empty(len(offset), dtype=np.int64)
+        for s in np.unique(slot[~quick]).tolist():
+            rows = np.flatnonzero(slot == s)
+            out[rows] = self.permutations[s](offset[rows])
+        rows = np.flatnonzero(quick)
+        if len(rows):
+            out[rows] = self._walk(slot[rows], offset[rows]).view(np.int64)
+        return out.reshape(shape)
+
+    def _check(self, slot: npt.NDArray[np.int64], offset: npt.NDArray[np.int64]) -> None:
+        low, high = int(slot.min()), int(slot.max())
+        if low < 0 or high >= len(self.permutations):
+            bad = low if low < 0 else high
+            raise IndexError(
+                f"permutation {bad} is out of range [0, {len(self.permutations)}) of this stack"
+            )
+        outside = (offset < 0) | (offset.astype(np.uint64) >= self._sizes[slot])
+        if outside.any():
+            i = int(np.flatnonzero(outside)[0])
+            raise IndexError(
+                f"position {int(offset[i])} is out of range [0, {int(self._sizes[slot[i]])}) "
+                f"of permutation {int(slot[i])}"
+            )
+
+    def _walk(self, slot: npt.NDArray[np.int64], offset: npt.NDArray[np.int64]) -> _U64:
+        """Cycle-walk positions of stacked permutations (each ``slot`` has tables)."""
+        tables, odd = self._tables, self._odd
+        offsets, side64, side32 = self._offsets[slot], self._side64[slot], self._side32[slot]
+
+        def step(values: _U64, rows: npt.NDArray[np.intp] | None) -> _U64:
+            if rows is None:
+                return _table_pass(values, tables, side64, side32, odd, offset=offsets)
+            return _table_pass(
+                values, tables, side64[rows], side32[rows], odd, offset=offsets[rows]
+            )
+
+        def fail(rows: npt.NDArray[np.intp]) -> RuntimeError:
+            return self.permutations[int(slot[rows[0]])]._not_a_permutation()
+
+        return _cycle_walk(offset.astype(np.uint64), step, self._sizes[slot], self._budget, fail)
+
+
+def _cycle_walk(
+    v: _U64,
+    step: Callable[[_U64, npt.NDArray[np.intp] | None], _U64],
+    n: Any,
+    budget: int,
+    fail: Callable[[npt.NDArray[np.intp]], Exception],
+) -> _U64:
+    """Cycle walking: passes of ``v`` until every value is below its bound ``n``.
+
+    Args:
+        v: the values (uint64), each below its bound; may be reused.
+        step: one pass, ``step(values, rows)``: ``rows`` are the values' indices in ``v``
+            (for per-element parameters), ``None`` for all of ``v``.
+        n: the bound, a uint64, or one per element of ``v`` (a uint64 array).
+        budget: the passes allowed after the first; a permutation needs at most its
+            ``a*a - n``.
+        fail: the error to raise when the budget is spent, given the rows still above.
+    """
+    per_element = isinstance(n, np.ndarray)
+    v = step(v, None)
+    todo = np.flatnonzero(v >= n)
+    while todo.size:
+        if budget <= 0:
+            raise fail(todo)
+        budget -= 1
+        w = step(v[todo], todo)
+        v[todo] = w
+        todo = todo[w >= (n[todo] if per_element else n)]
+    return v
+
+
+def _table_pass(
+    v: _U64,
+    tables: Sequence[_U32],
+    side64: Any,
+    side32: Any,
+    odd: bool,
+    wraps: Sequence[bool] = (),
+    exact: Callable[[int, _U32, _U32], None] | None = None,
+    *,
+    offset: _U64 | None = None,
+) -> _U64:
+    """One forward Feistel pass over ``[0, a*a)`` by round tables of ``F_j mod a``.
+
+    Args:
+        v: the values, uint64.
+        tables: per round ``j``, ``F_j(R) mod a`` at ``R`` (uint32), or at ``offset + R``.
+        side64, side32: the side ``a`` as uint64 and uint32: a scalar, or one per value.
+        odd: whether the round count is odd (how the halves combine).
+        wraps: per round, whether it is computed by ``exact(j, left, right)`` (in place on
+            ``left``) instead of the table: a sum ``L + F_j(R)`` may wrap around ``2**64``.
+        offset: where each value's permutation starts in the tables (a stack of them).
+    """
+    right64, left64 = np.divmod(v, side64)
+    left = left64.astype(np.uint32)
+    right = right64.astype(np.uint32)
+    tmp = np.empty_like(left)
+    for j, table in enumerate(tables):
+        # left = (left + F_j(right)) mod 2**64 mod a, in place.
+        if exact is not None and wraps[j]:
+            exact(j, left, right)
+        else:
+            index = right if offset is None else offset + right
+            np.take(table, index, out=tmp, mode="wrap")
+            # left + (F mod a) < 2a <= 2**32, and s - a wraps above s when s < a.
+            np.add(left, tmp, out=left)
+            np.subtract(left, side32, out=tmp)
+            np.minimum(left, tmp, out=left)
+        left, right = right, left
+    return _combine(left.astype(np.uint64), right.astype(np.uint64), side64, odd)
+
+
+def _combine(left: _U64, right: _U64, side: Any, odd: bool) -> _U64:
+    """The value of the halves after a pass: ``a * L + R`` for an odd round count, else
+    ``a * R + L`` (``side``: ``a``, a uint64 or one per value); reuses their memory."""
+    if odd:
+        np.multiply(left, side, out=left)
+        np.add(left, right, out=left)
+        return left
+    np.multiply(right, side, out=right)
+    np.add(right, left, out=right)
+    return right
