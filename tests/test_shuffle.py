@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guideloom_pipes import shuffle
-from guideloom_pipes.shuffle import FeistelPermutation, epoch_key_seed
+from guideloom_pipes.shuffle import FeistelPermutation, FeistelStack, epoch_key_seed
 
 EXPECTED = Path(__file__).parent / "data" / "guideloom-1.1" / "expected.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -439,3 +439,37 @@ def test_the_tables_of_all_rounds_at_once_equal_each_rounds_own_speck_pass(n: in
     for j in range(perm.rounds):
         assert rows[j].tolist() == perm._speck(r, j).tolist()
         assert rows[j][:50].tolist() == [perm._speck_scalar(j, int(x)) for x in r[:50]]
+
+
+def test_a_feistel_stack_maps_each_element_by_its_own_permutation():
+    # table-served sides, a side beyond the table limit, n = 1 and a power of two
+    sizes = [1, 2, 17, 256, 1000, (1 << 34) + 5]
+    perms = [FeistelPermutation(n, 1000 + i) for i, n in enumerate(sizes)]
+    stack = FeistelStack(perms)
+    assert len(stack) == len(sizes)
+    rng = np.random.default_rng(0)
+    which = rng.integers(0, len(sizes), 5000)
+    positions = (rng.random(5000) * np.array(sizes, dtype=float)[which]).astype(np.int64)
+    got = stack(which, positions)
+    assert got.dtype == np.int64
+    for s, perm in enumerate(perms):
+        rows = which == s
+        assert np.array_equal(got[rows], perm(positions[rows]))
+    assert np.array_equal(
+        stack(which.reshape(50, 100), positions.reshape(50, 100)), got.reshape(50, 100)
+    )
+    assert stack(np.zeros(0, np.int64), np.zeros(0, np.int64)).shape == (0,)
+
+
+def test_a_feistel_stack_refuses_what_it_cannot_map():
+    stack = FeistelStack([FeistelPermutation(10, 1), FeistelPermutation(20, 2)])
+    with pytest.raises(IndexError, match=r"position 10 is out of range \[0, 10\) of permutation 0"):
+        stack(np.array([1, 0]), np.array([19, 10]))
+    with pytest.raises(IndexError, match=r"permutation 2 is out of range \[0, 2\)"):
+        stack(np.array([2]), np.array([0]))
+    with pytest.raises(ValueError, match="same shape"):
+        stack(np.array([0, 1]), np.array([0]))
+    with pytest.raises(ValueError, match="same number of rounds"):
+        FeistelStack([FeistelPermutation(10, 1), FeistelPermutation(10, 1, rounds=4)])
+    with pytest.raises(ValueError, match="at least one"):
+        FeistelStack([])
