@@ -899,6 +899,44 @@ def test_collate_hands_empty_batches_to_a_given_collate_fn():
     assert seen[-1] == []
 
 
+def test_collate_with_batch_seeds_collates_each_batch_under_its_seed_from_each_reset():
+    from guideloom_pipes.pipes import batch_rng
+
+    def draw(samples: list[Any]) -> tuple[int, float]:
+        rng = batch_rng()
+        assert rng is not None
+        return len(samples), float(rng.numpy.random())
+
+    def node(seeding: Any) -> Collate:
+        source = ReadSamples(RankPositions(12, 3, rank=0, world_size=1), Ids(12))
+        return Collate(source, draw, batch_seeds=lambda k: 100 + k, seeding=seeding)
+
+    expected = [(3, np.random.Generator(np.random.PCG64(100 + k)).random()) for k in range(4)]
+    for seeding in ("globals", "local"):
+        stage = node(seeding)
+        assert list(stage) == expected
+        stage.reset()  # counts batches from the reset again
+        assert list(stage) == expected
+    random_state = np.random.get_state()[1].copy()
+    list(node("local"))
+    assert (np.random.get_state()[1] == random_state).all()  # "local" leaves the globals
+
+
+def test_collate_with_batch_seeds_fails_a_batch_alone():
+    def fail_second(samples: list[Any]) -> int:
+        if samples and samples[0] == 3:
+            raise KeyError("this batch")
+        return len(samples)
+
+    source = ReadSamples(RankPositions(9, 3, rank=0, world_size=1), Ids(9))
+    stage = Collate(source, fail_second, batch_seeds=lambda k: k)
+    it = iter(stage)
+    assert next(it) == 3
+    with pytest.raises(KeyError):
+        next(it)
+    assert next(it) == 3
+
+
 # -- Prefetcher, PinMemory, ToDevice ----------------------------------------------------------
 
 

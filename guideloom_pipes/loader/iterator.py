@@ -1,65 +1,20 @@
 """One epoch of a :class:`~guideloom_pipes.StatefulDataLoader` being delivered
-(:class:`LoaderIterator`), and the shard order's seeded collate stage."""
+(:class:`LoaderIterator`), and ``steps(n)`` across epochs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.pipes import close_pipeline
 from guideloom_pipes.pipes._pool import seconds_text
-from guideloom_pipes.pipes.errors import (
-    DataLoaderTimeoutError,
-    is_batch_failure,
-    mark_batch_failure,
-)
+from guideloom_pipes.pipes.errors import DataLoaderTimeoutError, is_batch_failure
 from guideloom_pipes.pipes.read import together_text
-from guideloom_pipes.pipes.seeding import Seeding, seeded
 
 if TYPE_CHECKING:
     from guideloom_pipes.loader.stateful import StatefulDataLoader
-
-
-class SeededCollate(BaseNode[Any]):
-    """``collate_fn`` of the shard order's batches under each batch's seed (as the global
-    order's reads run it), so its random draws repeat on resume."""
-
-    SOURCE_KEY = "source"
-
-    def __init__(
-        self,
-        source: BaseNode[Any],
-        collate_fn: Callable[[list[Any]], Any],
-        seeds: Callable[[int], int],
-        seeding: Seeding,
-    ) -> None:
-        super().__init__()
-        self.source = source
-        self.collate_fn = collate_fn
-        self.seeds = seeds
-        self.seeding = seeding
-        self._count = 0
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self._count = 0
-        self.source.reset(None if initial_state is None else initial_state[self.SOURCE_KEY])
-
-    def next(self) -> Any:
-        samples = next(self.source)
-        seed = self.seeds(self._count)
-        self._count += 1
-        try:
-            with seeded(seed, self.seeding):
-                return self.collate_fn(samples)
-        except Exception as error:
-            mark_batch_failure(error)  # this batch alone: the next one follows
-            raise
-
-    def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict()}
 
 
 class LoaderIterator(Iterator[Any]):

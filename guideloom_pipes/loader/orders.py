@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.loader.iterator import SeededCollate
 from guideloom_pipes.pipes import (
     Collate,
     PinMemory,
@@ -253,14 +252,12 @@ class ShardOrder:
         node = ReadShards(node, loader._held.reader, num_workers=settings.num_workers)
         node = ShuffleBuffer(node, skip=skip, size=size)
         node = BatchSamples(node, size, delivered=step, steps=plan.steps)
+        # under each batch's seed where a collate of the user's may draw; a prefetch thread
+        # collates: the global generators are the training loop's then, so only
+        # batch_rng() is seeded (as the global order's threads do)
+        seeding: Seeding = "local" if settings.prefetch else "globals"
         seeds = batch_seeds(loader, epoch, offset)
-        if seeds is None:
-            node = Collate(node, settings.collate_fn)
-        else:
-            # a prefetch thread collates: the global generators are the training loop's
-            # then, so only batch_rng() is seeded (as the global order's threads do)
-            seeding: Seeding = "local" if settings.prefetch else "globals"
-            node = SeededCollate(node, settings.collate_fn, seeds, seeding)
+        node = Collate(node, settings.collate_fn, batch_seeds=seeds, seeding=seeding)
         if settings.prefetch and not settings.pin_memory:  # (pinning prefetches after itself)
             node = Prefetcher(node, settings.prefetch)  # collated batches wait ahead
         return finish_pipeline(loader, node)

@@ -15,6 +15,7 @@ from torchdata.nodes import BaseNode
 
 from guideloom_pipes.batch import Batch, batch_arrays, token_array
 from guideloom_pipes.pipes.errors import mark_batch_failure
+from guideloom_pipes.pipes.seeding import Seeding, seeded
 
 __all__ = ["Collate", "default_collate", "pad_collate"]
 
@@ -253,19 +254,35 @@ class Collate(BaseNode[Any]):
     Args:
         source: Emits lists of samples (e.g. :class:`~guideloom_pipes.pipes.ReadSamples`).
         collate_fn: samples -> batch; ``None`` uses :func:`default_collate`.
+        batch_seeds: The seed of the ``k``-th batch since ``reset()``; when given, each
+            batch is collated under its seed (``guideloom_pipes.pipes.seeding.seeded``),
+            so a ``collate_fn`` that draws random numbers repeats its draws on resume.
+        seeding: How the seed reaches the generators (see ``seeded``): ``"globals"`` also
+            seeds the global ones, ``"local"`` (another thread collates) only ``batch_rng()``.
     """
 
     SOURCE_KEY = "source"
 
-    def __init__(self, source: BaseNode[Any], collate_fn: Callable[[Any], Any] | None = None):
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        collate_fn: Callable[[Any], Any] | None = None,
+        *,
+        batch_seeds: Callable[[int], int] | None = None,
+        seeding: Seeding = "globals",
+    ):
         super().__init__()
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn must be callable or None, got {collate_fn!r}")
         self.source = source
         self.collate_fn: Callable[[Any], Any] = collate_fn or default_collate
+        self.batch_seeds = batch_seeds
+        self.seeding: Seeding = seeding
+        self._count = 0  # batches since reset(), for batch_seeds
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._count = 0
         if initial_state is not None:
             self.source.reset(initial_state[self.SOURCE_KEY])
         else:
@@ -273,10 +290,20 @@ class Collate(BaseNode[Any]):
 
     def next(self) -> Any:
         samples = next(self.source)
+        seeds = self.batch_seeds
+        if seeds is None:
+            try:
+                return self.collate_fn(samples)
+            except Exception as error:
+                mark_batch_failure(error)  # this batch alone: the next one follows
+                raise
+        seed = seeds(self._count)
+        self._count += 1
         try:
-            return self.collate_fn(samples)
+            with seeded(seed, self.seeding):
+                return self.collate_fn(samples)
         except Exception as error:
-            mark_batch_failure(error)  # this batch alone: the next one follows
+            mark_batch_failure(error)
             raise
 
     def get_state(self) -> dict[str, Any]:
