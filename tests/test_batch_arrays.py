@@ -35,10 +35,10 @@ from guideloom_pipes import (
 from guideloom_pipes.batch import LazyRows, accepts_batch_arrays, batch_arrays
 from guideloom_pipes.io import PosixPreadIO
 from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle
-from guideloom_pipes.pipes._pool import _ThreadPool
-from guideloom_pipes.pipes._transport import ResultRing, dump_result, load_result
 from guideloom_pipes.pipes.collate import default_collate
 from guideloom_pipes.pipes.positions import RankPositions
+from guideloom_pipes.pipes.workers.threads import ThreadPool
+from guideloom_pipes.pipes.workers.transport import ResultRing, dump_result, load_result
 
 TOKENS = np.dtype([("tokens", "<i4")])
 TWO_FIELDS = np.dtype([("tokens", "<i4"), ("mask", "u1")])
@@ -52,7 +52,7 @@ MODES = [(0, "thread", 0), (0, "thread", 2), (2, "thread", 2), (2, "process", 2)
 
 @pytest.fixture(autouse=True)
 def _stages_closed_whatever_happens(monkeypatch: pytest.MonkeyPatch) -> Any:
-    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, ThreadPool)):
         yield
 
 
@@ -196,7 +196,7 @@ def test_batches_from_process_workers_stay_valid_while_held_and_after_close(
 ) -> None:
     # 32 KiB batches go through the workers' result rings; every batch of two epochs is
     # held while later ones are read, and after the loader is closed
-    from guideloom_pipes.pipes import _transport
+    from guideloom_pipes.pipes.workers import transport as _transport
 
     if view_bytes is not None:  # beyond 3 batches held, batches are copied out of the ring
         monkeypatch.setattr(_transport, "VIEW_BYTES", view_bytes)
@@ -230,7 +230,8 @@ def test_a_batch_kept_for_good_does_not_stop_the_process_workers_rings(
 ) -> None:
     # rings of 1 MiB: 32 KiB batches wrap around each many times while the first is kept;
     # every later batch still comes through its worker's ring (not torch's shared memory)
-    from guideloom_pipes.pipes import _pool, _transport
+    from guideloom_pipes.pipes.workers import processes as _pool
+    from guideloom_pipes.pipes.workers import transport as _transport
 
     create = _transport.ResultRing.create
     monkeypatch.setattr(
@@ -562,7 +563,7 @@ def test_default_collate_of_columns_torch_cannot_share_fails_as_torch_does() -> 
 
 
 def test_batches_of_columns_are_read_one_by_one_and_lists_a_chunk_at_a_time() -> None:
-    from guideloom_pipes.pipes._worker import _ReadTask
+    from guideloom_pipes.pipes.workers.tasks import ReadTask
 
     calls: list[int] = []
 
@@ -575,17 +576,17 @@ def test_batches_of_columns_are_read_one_by_one_and_lists_a_chunk_at_a_time() ->
         return ids.tolist()
 
     chunk = [np.arange(k, k + 2, dtype=np.int64) for k in (0, 2, 4)]
-    task = _ReadTask(columns, ArrayCollate())
+    task = ReadTask(columns, ArrayCollate())
     first = task.run(chunk)
     assert calls == [2, 2, 2]  # one read per batch: arrays the size of one batch
     assert [b["samples"][0]["tokens"][1] for b in first] == [[0, 0, 0], [2, 2, 2], [4, 4, 4]]
     calls.clear()
-    task = _ReadTask(rows, ArrayCollate())
+    task = ReadTask(rows, ArrayCollate())
     task.run(chunk[:1])  # the first read tells: no columns
     task.run(chunk)
     assert calls == [2, 6]  # then one read for the whole chunk
     calls.clear()
-    _ReadTask(rows, list_collate).run(chunk)
+    ReadTask(rows, list_collate).run(chunk)
     assert calls == [6]  # a user collate: the list path, a chunk at a time, as before
 
 
@@ -616,15 +617,15 @@ def test_lazy_rows_decode_each_slice_when_asked_and_pickle_as_their_samples() ->
 
 
 def test_a_chunk_of_lazy_rows_is_decoded_batch_by_batch_or_at_delivery() -> None:
-    from guideloom_pipes.pipes._worker import _Deferred, _Failed, _ReadTask
+    from guideloom_pipes.pipes.workers.tasks import Deferred, Failed, ReadTask
 
     decoded: list[tuple[int, int]] = []
     chunk = [np.arange(k, k + 2, dtype=np.int64) for k in (0, 2, 4, 6)]
-    task = _ReadTask(lambda ids: _lazy(decoded, len(ids), fail_at=5), list_collate)
+    task = ReadTask(lambda ids: _lazy(decoded, len(ids), fail_at=5), list_collate)
     outcomes = task.run(chunk)
     # one slice per batch; the batch whose slice raises fails alone
     assert decoded == [(0, 2), (2, 4), (4, 6), (6, 8)]
-    assert type(outcomes[2]) is _Failed and "sample 5" in str(outcomes[2].error)
+    assert type(outcomes[2]) is Failed and "sample 5" in str(outcomes[2].error)
     assert [o for k, o in enumerate(outcomes) if k != 2] == [
         list_collate([{"i": 0}, {"i": 1}]),
         list_collate([{"i": 2}, {"i": 3}]),
@@ -632,7 +633,7 @@ def test_a_chunk_of_lazy_rows_is_decoded_batch_by_batch_or_at_delivery() -> None
     ]
     decoded.clear()
     deferred = task.run(chunk, defer=True)
-    assert decoded == [] and all(type(o) is _Deferred for o in deferred)
+    assert decoded == [] and all(type(o) is Deferred for o in deferred)
     assert deferred[1].finish() == list_collate([{"i": 2}, {"i": 3}])
     assert decoded == [(2, 4)]
     with pytest.raises(ValueError, match="sample 5"):

@@ -46,8 +46,8 @@ TORCH_FREE_UP_TO = 4
 #: Modules of torch layers that worker processes import, so they stay torch-free too (and
 #: ``get_worker_info``'s, which a torch-free dataset may ask).
 TORCH_FREE_EXTRA = (
-    "guideloom_pipes.pipes._worker",
-    "guideloom_pipes.pipes._transport",
+    "guideloom_pipes.pipes.workers.process_main",
+    "guideloom_pipes.pipes.workers.transport",
     "guideloom_pipes.pipes.worker_info",
 )
 

@@ -47,7 +47,7 @@ from guideloom_pipes import (
     StreamWithMetaStorage,
 )
 from guideloom_pipes.pipes import Prefetcher, RankPositions, ReadSamples
-from guideloom_pipes.pipes._pool import _ThreadPool
+from guideloom_pipes.pipes.workers.threads import ThreadPool
 from guideloom_pipes.shuffle import FeistelPermutation
 
 TOKENS = np.dtype([("tokens", "<i4")])
@@ -60,7 +60,7 @@ def _loader(dataset: Any = None, collate_fn: Any = ids_collate, **kw: Any) -> St
 
 @pytest.fixture(autouse=True)
 def _loaders_closed_whatever_happens(monkeypatch):
-    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, Prefetcher, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, Prefetcher, ThreadPool)):
         yield
 
 
@@ -1015,7 +1015,7 @@ def test_a_sigkilled_process_worker_raises_instead_of_hanging(context):
 def test_process_workers_without_poll_wait_with_multiprocessing_instead(monkeypatch, kills):
     # where select has no poll() (Windows) the parent waits on a worker's pipe and its end
     # with multiprocessing.connection.wait: the same batches, and a killed worker still fails
-    import guideloom_pipes.pipes._pool as pool_module
+    import guideloom_pipes.pipes.workers.processes as pool_module
 
     monkeypatch.setattr(pool_module, "_POLL", None)
     expected = list(_loader(Ids(22), local_batch_size=2))
@@ -1041,7 +1041,7 @@ def test_two_threads_can_wait_on_one_process_worker_at_once():
     import multiprocessing.connection
     from types import SimpleNamespace
 
-    from guideloom_pipes.pipes._pool import _Worker
+    from guideloom_pipes.pipes.workers.processes import _Worker
 
     ours, theirs = multiprocessing.Pipe()
     ended_r, ended_w = os.pipe()
@@ -1066,7 +1066,7 @@ def test_two_threads_can_wait_on_one_process_worker_at_once():
 
 
 def test_a_jobs_ids_travel_to_a_process_worker_as_bytes_and_come_out_as_they_went():
-    from guideloom_pipes.pipes._worker import pack_ids, unpack_ids
+    from guideloom_pipes.pipes.workers.process_main import pack_ids, unpack_ids
 
     batches = [np.array([5, 1, 2**40], dtype=np.int64), np.array([], dtype=np.int64)]
     batches.append(np.arange(7, dtype=np.int64)[::2])  # (not contiguous)
@@ -1186,7 +1186,7 @@ def test_process_workers_default_to_the_forkserver_where_there_is_one():
 def test_without_shared_memory_process_results_come_back_through_the_pipe(monkeypatch):
     from tensor_helpers import many_kinds
 
-    from guideloom_pipes.pipes._transport import ResultRing
+    from guideloom_pipes.pipes.workers.transport import ResultRing
 
     monkeypatch.setattr(ResultRing, "create_if_supported", classmethod(lambda cls: None))
     inline = list(_loader(Ids(12), many_kinds, local_batch_size=4))
@@ -1207,7 +1207,7 @@ def test_without_shared_memory_process_results_come_back_through_the_pipe(monkey
 def test_big_jobs_and_big_answers_through_the_pipes_do_not_deadlock(monkeypatch):
     from loader_helpers import big_collate
 
-    from guideloom_pipes.pipes._transport import ResultRing
+    from guideloom_pipes.pipes.workers.transport import ResultRing
 
     # No ring: each 2 MiB answer fills the pipe back, while 320 KB jobs fill the pipe out.
     monkeypatch.setattr(ResultRing, "create_if_supported", classmethod(lambda cls: None))

@@ -16,7 +16,7 @@ from loader_helpers import Ids, closed_at_the_end, ids_collate, stream_ids_colla
 
 from guideloom_pipes import StatefulDataLoader, StreamNumpyFormat, StreamStorage
 from guideloom_pipes.pipes import ReadSamples
-from guideloom_pipes.pipes._pool import _ThreadPool
+from guideloom_pipes.pipes.workers.threads import ThreadPool
 
 DATA = Path(__file__).parent / "data" / "guideloom-1.1"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -29,7 +29,7 @@ GUIDELOOM_KEYS = ("epoch", "observation_offset", "shuffle", "shuffle_seed", "dro
 
 @pytest.fixture(autouse=True)
 def _loaders_closed_whatever_happens(monkeypatch):
-    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, ThreadPool)):
         yield
 
 

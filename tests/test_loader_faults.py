@@ -36,7 +36,7 @@ from loader_helpers import (
 from guideloom_pipes import StatefulDataLoader
 from guideloom_pipes.loader import DataLoaderTimeoutError
 from guideloom_pipes.pipes import ReadSamples
-from guideloom_pipes.pipes._pool import _ThreadPool
+from guideloom_pipes.pipes.workers.threads import ThreadPool
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(120)]
 
@@ -53,7 +53,7 @@ _STARTS = {"2-processes": 5.0}
 
 @pytest.fixture(autouse=True)
 def _loaders_closed_whatever_happens(monkeypatch):
-    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, ThreadPool)):
         yield
 
 

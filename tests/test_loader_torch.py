@@ -28,7 +28,7 @@ from loader_helpers import (
 from guideloom_pipes import StatefulDataLoader
 from guideloom_pipes.loader import torch_keywords
 from guideloom_pipes.pipes import ReadSamples, default_collate
-from guideloom_pipes.pipes._pool import _ThreadPool
+from guideloom_pipes.pipes.workers.threads import ThreadPool
 
 MODES: dict[str, dict[str, Any]] = {
     "inline": {},
@@ -41,7 +41,7 @@ MODES: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(autouse=True)
 def _loaders_closed_whatever_happens(monkeypatch):
-    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (StatefulDataLoader, ReadSamples, ThreadPool)):
         yield
 
 

@@ -39,8 +39,8 @@ from guideloom_pipes.pipes import (
     ToDevice,
     default_collate,
 )
-from guideloom_pipes.pipes._pool import _ThreadPool
 from guideloom_pipes.pipes.positions import RankPositions
+from guideloom_pipes.pipes.workers.threads import ThreadPool
 
 TOKENS = np.dtype([("tokens", "<i4")])
 TWO_FIELDS = np.dtype([("tokens", "<i4"), ("mask", "u1")])
@@ -54,7 +54,7 @@ MODES = [(0, "thread", 0), (0, "thread", 2), (2, "thread", 2)]
 
 @pytest.fixture(autouse=True)
 def _stages_closed_whatever_happens(monkeypatch: pytest.MonkeyPatch) -> Any:
-    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, ThreadPool)):
         yield
 
 

@@ -48,16 +48,16 @@ from guideloom_pipes.pipes import (
     ReadSamples,
     Shuffle,
     ToDevice,
-    _pool,
     close_pipeline,
 )
-from guideloom_pipes.pipes._pool import _ThreadPool
+from guideloom_pipes.pipes.workers import threads as _pool
+from guideloom_pipes.pipes.workers.threads import ThreadPool
 from guideloom_pipes.shuffle import FeistelPermutation
 
 
 @pytest.fixture(autouse=True)
 def _stages_closed_whatever_happens(monkeypatch):
-    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, ThreadPool)):
         yield
 
 
@@ -680,7 +680,7 @@ def test_the_first_job_is_judged_after_running_for_chunk_seconds_itself_not_from
             running = self.running_for()
             return min(running, self.busy) / running if running else None
 
-    class Pool(_ThreadPool):  # no threads: time passes only in wait_done
+    class Pool(ThreadPool):  # no threads: time passes only in wait_done
         def wait_done(self, job: Any, seconds: float) -> bool:
             waited.append(round(seconds, 6))
             job.now += seconds
@@ -694,8 +694,8 @@ def test_the_first_job_is_judged_after_running_for_chunk_seconds_itself_not_from
     node._pool = None
 
 
-def _idle_pool(fn: Any, workers: int) -> _ThreadPool:
-    pool = _ThreadPool(fn, workers)
+def _idle_pool(fn: Any, workers: int) -> ThreadPool:
+    pool = ThreadPool(fn, workers)
     pool._launch()  # (they start with the first job otherwise)
     deadline = time.monotonic() + 30
     while pool._idle < workers:  # every worker asleep, waiting for work
@@ -705,7 +705,7 @@ def _idle_pool(fn: Any, workers: int) -> _ThreadPool:
 
 
 def test_a_pools_threads_start_with_its_first_job():
-    pool = _ThreadPool(lambda arg: threading.current_thread().name, 2, caller_runs=False)
+    pool = ThreadPool(lambda arg: threading.current_thread().name, 2, caller_runs=False)
     assert len(pool._threads) == 2
     assert all(thread.ident is None for thread in pool._threads)  # nothing started yet
     job = pool.submit("first")
@@ -716,7 +716,7 @@ def test_a_pools_threads_start_with_its_first_job():
 
 
 def test_a_pool_never_given_a_job_closes_without_starting_threads():
-    pool = _ThreadPool(str, 2, init=lambda index: None)
+    pool = ThreadPool(str, 2, init=lambda index: None)
     pool.close()
     assert all(thread.ident is None for thread in pool._threads)
 
@@ -731,7 +731,7 @@ def test_workers_started_by_a_job_run_their_init_before_it():
         ran.append(("job", arg))
         return arg
 
-    pool = _ThreadPool(fn, 1, caller_runs=False, init=init)
+    pool = ThreadPool(fn, 1, caller_runs=False, init=init)
     assert ran == []
     assert pool.result(pool.submit(7), 30)[0] == 7
     assert ran == [("init", 0), ("job", 7)]
@@ -746,7 +746,7 @@ def test_workers_started_now_run_their_init_before_any_job():
         with lock:
             ran.append(index)
 
-    pool = _ThreadPool(str, 2, init=init, start_now=True)
+    pool = ThreadPool(str, 2, init=init, start_now=True)
     pool._wait_for_inits(30)  # no job submitted: each worker ran its init all the same
     assert sorted(ran) == [0, 1]
     pool.close()
@@ -768,7 +768,7 @@ def test_a_job_the_caller_runs_runs_inside_caller_as_standing_in_for_a_worker():
             release.wait(30)
         return threading.current_thread().name
 
-    pool = _ThreadPool(fn, 1, caller_as=as_worker)
+    pool = ThreadPool(fn, 1, caller_as=as_worker)
     try:
         first = pool.submit("first")
         assert started.wait(30)  # the only worker is busy: nobody else can take the second
@@ -1160,7 +1160,7 @@ def test_close_pipeline_closes_each_node_once_and_all_of_them_when_one_fails():
 
 def test_process_workers_import_no_torch_unless_the_dataset_or_collate_fn_does():
     code = (
-        "import sys, guideloom_pipes, guideloom_pipes.pipes._worker, loader_helpers; "
+        "import sys, guideloom_pipes, guideloom_pipes.pipes.workers.process_main, loader_helpers; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
     tests = Path(__file__).parent

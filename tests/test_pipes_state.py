@@ -31,13 +31,13 @@ from guideloom_pipes.pipes import (
     ToDevice,
     close_pipeline,
 )
-from guideloom_pipes.pipes._pool import _ThreadPool
 from guideloom_pipes.pipes.shuffle import state_marks
+from guideloom_pipes.pipes.workers.threads import ThreadPool
 
 
 @pytest.fixture(autouse=True)
 def _stages_closed_whatever_happens(monkeypatch):
-    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, ThreadPool)):
         yield
 
 

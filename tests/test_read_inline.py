@@ -25,9 +25,9 @@ from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage, Str
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle, get_worker_info
 from guideloom_pipes.pipes import read as read_module
-from guideloom_pipes.pipes._pool import _ThreadPool
 from guideloom_pipes.pipes.collate import default_collate
 from guideloom_pipes.pipes.positions import RankPositions
+from guideloom_pipes.pipes.workers.threads import ThreadPool
 
 TOKENS = np.dtype([("tokens", "<i4")])
 LENGTH = 4
@@ -37,7 +37,7 @@ WINDOWS = 1000  # 500 batches: more than the workers' jobs hold ahead (at most 2
 
 @pytest.fixture(autouse=True)
 def _stages_closed_whatever_happens(monkeypatch: pytest.MonkeyPatch) -> Any:
-    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, _ThreadPool)):
+    with closed_at_the_end(monkeypatch, (ReadSamples, Prefetcher, ThreadPool)):
         yield
 
 
@@ -72,13 +72,13 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
     monkeypatch.setattr(read_module, "time", fake)
     # and the workers' jobs teach 0.45 ms batches that compute, however loaded the machine is
-    result = _ThreadPool.result
+    result = ThreadPool.result
 
-    def taught(self: _ThreadPool, job: Any, timeout: float | None) -> Any:
+    def taught(self: ThreadPool, job: Any, timeout: float | None) -> Any:
         outcomes, _, _ = result(self, job, timeout)
         return outcomes, 0.45e-3 * len(outcomes), 1.0
 
-    monkeypatch.setattr(_ThreadPool, "result", taught)
+    monkeypatch.setattr(ThreadPool, "result", taught)
     return fake
 
 

@@ -1,4 +1,4 @@
-"""Process workers' result transport (``guideloom_pipes.pipes._transport``): the
+"""Process workers' result transport (``guideloom_pipes.pipes.workers.transport``): the
 shared-memory ring and the pickling of results through it. The ring and numpy results need no
 torch."""
 
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from guideloom_pipes.pipes import _transport
-from guideloom_pipes.pipes._transport import (
+from guideloom_pipes.pipes.workers import transport as _transport
+from guideloom_pipes.pipes.workers.transport import (
     MIN_RING_BUFFER,
     ResultRing,
     dump_result,
@@ -332,7 +332,7 @@ def _fill_ring(handle: Any, conn: Any) -> None:
 
 def test_pickling_results_imports_no_torch():
     code = (
-        "import sys, numpy as np; from guideloom_pipes.pipes._transport import dump_result; "
+        "import sys, numpy as np; from guideloom_pipes.pipes.workers.transport import dump_result; "
         "dump_result(np.ones(100_000), None); assert 'torch' not in sys.modules"
     )
     import subprocess
@@ -428,7 +428,7 @@ def test_the_fork_server_preloads_the_modules_of_the_dataset_and_collate_fn(monk
 
     import loader_helpers
 
-    from guideloom_pipes.pipes import _pool
+    from guideloom_pipes.pipes.workers import processes as _pool
 
     server = SimpleNamespace(_forkserver_pid=None, _preload_modules=["__main__", "mine"])
     monkeypatch.setattr(multiprocessing.forkserver, "_forkserver", server)
@@ -437,7 +437,9 @@ def test_the_fork_server_preloads_the_modules_of_the_dataset_and_collate_fn(monk
         get_start_method=lambda: "forkserver", set_forkserver_preload=set_to.append
     )
     _pool._preload_forkserver(context, loader_helpers.Ids(3), loader_helpers.ids_collate)
-    assert set_to == [["__main__", "mine", "guideloom_pipes.pipes._worker", "loader_helpers"]]
+    assert set_to == [
+        ["__main__", "mine", "guideloom_pipes.pipes.workers.process_main", "loader_helpers"]
+    ]
     server._forkserver_pid = 12345  # running: its preloads can no longer change
     _pool._preload_forkserver(context, loader_helpers.Ids(3), loader_helpers.ids_collate)
     assert len(set_to) == 1

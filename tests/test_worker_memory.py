@@ -21,7 +21,7 @@ from guideloom_pipes import StatefulDataLoader
 _CHURN = textwrap.dedent(
     """
     import resource, sys
-    from guideloom_pipes.pipes._worker import reserve_small_object_memory
+    from guideloom_pipes.pipes.workers.process_main import reserve_small_object_memory
     keep = reserve_small_object_memory() if sys.argv[1] == "reserve" else None
     def batch():
         docs = [list(range(100_000 + k * 1000, 101_000 + k * 1000)) for k in range(96)]
@@ -71,7 +71,7 @@ def test_process_workers_keep_small_object_memory_for_their_batches():
 def test_a_loader_reading_in_this_process_holds_one_shared_reserve_while_open():
     import gc
 
-    from guideloom_pipes.pipes import _worker
+    from guideloom_pipes.pipes.workers import process_main as _worker
 
     gc.collect()  # (loaders of earlier tests left open are released)
     holders = _worker._reserve_holders  # (0 unless a loader elsewhere is still open)
@@ -107,7 +107,7 @@ def test_a_forked_worker_keeps_the_reserve_its_parent_holds(tmp_path, monkeypatc
     makes none of its own (that would map another 16 MiB in every worker)."""
     import multiprocessing
 
-    from guideloom_pipes.pipes import _worker
+    from guideloom_pipes.pipes.workers import process_main as _worker
 
     if "fork" not in multiprocessing.get_all_start_methods():
         pytest.skip("no fork on this platform")

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.pipes import close_pipeline
-from guideloom_pipes.pipes._pool import seconds_text
 from guideloom_pipes.pipes.errors import DataLoaderTimeoutError, is_batch_failure
 from guideloom_pipes.pipes.read import together_text
+from guideloom_pipes.pipes.workers.threads import seconds_text
 
 if TYPE_CHECKING:
     from guideloom_pipes.loader.stateful import StatefulDataLoader

@@ -13,9 +13,10 @@ from typing import Any
 from guideloom_pipes.datasets import open_reader, reader_fingerprint
 from guideloom_pipes.loader.settings import LoaderSettings
 from guideloom_pipes.pipes import PinnedRing
-from guideloom_pipes.pipes._pool import _ProcessPool, after_orphaned_jobs
-from guideloom_pipes.pipes._worker import hold_small_object_reserve
 from guideloom_pipes.pipes.read import start_context
+from guideloom_pipes.pipes.workers.process_main import hold_small_object_reserve
+from guideloom_pipes.pipes.workers.processes import ProcessPool
+from guideloom_pipes.pipes.workers.threads import after_orphaned_jobs
 
 
 class LoaderResources:
@@ -31,7 +32,7 @@ class LoaderResources:
         self.fingerprint: dict[str, Any] | None = None
         #: The worker processes, one pool per loader (started at the first iter() that
         #: needs them, kept across iterators).
-        self.pool: _ProcessPool | None = None
+        self.pool: ProcessPool | None = None
         self._pool_finalizer: weakref.finalize[Any, Any] | None = None
         self._reserve: weakref.finalize[Any, Any] | None = None
         #: The pinned buffers batches are read into (pin_memory on a CUDA device), made by
@@ -75,13 +76,13 @@ class LoaderResources:
                 # Once worker threads still finishing a batch of a closed iterator are done.
                 after_orphaned_jobs(reader.close)
 
-    def processes(self, dataset: Any, settings: LoaderSettings, base_seed: int) -> _ProcessPool:
+    def processes(self, dataset: Any, settings: LoaderSettings, base_seed: int) -> ProcessPool:
         """The worker processes: started on first use, kept across iterators."""
         pool = self.pool
         if pool is not None and not pool.closed:
             return pool
         self.stop_processes()  # (a failed one)
-        pool = _ProcessPool(
+        pool = ProcessPool(
             dataset,
             settings.collate_fn,
             settings.num_workers,

@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from guideloom_pipes.pipes.shuffle import Shuffle, draw_seed
     from guideloom_pipes.pipes.worker_info import get_worker_info
 
-# The stages load on first use: a process worker imports ``guideloom_pipes.pipes._worker``
+# The stages load on first use: a process worker imports
+# ``guideloom_pipes.pipes.workers.process_main``
 # (torch-free), and importing this package must not import torch for it.
 _STAGES = {
     "DataLoaderTimeoutError": "errors",

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torchdata.nodes import BaseNode
 
-from guideloom_pipes.pipes._pool import WAKE_SECONDS
 from guideloom_pipes.pipes.errors import is_batch_failure
 from guideloom_pipes.pipes.ring import PinnedRing
+from guideloom_pipes.pipes.workers.threads import WAKE_SECONDS
 
 __all__ = ["PinMemory", "Prefetcher", "ToDevice", "apply_to_tensors"]
 

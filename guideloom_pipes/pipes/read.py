@@ -17,26 +17,22 @@ import torch.utils.data._utils.worker as _torch_worker
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.datasets import WindowBuffers, open_reader, reader_code
-from guideloom_pipes.pipes._pool import (
-    _ProcessPool,
-    _ThreadPool,
-    after_orphaned_jobs,
-    seconds_text,
-)
-from guideloom_pipes.pipes._worker import (
-    _Deferred,
-    _Failed,
-    _ReadTask,
-    _RemoteTraceback,
-    keep_batch_arrays,
-    read_fn_for,
-    read_many_fn_for,
-)
 from guideloom_pipes.pipes.collate import collated_read_fn
 from guideloom_pipes.pipes.errors import DataLoaderTimeoutError, mark_batch_failure
 from guideloom_pipes.pipes.positions import Positions
 from guideloom_pipes.pipes.shuffle import Shuffle, state_marks
 from guideloom_pipes.pipes.worker_info import _thread_info, thread_worker_info
+from guideloom_pipes.pipes.workers.processes import ProcessPool
+from guideloom_pipes.pipes.workers.tasks import (
+    Deferred,
+    Failed,
+    ReadTask,
+    RemoteTraceback,
+    keep_batch_arrays,
+    read_fn_for,
+    read_many_fn_for,
+)
+from guideloom_pipes.pipes.workers.threads import ThreadPool, after_orphaned_jobs, seconds_text
 
 __all__ = ["ReadSamples"]
 
@@ -92,7 +88,7 @@ def _to_ids(item: Any) -> _I64:
     return np.asarray(item, dtype=np.int64).reshape(-1)
 
 
-def _failed_error(failed: _Failed) -> BaseException:
+def _failed_error(failed: Failed) -> BaseException:
     """A failed batch's error, marked as its batch's own, to raise. The caller drops its
     references to it and to ``failed`` as it raises it (``try: raise error finally: del
     error``): a frame of the stage that still held it would make a cycle (error ->
@@ -100,7 +96,7 @@ def _failed_error(failed: _Failed) -> BaseException:
     threads alive until the garbage collector runs, after a loop that stopped at it."""
     error = failed.error
     if failed.remote is not None:
-        error.__cause__ = _RemoteTraceback(failed.remote)
+        error.__cause__ = RemoteTraceback(failed.remote)
     mark_batch_failure(error)
     return error
 
@@ -217,7 +213,7 @@ class ReadSamples(BaseNode[Any]):
     Process workers hand results back through shared memory: a CPU tensor or numpy
     array travels as one copy into the worker's result ring and is delivered as that memory
     (freed for the worker when the batch is gone), not as a pickle through a pipe (see
-    :mod:`guideloom_pipes.pipes._transport`). The default start method
+    :mod:`guideloom_pipes.pipes.workers.transport`). The default start method
     is ``forkserver`` (``spawn`` where there is none), and the fork server preloads the
     modules of ``dataset`` and ``collate_fn``, so workers start in milliseconds per
     iterator after the first.
@@ -293,7 +289,7 @@ class ReadSamples(BaseNode[Any]):
         batch_seeds: Callable[[int], int] | None = None,
         base_seed: int | None = None,
         worker_init_fn: Callable[[int], Any] | None = None,
-        process_pool: _ProcessPool | None = None,
+        process_pool: ProcessPool | None = None,
         arrays: bool = False,
         buffers: WindowBuffers | None = None,
         figures: ReadFigures | None = None,
@@ -361,8 +357,8 @@ class ReadSamples(BaseNode[Any]):
         self._taken = 0  # batches taken from the source since reset (see batch_seeds)
         self._reader = reader
         self._owns_reader = False
-        self._task: _ReadTask | None = None
-        self._pool: _ThreadPool | _ProcessPool | None = None
+        self._task: ReadTask | None = None
+        self._pool: ThreadPool | ProcessPool | None = None
         # One entry per batch submitted and not yet delivered, oldest first:
         # (job, index in the job, last of its job, source state after the batch).
         self._pending: collections.deque[tuple[Any, int, bool, Any]] = collections.deque()
@@ -405,7 +401,7 @@ class ReadSamples(BaseNode[Any]):
         if self._task is None:
             collate = self._worker_collate
             reader = self._reader
-            self._task = _ReadTask(
+            self._task = ReadTask(
                 read_fn_for(reader, collate, out=self.buffers),
                 collate,
                 read_many=read_many_fn_for(reader, collate, out=self.buffers),
@@ -484,7 +480,7 @@ class ReadSamples(BaseNode[Any]):
         self._returned = 0.0
         if self.method == "thread":
             assert self._task is not None
-            self._pool = _ThreadPool(
+            self._pool = ThreadPool(
                 self._task.run,
                 self.num_workers,
                 # the calling thread helps with jobs no worker has started: as a worker
@@ -512,7 +508,7 @@ class ReadSamples(BaseNode[Any]):
                 raise
         else:
             assert self._mp is not None
-            self._pool = _ProcessPool(
+            self._pool = ProcessPool(
                 self.dataset,
                 self._worker_collate,
                 self.num_workers,
@@ -689,7 +685,7 @@ class ReadSamples(BaseNode[Any]):
         # A failed batch counts as delivered too: the next call delivers the batch after it.
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
-        if type(result) is _Failed:
+        if type(result) is Failed:
             error = _failed_error(result)
             del result, outcomes
             try:
@@ -736,7 +732,7 @@ class ReadSamples(BaseNode[Any]):
     def _next_inline(self, timed: bool) -> Any:
         """The next batch, read by the calling thread (see :meth:`_quick_to_inline`): one at
         a time where a read gives batches of columns (each read into memory the allocator
-        just freed, see :meth:`_ReadTask.run`) unless the reader packs several together
+        just freed, see :meth:`ReadTask.run`) unless the reader packs several together
         (``read_arrays_many``: up to ``_COLUMN_CHUNK``), else a chunk of them with one read,
         as a worker would; a chunk is delivered one by one. ``timed``: measure the batch
         (its time and CPU share) and read the next ``_INLINE_SAMPLE - 1`` batches without a
@@ -802,7 +798,7 @@ class ReadSamples(BaseNode[Any]):
         del error  # (see _failed_error)
         return self._next_from_workers()  # raises it
 
-    def _read_inline(self, task: _ReadTask, ids: _I64, snapshot: Any) -> Any:
+    def _read_inline(self, task: ReadTask, ids: _I64, snapshot: Any) -> Any:
         """One batch read by the calling thread; it counts as delivered, also when it fails
         (the next call reads the next one; a ``KeyboardInterrupt`` delivers nothing)."""
         seeds = self.batch_seeds
@@ -822,7 +818,7 @@ class ReadSamples(BaseNode[Any]):
         return result
 
     def _read_chunk_inline(self, size: int) -> Any:
-        """Read a chunk of ``size`` batches in the calling thread (``_ReadTask.run``, one
+        """Read a chunk of ``size`` batches in the calling thread (``ReadTask.run``, one
         read for them all), keep them in ``_ready`` and deliver the first."""
         task = self._task
         assert task is not None
@@ -835,7 +831,7 @@ class ReadSamples(BaseNode[Any]):
         # (Ctrl-C inside the read propagates: nothing of the chunk is delivered). Batches
         # whose samples the read leaves to slices (LazyRows) are made and collated as each
         # is delivered: only the batch being delivered holds objects the garbage collector
-        # tracks, not the chunk (_Deferred; this thread would run their collates anyway).
+        # tracks, not the chunk (Deferred; this thread would run their collates anyway).
         job = (batches, seeds) if batch_seeds is not None else batches
         outcomes = task.run(job, defer=True)
         elapsed = time.perf_counter() - started
@@ -851,15 +847,15 @@ class ReadSamples(BaseNode[Any]):
         batch stays next)."""
         ready = self._ready
         result, snapshot = ready[0]
-        if type(result) is _Deferred:
+        if type(result) is Deferred:
             try:
                 result = result.finish()
             except Exception as error:
-                result = _Failed(error)
+                result = Failed(error)
         ready.popleft()
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
-        if type(result) is _Failed:
+        if type(result) is Failed:
             raised = _failed_error(result)
             del result
             try:
@@ -885,7 +881,7 @@ class ReadSamples(BaseNode[Any]):
         until a finished job tells more."""
         self._probing = False
         pool = self._pool
-        if not isinstance(pool, _ThreadPool) or pool.wait_done(job, self.chunk_seconds):
+        if not isinstance(pool, ThreadPool) or pool.wait_done(job, self.chunk_seconds):
             return
         # Judge the job once it has itself run for chunk_seconds: a worker may have started
         # it late (a loaded machine), and the first moments of a job that waits are spent
@@ -973,7 +969,7 @@ class ReadSamples(BaseNode[Any]):
         pending = self._pending
         side_by_side = self._side_by_side()
         least = self.num_workers + 1 if side_by_side else 2
-        if isinstance(pool, _ThreadPool):
+        if isinstance(pool, ThreadPool):
             # Jobs that compute, and jobs not yet known to wait, run on one worker at a time:
             # threads running them side by side only take the GIL from each other (two
             # threads decoding 0.3 ms batches side by side took 0.85 ms a batch, one after

@@ -25,7 +25,7 @@ __all__ = ["BatchRandom", "Seeding", "batch_rng", "batch_seed", "seed_globals", 
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
-#: How a batch's seed reaches the random number generators (see :class:`_ReadTask`).
+#: How a batch's seed reaches the random number generators (see :class:`ReadTask`).
 Seeding = Literal["globals", "local"]
 
 
