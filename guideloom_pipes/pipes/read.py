@@ -753,9 +753,9 @@ class ReadSamples(BaseNode[Any]):
         else a chunk, as a worker would read it."""
         task = self._task
         assert task is not None
-        if task._columns is False:
+        if task.columns is False:
             return self._chunk_size()
-        if task._read_many is not None and task._columns:
+        if task.packs_chunks and task.columns:
             return min(self._chunk_size(), _COLUMN_CHUNK)
         return 1
 

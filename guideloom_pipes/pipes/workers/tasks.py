@@ -191,6 +191,17 @@ class ReadTask:
         return self._collated(samples)
 
     @property
+    def columns(self) -> bool | None:
+        """Whether a read gives batches of columns (None: not known before the first read)."""
+        return self._columns
+
+    @property
+    def packs_chunks(self) -> bool:
+        """Whether the reader can pack a chunk of batches of columns with one read (one of
+        our readers' ``read_arrays_many``), known or not yet known to give columns."""
+        return self._read_many is not None
+
+    @property
     def reads_many(self) -> bool:
         """Whether a chunk of batches of columns is read with one call (see :meth:`run`)."""
         return bool(self._columns) and self._read_many is not None
