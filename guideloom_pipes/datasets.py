@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.batch import Batch, LazyRows
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.formats import StreamNumpyFormat
 from guideloom_pipes.storage.document import DocumentReader, DocumentStorage
 from guideloom_pipes.storage.stream import StreamReader, StreamStorage, as_indexes
@@ -101,17 +102,6 @@ def reader_fingerprint(reader: Any) -> dict[str, Any] | None:
     loader's checkpoint records so that it is not resumed on another version of the data."""
     fingerprint = getattr(reader, "fingerprint", None)
     return fingerprint() if callable(fingerprint) else None
-
-
-def _check_sequence_length(sequence_length: Any) -> int:
-    if isinstance(sequence_length, bool) or not isinstance(sequence_length, (int, np.integer)):
-        raise TypeError(
-            f"sequence_length must be an int, got {sequence_length!r} "
-            f"({type(sequence_length).__name__})"
-        )
-    if sequence_length < 1:
-        raise ValueError(f"sequence_length must be >= 1, got {sequence_length}")
-    return int(sequence_length)
 
 
 def _as_ids(ids: Any, length: int) -> np.ndarray:
@@ -470,7 +460,7 @@ class StreamDataset(DatasetAbstract[OutDataT]):
                 f"{type(storage).__name__}{hint}"
             )
         self.storage = storage
-        self.sequence_length = _check_sequence_length(sequence_length)
+        self.sequence_length = check_int("sequence_length", sequence_length, minimum=1)
 
     def __len__(self) -> int:
         with self.sync_reader() as reader:

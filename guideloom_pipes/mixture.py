@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-import operator
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from fractions import Fraction
@@ -39,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.datasets import (
     DatasetReaderBase,
     _as_ids,
@@ -262,13 +262,7 @@ class _PassPermutations:
 
 
 def _check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(
-            f"seed must be an int >= 0 (it fixes the passes of every component), got {seed!r}"
-        )
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
-    return int(seed)
+    return check_int("seed", seed, minimum=0)
 
 
 def _check_weights(names: list[str], weights: Any) -> list[float]:
@@ -401,12 +395,9 @@ class MixtureDataset:
         self._fixed = all(_is_fixed_length(self.components[name]) for name in names)
         self.lengths: list[int] = self._check_components()
         self._lengths_array = np.array(self.lengths, dtype=np.int64)
+        num_samples = check_int("num_samples", num_samples, minimum=1, allow_none=True)
         if num_samples is None:
             num_samples = sum(self.lengths)
-        elif isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)):
-            raise TypeError(f"num_samples must be an int or None, got {num_samples!r}")
-        if num_samples < 1:
-            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if num_samples >= _MAX_SAMPLES:
             raise ValueError(
                 f"num_samples must be < 2**63 (a dataset's len() and positions are int64), "
@@ -547,9 +538,7 @@ class MixtureDataset:
         Returns:
             name -> count; the counts sum to ``k``.
         """
-        k = operator.index(k)
-        if k < 0:
-            raise ValueError(f"k must be >= 0, got {k}")
+        k = check_int("k", k, minimum=0)
         return dict(zip(self.names, self._schedule.prefix_counts(k)))
 
     def __repr__(self) -> str:

@@ -43,13 +43,13 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch, token_array
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.datasets import (
     DatasetReaderBase,
     DocumentDataset,
     StreamDataset,
     _as_ids,
     _AsyncDatasetReader,
-    _check_sequence_length,
     batch_read_fn,
     open_reader,
     reader_code,
@@ -341,11 +341,7 @@ def _samples(columns: dict[str, _I64], segments: _I64) -> list[PackedSample]:
 
 
 def _check_token(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int token id or None, got {value!r}")
-    return int(value)
+    return check_int(name, value, allow_none=True, kind="an int token id")
 
 
 def _order_key(seed: int) -> int:
@@ -402,7 +398,7 @@ class PackedDataset:
         field: str = "tokens",
         cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.sequence_length = _check_sequence_length(sequence_length)
+        self.sequence_length = check_int("sequence_length", sequence_length, minimum=1)
         self.eos_token = _check_token(eos_token, "eos_token")
         self.field = field
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
@@ -447,11 +443,11 @@ class PackedDataset:
                     f"source must be a StreamStorage or a map-style dataset of documents "
                     f"(len and [i]), got {type(source).__name__}"
                 )
-            if seed is not None and (
-                isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0
-            ):
-                raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
-            self.seed = None if seed is None else int(seed)
+            try:
+                self.seed = check_int("seed", seed, minimum=0, allow_none=True)
+            except (TypeError, ValueError):
+                # A ValueError for any bad seed, as before.
+                raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}") from None
 
     def __len__(self) -> int:
         with self.sync_reader() as reader:

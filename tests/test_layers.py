@@ -21,6 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "guideloom_pipes"
 #: Layer of each module prefix, lowest first (docs/architecture.md, "Layers").
 LAYERS: dict[str, int] = {
     "guideloom_pipes.types": 0,
+    "guideloom_pipes.checks": 0,
     "guideloom_pipes.storage": 1,
     "guideloom_pipes.io": 1,
     "guideloom_pipes.formats": 2,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing.context
-import operator
 import os
 import warnings
 from collections.abc import Callable, Mapping
@@ -18,6 +17,7 @@ from typing import Any
 
 import torch
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 from guideloom_pipes.loader.torch_keywords import (
     check_mp_context,
@@ -69,14 +69,7 @@ SEED_WORD_LIMIT = 1 << 64
 def _int_arg(name: str, value: Any, minimum: int, limit: int | None = None) -> int:
     """``value`` as an int ``>= minimum`` (and ``< limit`` when given), else an error naming
     ``name``, the value and the bound."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r}") from None
-    if number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {number}")
+    number = check_int(name, value, minimum=minimum)
     if limit is not None and number >= limit:
         bound = "2**64" if limit == SEED_WORD_LIMIT else str(limit)
         raise ValueError(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.pipes.errors import is_batch_failure
 from guideloom_pipes.pipes.ring import PinnedRing
 from guideloom_pipes.pipes.workers.threads import WAKE_SECONDS
@@ -223,11 +223,7 @@ class Prefetcher(BaseNode[Any]):
 
     def __init__(self, source: BaseNode[Any], prefetch: int) -> None:
         super().__init__()
-        if isinstance(prefetch, bool):
-            raise TypeError(f"prefetch must be an int, got {prefetch!r}")
-        self.prefetch = operator.index(prefetch)
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1 for a Prefetcher, got {self.prefetch}")
+        self.prefetch = check_int("prefetch", prefetch, minimum=1, hint="for a Prefetcher")
         self.source = source
         self._thread: threading.Thread | None = None
         self._puller: _Puller | None = None

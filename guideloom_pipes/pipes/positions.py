@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import operator
 import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
+
+from guideloom_pipes.checks import check_int
 
 __all__ = ["Positions", "RankPositions", "num_steps"]
 
@@ -47,18 +48,6 @@ def num_steps(num_samples: int, offset: int, global_batch_size: int, drop_last: 
     if drop_last:
         return left // global_batch_size
     return -(-left // global_batch_size)
-
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {value!r}") from None
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if number < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {number}")
-    return number
 
 
 class RankPositions(BaseNode[Positions]):
@@ -107,10 +96,10 @@ class RankPositions(BaseNode[Positions]):
         observation_offset: int = 0,
     ) -> None:
         super().__init__()
-        self.num_samples = _check_int("num_samples", num_samples, 0)
-        self.local_batch_size = _check_int("local_batch_size", local_batch_size, 1)
-        self.world_size = _check_int("world_size", world_size, 1)
-        self.rank = _check_int("rank", rank, 0)
+        self.num_samples = check_int("num_samples", num_samples, minimum=0)
+        self.local_batch_size = check_int("local_batch_size", local_batch_size, minimum=1)
+        self.world_size = check_int("world_size", world_size, minimum=1)
+        self.rank = check_int("rank", rank, minimum=0)
         if self.rank >= self.world_size:
             raise ValueError(
                 f"rank must be < world_size ({self.world_size}), got {self.rank}: "
@@ -118,8 +107,8 @@ class RankPositions(BaseNode[Positions]):
             )
         self.drop_last = bool(drop_last)
         self.global_batch_size = self.local_batch_size * self.world_size
-        self._epoch = _check_int("epoch", epoch, 0)
-        self._start = _check_int("observation_offset", observation_offset, 0)
+        self._epoch = check_int("epoch", epoch, minimum=0)
+        self._start = check_int("observation_offset", observation_offset, minimum=0)
         # Position j of a step is base + lane[j]; only the last lane can reach past n.
         self._lane = np.arange(self.local_batch_size, dtype=np.int64) * self.world_size
         self._last_lane = int(self._lane[-1])
@@ -140,8 +129,10 @@ class RankPositions(BaseNode[Positions]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         if initial_state is not None:
-            epoch = _check_int("state epoch", initial_state[self.EPOCH_KEY], 0)
-            offset = _check_int("state observation_offset", initial_state[self.OFFSET_KEY], 0)
+            epoch = check_int("state epoch", initial_state[self.EPOCH_KEY], minimum=0)
+            offset = check_int(
+                "state observation_offset", initial_state[self.OFFSET_KEY], minimum=0
+            )
             saved_n = initial_state.get(self.NUM_SAMPLES_KEY)
             if saved_n is not None and saved_n != self.num_samples:
                 warnings.warn(

@@ -6,7 +6,6 @@ import collections
 import contextlib
 import multiprocessing
 import multiprocessing.context
-import operator
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -16,6 +15,7 @@ import numpy.typing as npt
 import torch.utils.data._utils.worker as _torch_worker
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.datasets import WindowBuffers, open_reader, reader_code
 from guideloom_pipes.pipes.collate import collated_read_fn
 from guideloom_pipes.pipes.errors import DataLoaderTimeoutError, mark_batch_failure
@@ -302,11 +302,7 @@ class ReadSamples(BaseNode[Any]):
             source.next if type(source) is Shuffle else lambda: _to_ids(next(source))
         )
         self.dataset = dataset
-        if isinstance(num_workers, bool):
-            raise TypeError(f"num_workers must be an int, got {num_workers!r}")
-        self.num_workers = operator.index(num_workers)
-        if self.num_workers < 0:
-            raise ValueError(f"num_workers must be >= 0, got {self.num_workers}")
+        self.num_workers = check_int("num_workers", num_workers, minimum=0)
         if method not in _METHODS:
             raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
         self.method = method
@@ -328,13 +324,8 @@ class ReadSamples(BaseNode[Any]):
         self.arrays = bool(arrays)
         # What the workers run: with arrays and no collate_fn, a pass-through that takes them.
         self._worker_collate = keep_batch_arrays if arrays and collate_fn is None else collate_fn
-        if max_in_flight is None:
-            max_in_flight = 2 * self.num_workers
-        elif isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int):
-            raise TypeError(f"max_in_flight must be an int or None, got {max_in_flight!r}")
-        elif max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-        self.max_in_flight = max_in_flight
+        in_flight = check_int("max_in_flight", max_in_flight, minimum=1, allow_none=True)
+        self.max_in_flight = 2 * self.num_workers if in_flight is None else in_flight
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
         self.timeout = timeout
@@ -343,11 +334,7 @@ class ReadSamples(BaseNode[Any]):
         if not chunk_seconds >= 0:
             raise ValueError(f"chunk_seconds must be >= 0, got {chunk_seconds!r}")
         self.chunk_seconds = float(chunk_seconds)
-        if isinstance(max_chunk, bool) or not isinstance(max_chunk, int):
-            raise TypeError(f"max_chunk must be an int, got {max_chunk!r}")
-        if max_chunk < 1:
-            raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
-        self.max_chunk = max_chunk
+        self.max_chunk = check_int("max_chunk", max_chunk, minimum=1)
         if worker_init_fn is not None and not callable(worker_init_fn):
             raise TypeError(f"worker_init_fn must be callable or None, got {worker_init_fn!r}")
         self.batch_seeds = batch_seeds

@@ -40,6 +40,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from guideloom_pipes.checks import check_int
+
 __all__ = ["CopyEvent", "PinnedRing", "cuda_event", "pinned_allocate"]
 
 
@@ -140,10 +142,7 @@ class PinnedRing:
         event: Callable[[], CopyEvent] | None = None,
     ) -> None:
         for name, value, least in (("nbytes", nbytes, 1), ("size", size, 1)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"PinnedRing {name} must be an int, got {value!r}")
-            if value < least:
-                raise ValueError(f"PinnedRing {name} must be >= {least}, got {value}")
+            check_int(f"PinnedRing {name}", value, minimum=least)
         self.nbytes = int(nbytes)
         self.size = int(size)
         self._allocate = allocate if allocate is not None else pinned_allocate

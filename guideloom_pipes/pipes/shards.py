@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.datasets import reader_fingerprint
 
 __all__ = [
@@ -481,10 +482,8 @@ class ShuffleBuffer(BaseNode[BufferedSamples]):
 
     def __init__(self, source: BaseNode[ShardSamples], skip: int = 0, size: int = 1) -> None:
         super().__init__()
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"size must be an int >= 1, got {size!r}")
+        self.size = check_int("size", size, minimum=1, not_int=ValueError)
         self.source = source
-        self.size = size
         self._skip = skip
         self._clear()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 import secrets
 import warnings
 from collections.abc import Callable
@@ -12,6 +11,7 @@ import numpy as np
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.pipes.positions import Positions, RankPositions
 from guideloom_pipes.shuffle import FeistelPermutation
 
@@ -28,19 +28,13 @@ def draw_seed() -> int:
 
 
 def _check_seed(seed: Any) -> int | None:
-    if seed is None:
-        return None
-    if isinstance(seed, bool):
-        raise TypeError(f"shuffle_seed must be an int or None, got {seed!r}")
-    try:
-        value = operator.index(seed)
-    except TypeError:
-        raise TypeError(f"shuffle_seed must be an int or None, got {seed!r}") from None
-    if value < 0:
-        raise ValueError(
-            f"shuffle_seed must be >= 0 (numpy's SeedSequence takes no negative seeds), got {value}"
-        )
-    return value
+    return check_int(
+        "shuffle_seed",
+        seed,
+        minimum=0,
+        allow_none=True,
+        hint="(numpy's SeedSequence takes no negative seeds)",
+    )
 
 
 class Shuffle(BaseNode[_I64]):
@@ -72,9 +66,7 @@ class Shuffle(BaseNode[_I64]):
         checked = _check_seed(seed)
         self._seed_given = checked is not None
         self.seed: int = draw_seed() if checked is None else checked
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = check_int("block_size", block_size, minimum=1, not_int=ValueError)
         self._clear()
 
     def _clear(self) -> None:

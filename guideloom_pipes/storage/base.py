@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.commit import _fsync_directory, recover_directory, seal_shard
 from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
@@ -304,9 +305,7 @@ class ReaderBase:
 
     def _check_shard(self, shard: int) -> int:
         self._check_open()
-        if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)):
-            raise TypeError(f"shard must be an int, got {shard!r} ({type(shard).__name__})")
-        shard = int(shard)
+        shard = check_int("shard", shard)
         if not 0 <= shard < self.num_shards:
             raise IndexError(
                 f"shard {shard} out of range: {os.fspath(self.storage.dir)} has shards "

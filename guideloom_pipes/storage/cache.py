@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.errors import CorruptShardError
 from guideloom_pipes.storage.io import _MmapReader
 
@@ -143,13 +144,13 @@ class ShardCache:
             )
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(f"cache_dir must be a local path, got {directory!r}")
-        if limit_bytes is not None and (
-            isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes <= 0
-        ):
+        try:
+            check_int("cache_limit_bytes", limit_bytes, minimum=1, allow_none=True)
+        except (TypeError, ValueError):
             raise ValueError(
                 f"cache_limit_bytes must be a number of bytes > 0, or None for no bound, got "
                 f"{limit_bytes!r} (e.g. cache_limit_bytes=200 * 2**30)"
-            )
+            ) from None
         self.directory = Path(directory)
         self.limit_bytes = limit_bytes
         self._made = False

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
 from guideloom_pipes.storage.commit import ShardWriterBase, _CountingFile
 from guideloom_pipes.storage.errors import (
@@ -26,7 +27,7 @@ from guideloom_pipes.storage.errors import (
 )
 from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND, shard_name
-from guideloom_pipes.storage.stream import as_indexes, as_int
+from guideloom_pipes.storage.stream import as_indexes
 from guideloom_pipes.types import (
     DocumentStorageAbstract,
     DocumentStorageAsyncReaderAbstract,
@@ -490,7 +491,7 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
 
     def length(self, shard: int) -> int:
         """Documents in shard ``shard``."""
-        shard = self._check_shard(as_int(shard, "shard"))
+        shard = self._check_shard(check_int("shard", shard))
         return int(self._counts[shard])
 
     def _out_of_range(self, global_index: int) -> IndexError:
@@ -515,7 +516,7 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
         format's own exception chained (and mixed in, see :func:`decode_error`).
         """
         self._check_open()
-        global_index = as_int(global_index, "global_index")
+        global_index = check_int("global_index", global_index)
         shard, local = self._locate(global_index)
         payload = self._index.payload(shard, local)
         try:

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from pathlib import PurePath
 from typing import Any
 
-import numpy as np
+from guideloom_pipes.checks import check_int
 
 IN_BAND = ".in_band.bin"
 OUT_OF_BAND = ".out_of_band.bin"
@@ -59,12 +59,7 @@ def versioned_name(shard: int, generation: int, suffix: str) -> str:
 
 def check_shard_id(shard: Any) -> int:
     """``shard`` as a non-negative ``int``, or a clear ``TypeError``/``ValueError``."""
-    if isinstance(shard, bool) or not isinstance(shard, (int, np.integer)):
-        raise TypeError(f"shard id must be an int, got {shard!r} ({type(shard).__name__})")
-    shard = int(shard)
-    if shard < 0:
-        raise ValueError(f"shard id must be >= 0, got {shard}")
-    return shard
+    return check_int("shard id", shard, minimum=0)
 
 
 def _display(directory: PurePath) -> str:

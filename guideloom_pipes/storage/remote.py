@@ -28,6 +28,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlparse
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.cache import CachedFile, ShardCache
 from guideloom_pipes.storage.checksums import BlockChecksums
 from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError, StorageError
@@ -136,10 +137,7 @@ class RetryPolicy:
     timeout: float | None = 60.0
 
     def __post_init__(self) -> None:
-        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
-            raise TypeError(f"attempts must be an int, got {self.attempts!r}")
-        if self.attempts < 1:
-            raise ValueError(f"attempts must be >= 1 (1: no retries), got {self.attempts}")
+        check_int("attempts", self.attempts, minimum=1, hint="(1: no retries)")
         if not self.base_delay >= 0 or not self.max_delay >= 0:
             raise ValueError(
                 f"base_delay and max_delay must be >= 0 seconds, got {self.base_delay} and "

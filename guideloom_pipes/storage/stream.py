@@ -8,7 +8,6 @@ the last element, wrap around to shard 0.
 from __future__ import annotations
 
 import bisect
-import operator
 import os
 import sys
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from typing import Any, Generic
 
 import numpy as np
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
 from guideloom_pipes.storage.commit import ShardWriterBase
 from guideloom_pipes.storage.errors import CorruptShardError
@@ -32,17 +32,6 @@ from guideloom_pipes.types import (
     StreamStorageSyncReaderAbstract,
     StreamStorageSyncWriterAbstract,
 )
-
-
-def as_int(value: Any, what: str) -> int:
-    """``value`` as an ``int`` if it is an integer (Python or numpy), else ``TypeError``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{what} must be an int, got {value!r} ({type(value).__name__})") from None
-
 
 #: The largest int64, the last index numpy can hold in the int64 vectors the readers use.
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -363,7 +352,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
 
     def length(self, shard: int) -> int:
         """Elements in shard ``shard``."""
-        shard = self._check_shard(as_int(shard, "shard"))
+        shard = self._check_shard(check_int("shard", shard))
         return int(self._lengths[shard])
 
     @property
@@ -411,8 +400,8 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         """The span as a fresh array, with ``shard_lengths`` and ``shards`` of its pieces
         (int64 vectors)."""
         self._check_open()
-        global_index = as_int(global_index, "global_index")
-        global_length = as_int(global_length, "global_length")
+        global_index = check_int("global_index", global_index)
+        global_length = check_int("global_length", global_length)
         if global_length < 0:
             raise IndexError(f"global_length must be >= 0, got {global_length}")
         check_read_size(global_length, self.dtype.itemsize, f"global_length {global_length}")
@@ -458,7 +447,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         Every span must lie inside the stream (no wrap-around); spans may cross shards.
         """
         self._check_open()
-        length = as_int(length, "length")
+        length = check_int("length", length)
         if length < 0:
             raise IndexError(f"window length must be >= 0, got {length}")
         total = self._total

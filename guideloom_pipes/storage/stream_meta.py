@@ -13,6 +13,7 @@ from typing import Any, Generic
 
 import numpy as np
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.base import AsyncReaderBase, StorageBase
 from guideloom_pipes.storage.commit import ShardWriterBase
 from guideloom_pipes.storage.document import (
@@ -32,7 +33,6 @@ from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
 from guideloom_pipes.storage.stream import (
     StreamReader,
-    as_int,
     check_packed,
     check_stream_format,
 )
@@ -144,9 +144,7 @@ class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]
         """
         self._check_open()
         name = type(self.format).__name__
-        size = as_int(self.format.size(data), f"{name}.size(data)")
-        if size < 0:
-            raise ValueError(f"{name}.size(data) must be >= 0, got {size}")
+        size = check_int(f"{name}.size(data)", self.format.size(data), minimum=0)
         generator = self.format.pack(data)
         if not hasattr(generator, "send"):
             raise TypeError(
