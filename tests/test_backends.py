@@ -209,16 +209,22 @@ class ProbingMemoryBackend:
     A path-style backend (``sync_reader(path)`` returns the reader), which the storages
     accept beside GuideLoom's convention (see test_guideloom_api.py for that one)."""
 
+    def sync_reader(self) -> Any:
+        return self.open_reader
+
+    def async_reader(self) -> Any:
+        return self.open_async_reader
+
     def __init__(self, files: dict[PurePosixPath, bytes]) -> None:
         self.files = files
         self.opened: list[PurePath] = []
 
-    def sync_reader(self, path: PurePath) -> MemoryReader:
+    def open_reader(self, path: PurePath) -> MemoryReader:
         self.opened.append(path)
         return MemoryReader(self.files, path)
 
-    def async_reader(self, path: PurePath) -> AsyncMemoryReader:
-        return AsyncMemoryReader(self.sync_reader(path))
+    def open_async_reader(self, path: PurePath) -> AsyncMemoryReader:
+        return AsyncMemoryReader(self.open_reader(path))
 
 
 class ListingMemoryBackend(ProbingMemoryBackend):
@@ -526,7 +532,7 @@ class IntoOnlyReader(MemoryReader):
 
 
 class IntoOnlyBackend(ListingMemoryBackend):
-    def sync_reader(self, path: PurePath) -> MemoryReader:
+    def open_reader(self, path: PurePath) -> MemoryReader:
         return IntoOnlyReader(self.files, path)
 
 
@@ -561,7 +567,7 @@ class StridedReader(MemoryReader):
 
 
 class StridedBackend(ListingMemoryBackend):
-    def sync_reader(self, path: PurePath) -> MemoryReader:
+    def open_reader(self, path: PurePath) -> MemoryReader:
         return StridedReader(self.files, path)
 
 
@@ -586,7 +592,7 @@ def test_a_reader_returning_the_wrong_number_of_bytes_is_refused(
             return data + b"\0" if extra > 0 else data[:-1]
 
     class Backend(ListingMemoryBackend):
-        def sync_reader(self, path: PurePath) -> MemoryReader:
+        def open_reader(self, path: PurePath) -> MemoryReader:
             return Reader(self.files, path)
 
     storage = StreamStorage(

@@ -214,8 +214,8 @@ class MemoryBackend:
             raise FileNotFoundError(os.fspath(path))
         return names
 
-    def sync_reader(self, path: PurePath) -> MemoryReader:
-        return MemoryReader(self.files, os.fspath(path))
+    def sync_reader(self) -> object:
+        return lambda path: MemoryReader(self.files, os.fspath(path))
 
 
 class MemoryReader:

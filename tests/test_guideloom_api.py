@@ -559,10 +559,12 @@ def test_posix_pread_io_takes_advice_by_keyword() -> None:
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_builtin_backends_still_take_the_path_directly(tmp_path: Path, name: str) -> None:
-    """Our older form, ``backend.sync_reader(path)``, keeps working for existing code."""
+def test_builtin_backends_give_factories_only(tmp_path: Path, name: str) -> None:
+    """``backend.sync_reader()(path)``; the path-taking form of 0.1 is gone."""
     write_stream(tmp_path)
-    reader = BACKENDS[name]().sync_reader(tmp_path / "0000002.in_band.bin")
+    with pytest.raises(TypeError):
+        BACKENDS[name]().sync_reader(tmp_path / "0000002.in_band.bin")  # type: ignore[call-arg]
+    reader = BACKENDS[name]().sync_reader()(tmp_path / "0000002.in_band.bin")
     with contextlib.closing(reader):
         reader.open()
         assert reader.filesize() == 16
@@ -770,7 +772,7 @@ def test_a_user_io_reader_abstract_class_is_instantiated_like_the_builtin_ones(
 
 
 class PathStyleIO:
-    """Our older convention: ``sync_reader(path)`` returns the reader itself."""
+    """The path-taking form of 0.1, removed: ``sync_reader(path)`` returns the reader."""
 
     def __init__(self, files: dict[PurePath, bytes]) -> None:
         self.files = files
@@ -787,12 +789,24 @@ def test_resolve_backend_calls_a_guideloom_style_factory_with_the_path(
     assert isinstance(reader, MemorySyncReader)
 
 
-def test_resolve_backend_passes_the_path_to_a_path_style_sync_reader(
+def test_resolve_backend_refuses_a_path_taking_sync_reader_saying_how_to_change_it(
     bucket: dict[PurePath, bytes],
 ) -> None:
-    resolved = resolve_backend(PathStyleIO(bucket))
-    reader = resolved.reader(BUCKET / "stream" / "0000000.in_band.bin")
-    assert isinstance(reader, MemorySyncReader)
+    with pytest.raises(
+        TypeError, match=r"PathStyleIO\.sync_reader\(path\) takes the path"
+    ) as error:
+        resolve_backend(PathStyleIO(bucket))
+    assert "def sync_reader(self): return self.open_reader" in str(error.value)
+
+    class AsyncPathStyle(MemoryIO):
+        def async_reader(self, path: PurePath) -> Any:  # type: ignore[override]
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match=r"AsyncPathStyle\.async_reader\(path\) takes the path"):
+        resolve_backend(AsyncPathStyle(bucket))
+    storage = StreamStorage(BUCKET / "stream", StreamNumpyFormat(TOKENS), PathStyleIO(bucket))
+    with pytest.raises(TypeError, match="takes the path"):  # as a storage's, when it opens
+        storage.sync_reader().open()
 
 
 def test_resolve_backend_treats_the_builtin_backends_as_guideloom_style() -> None:
@@ -810,9 +824,11 @@ def test_resolve_backend_treats_the_builtin_backends_as_guideloom_style() -> Non
 def test_resolve_backend_runs_a_sync_reader_in_a_thread_for_a_backend_without_async_reader(
     bucket: dict[PurePath, bytes],
 ) -> None:
-    reader = resolve_backend(PathStyleIO(bucket)).async_reader(
-        BUCKET / "stream" / "0000000.in_band.bin"
-    )
+    class SyncOnlyIO:
+        def sync_reader(self) -> Any:
+            return lambda path: MemorySyncReader(bucket, path)
+
+    reader = resolve_backend(SyncOnlyIO()).async_reader(BUCKET / "stream" / "0000000.in_band.bin")
 
     async def main() -> int:
         await reader.open()

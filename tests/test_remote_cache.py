@@ -736,7 +736,7 @@ def test_a_weak_etag_is_checked_when_a_reader_opens_not_sent_as_if_match(http: H
     tokens = _write_tokens(http.root / "weak", shards=1)
     storage = StreamStorage(f"{http.url}/weak", TOKENS, retry=FAST)
     url = storage.dir / "0000000.in_band.bin"
-    strong = storage.backend.sync_reader(url)
+    strong = storage.backend.sync_reader()(url)
     strong.open()
     weak = f"W/{strong.etag}"  # as a server that compresses on the fly would tag it
     with pytest.raises(DatasetChangedError, match="changed after this reader opened"):

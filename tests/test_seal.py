@@ -88,8 +88,11 @@ def test_seal_refuses_stream_records_pointing_past_the_payload_index(tmp_path: P
 
 def test_seal_needs_a_local_directory(tmp_path: Path) -> None:
     class Remote:
-        def sync_reader(self, path: object) -> object:
-            raise FileNotFoundError(str(path))
+        def sync_reader(self) -> object:
+            def reader(path: object) -> object:
+                raise FileNotFoundError(str(path))
+
+            return reader
 
     write("stream", tmp_path, {0: [1]})
     remote = StreamStorage(tmp_path, StreamNumpyFormat(TOKENS), read_interface=Remote())

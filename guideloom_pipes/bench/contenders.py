@@ -494,13 +494,21 @@ class SlowIO:
         self.pread = pread
         self._inner: Any = PosixPreadIO() if pread else MmapIO()
 
-    def sync_reader(self, path: PurePath) -> _SlowReader:
-        """A reader of ``path``."""
-        return _SlowReader(self._inner.sync_reader(path), self.delay, not self.pread)
+    def sync_reader(self) -> Any:
+        """The factory of readers (:meth:`open_reader`)."""
+        return self.open_reader
 
-    def async_reader(self, path: PurePath) -> Any:
+    def async_reader(self) -> Any:
+        """The factory of ``async`` readers (:meth:`open_async_reader`)."""
+        return self.open_async_reader
+
+    def open_reader(self, path: PurePath) -> _SlowReader:
+        """A reader of ``path``."""
+        return _SlowReader(self._inner.sync_reader()(path), self.delay, not self.pread)
+
+    def open_async_reader(self, path: PurePath) -> Any:
         """An ``async`` reader of ``path`` (without the delay)."""
-        return self._inner.async_reader(path)
+        return self._inner.async_reader()(path)
 
     def list_dir(self, path: PurePath) -> list[str]:
         """Names in directory ``path``."""

@@ -38,8 +38,8 @@ class StorageBase(Storage):
             (``docs/remote.md``). A ``Path`` is always local.
         storage_format: the storage format.
         read_interface: the read backend (default :class:`~guideloom_pipes.io.MmapIO`), in
-            GuideLoom's convention (:class:`~guideloom_pipes.types.IOReaderAbstract`) or with
-            a path-taking ``sync_reader(path)``. Not with a remote URL (``ValueError``).
+            GuideLoom's convention (:class:`~guideloom_pipes.types.IOReaderAbstract`). Not
+            with a remote URL (``ValueError``).
         storage_options: for a URL, the fsspec file system's options (credentials,
             ``endpoint_url``, ...), as in ``fsspec.open``; unused for a local location.
         retry: for a URL, how transient failures are retried

@@ -3,8 +3,7 @@
 A backend follows GuideLoom's convention (:class:`~guideloom_pipes.types.IOReaderAbstract`):
 ``backend.sync_reader()`` / ``backend.async_reader()`` return *factories*, which are called
 with a path and give readers with ``open()``, ``close()``, ``filesize()`` and
-``read(offset, size)``. The built-in backends also accept the path directly
-(``backend.sync_reader(path)``, our older form) and implement ``list_dir(path)`` so that
+``read(offset, size)``. The built-in backends also implement ``list_dir(path)`` so that
 shard discovery can list a directory (and so detect a missing shard) instead of probing ids.
 
 A reader may also offer ``readinto(offset, buffer)``, filling a writable byte buffer and
@@ -12,8 +11,7 @@ returning the bytes read (fewer only at the end of the file): stream windows are
 straight into the output array, with no intermediate buffer or copy. The byte-range
 backends below have it; readers without it are read with ``read`` and copied.
 
-The storages reach every backend through :func:`resolve_backend`, which accepts both
-conventions: GuideLoom's, and backends whose ``sync_reader(path)`` takes the path.
+The storages reach every backend through :func:`resolve_backend`.
 
 - :class:`MmapIO` (our default): maps the file and closes its descriptor at once, so any
   number of open shards cost no file descriptors; reads are memory slices, no syscall.
@@ -36,7 +34,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import PurePath
 from types import TracebackType
-from typing import Any, overload
+from typing import Any
 
 from guideloom_pipes.types import (
     AsyncByteReader,
@@ -137,37 +135,13 @@ class BackendBase(IOReaderAbstract[PurePath]):
     def _make_async(self, path: PurePath) -> _AsyncAdapter:
         return _AsyncAdapter(self._make(path))
 
-    @overload
-    def sync_reader(self) -> Callable[[PurePath], IOSyncReaderAbstract]: ...
+    def sync_reader(self) -> Callable[[PurePath], IOSyncReaderAbstract]:
+        """A factory of readers: ``backend.sync_reader()(path)`` (GuideLoom's convention)."""
+        return self._make
 
-    @overload
-    def sync_reader(self, path: PurePath) -> IOSyncReaderAbstract: ...
-
-    def sync_reader(
-        self, path: PurePath | None = None
-    ) -> Callable[[PurePath], IOSyncReaderAbstract] | IOSyncReaderAbstract:
-        """A factory of readers (``backend.sync_reader()(path)``, GuideLoom's convention).
-
-        Given a path (our older form), the reader of that path.
-        """
-        if path is None:
-            return self._make
-        return self._make(path)
-
-    @overload
-    def async_reader(self) -> Callable[[PurePath], IOAsyncReaderAbstract]: ...
-
-    @overload
-    def async_reader(self, path: PurePath) -> IOAsyncReaderAbstract: ...
-
-    def async_reader(
-        self, path: PurePath | None = None
-    ) -> Callable[[PurePath], IOAsyncReaderAbstract] | IOAsyncReaderAbstract:
-        """A factory of ``async`` readers (calls run in a worker thread); given a path, the
-        reader of that path."""
-        if path is None:
-            return self._make_async
-        return self._make_async(path)
+    def async_reader(self) -> Callable[[PurePath], IOAsyncReaderAbstract]:
+        """A factory of ``async`` readers (calls run in a worker thread)."""
+        return self._make_async
 
 
 class _LocalBackend(BackendBase):
@@ -475,22 +449,32 @@ class SeekIO(_LocalBackend):
         return _SeekReader(path)
 
 
-def _takes_path(method: Callable[..., Any], backend: Any) -> bool:
-    """Whether a backend's ``sync_reader``/``async_reader`` takes the path itself.
-
-    GuideLoom's ``sync_reader()`` takes nothing and returns a factory; a path-style one
-    (ours, and custom backends written for it) requires the path. Decided by the signature:
-    a required positional parameter means the path-style form.
-    """
+def _takes_path(method: Callable[..., Any]) -> bool:
+    """Whether a backend's ``sync_reader``/``async_reader`` requires an argument (the path:
+    the path-taking form of version 0.1, which is refused)."""
     try:
         signature = inspect.signature(method)
-    except (TypeError, ValueError):  # no signature (a builtin, say): go by the class
-        return not isinstance(backend, IOReaderAbstract)
+    except (TypeError, ValueError):  # no signature (a builtin, say): take it as a factory
+        return False
     return any(
         parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
         and parameter.default is parameter.empty
         for parameter in signature.parameters.values()
     )
+
+
+def _factory_of(method: Callable[[], Any], backend: Any, name: str) -> Callable[[], Any]:
+    """``method`` (a backend's ``sync_reader`` or ``async_reader``), checked to take no
+    argument: it returns a factory of readers."""
+    if _takes_path(method):
+        kind = type(backend).__name__
+        raise TypeError(
+            f"{kind}.{name}(path) takes the path: a read backend's {name}() takes no "
+            f"argument and returns a factory of readers, called with the path (GuideLoom's "
+            f"convention; the path-taking form was removed). Rename the method, e.g. to "
+            f"open_reader(path), and add `def {name}(self): return self.open_reader`"
+        )
+    return method
 
 
 def _call_factory(method: Callable[[], Any], backend: Any, name: str) -> Callable[[Any], Any]:
@@ -532,18 +516,13 @@ class ResolvedBackend:
         self.list_dir: Callable[[PurePath], Iterable[str]] | None = (
             list_dir if callable(list_dir) else None
         )
-        self._sync_factory: Callable[[Any], SyncByteReader] = (
-            sync_reader
-            if _takes_path(sync_reader, backend)
-            else _call_factory(sync_reader, backend, "sync_reader")
+        self._sync_factory: Callable[[Any], SyncByteReader] = _call_factory(
+            _factory_of(sync_reader, backend, "sync_reader"), backend, "sync_reader"
         )
         async_reader = getattr(backend, "async_reader", None)
-        self._async_factory: Callable[[Any], AsyncByteReader] | None
-        if not callable(async_reader):
-            self._async_factory = None
-        elif _takes_path(async_reader, backend):
-            self._async_factory = async_reader
-        else:
+        self._async_factory: Callable[[Any], AsyncByteReader] | None = None
+        if callable(async_reader):
+            async_reader = _factory_of(async_reader, backend, "async_reader")
             self._async_factory = functools.partial(_lazy_async_factory, async_reader, backend)
 
     def reader(self, path: PurePath) -> SyncByteReader:
@@ -570,10 +549,9 @@ def resolve_backend(read_interface: Any) -> ResolvedBackend:
     """The backend for a storage's ``read_interface`` argument, behind one convention.
 
     ``None`` gives :class:`MmapIO`; a backend class is instantiated with no arguments; an
-    object with ``sync_reader`` is used as is, in either convention: GuideLoom's
-    (``sync_reader()`` returns a factory taking the path) or the path-style one
-    (``sync_reader(path)`` returns the reader), told apart by ``sync_reader``'s signature.
-    A :class:`ResolvedBackend` is returned unchanged.
+    object with ``sync_reader`` is used as is (``sync_reader()`` returns a factory taking
+    the path; a ``sync_reader(path)`` that takes the path is refused with a ``TypeError``
+    saying how to change it). A :class:`ResolvedBackend` is returned unchanged.
     """
     if isinstance(read_interface, ResolvedBackend):
         return read_interface

@@ -117,17 +117,12 @@ class AsyncByteReader(Protocol):
 
 @runtime_checkable
 class ReadInterface(Protocol):
-    """A read backend in either convention.
+    """A read backend (see :class:`IOReaderAbstract`): ``sync_reader()`` returns a factory
+    that is called with the path (``async_reader()`` likewise, and is optional)."""
 
-    GuideLoom's (see :class:`IOReaderAbstract`): ``sync_reader()`` returns a factory that is
-    called with the path. Ours, also accepted: ``sync_reader(path)`` returns the reader
-    directly. The storages tell the two apart by ``sync_reader``'s signature (a required
-    argument means the path-taking form).
-    """
+    def sync_reader(self) -> Any: ...
 
-    def sync_reader(self, *args: Any) -> Any: ...
-
-    def async_reader(self, *args: Any) -> Any: ...
+    def async_reader(self) -> Any: ...
 
 
 @runtime_checkable
