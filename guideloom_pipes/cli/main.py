@@ -10,6 +10,7 @@ import argparse
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import Any
 
 from guideloom_pipes.cli import head, info, recover, verify
 from guideloom_pipes.cli.dataset import KINDS, UsageError
@@ -53,10 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     typed.add_argument("--kind", choices=KINDS, help="the kind of dataset (default: detected)")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
+    _add_info(commands, [common, typed])
+    _add_verify(commands, [common, typed])
+    _add_head(commands, [common, typed])
+    _add_recover(commands, [common])
+    return parser
 
+
+def _add_info(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``info`` command: what a dataset holds."""
     p = commands.add_parser(
         "info",
-        parents=[common, typed],
+        parents=parents,
         help="what a dataset holds",
         description="Kind, format, dtype, shards, elements or documents, bytes, and the "
         "commit state of each shard.",
@@ -65,9 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-length", "-L", type=_positive, help="also count samples of L")
     p.set_defaults(run=info.run)
 
+
+def _add_verify(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``verify`` command: every open check and every checksum."""
     p = commands.add_parser(
         "verify",
-        parents=[common, typed],
+        parents=parents,
         help="check a dataset: every open check and every checksum",
         description="Every check a reader makes on open, for every shard, then every file's "
         "CRC-32. Exit status 0 when sound, 1 when not.",
@@ -84,9 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=verify.run)
 
+
+def _add_head(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``head`` command: the first samples, decoded."""
     p = commands.add_parser(
         "head",
-        parents=[common, typed],
+        parents=parents,
         help="print the first samples",
         description="The first samples, decoded: one line each (index<TAB>field=value).",
     )
@@ -106,9 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(run=head.run)
 
+
+def _add_recover(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``recover`` command: clean up after writers that stopped."""
     p = commands.add_parser(
         "recover",
-        parents=[common],
+        parents=parents,
         help="clean up after writers that stopped",
         description="Roll interrupted commits forward, finish interrupted removals, remove "
         "temporary files and stale locks, for shards no live writer holds. Committed data is "
@@ -117,7 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="DIR")
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.set_defaults(run=recover.run)
-    return parser
 
 
 def _one_line(error: BaseException) -> str:
