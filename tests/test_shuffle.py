@@ -17,8 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guideloom_pipes import shuffle
-from guideloom_pipes.shuffle import FeistelPermutation, FeistelStack, epoch_key_seed
+from guideloom_pipes.shuffle import FeistelPermutation, FeistelStack, epoch_key_seed, feistel
 
 EXPECTED = Path(__file__).parent / "data" / "guideloom-1.1" / "expected.json"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -32,12 +31,12 @@ def compute_path(kind: str) -> Iterator[None]:
 
     A plain context manager rather than monkeypatch, so hypothesis tests can use it.
     """
-    saved = shuffle._TABLE_MAX_SIDE
-    shuffle._TABLE_MAX_SIDE = 1 << 31 if kind == "table" else 0
+    saved = feistel._TABLE_MAX_SIDE
+    feistel._TABLE_MAX_SIDE = 1 << 31 if kind == "table" else 0
     try:
         yield
     finally:
-        shuffle._TABLE_MAX_SIDE = saved
+        feistel._TABLE_MAX_SIDE = saved
 
 
 def make(n: int, key_seed: int, kind: str) -> FeistelPermutation:
@@ -231,13 +230,13 @@ def test_the_first_round_of_a_block_computes_its_few_values_once(
     positions = np.arange(10**6, 10**6 + 4096, dtype=np.int64)  # one value of R = v // a
     expected = perm(positions)
     sizes: list[int] = []
-    real = shuffle._speck_block
+    real = feistel._speck_block
 
     def counting(values: np.ndarray, keys: Any) -> np.ndarray:
         sizes.append(values.size)
         return real(values, keys)
 
-    monkeypatch.setattr(shuffle, "_speck_block", counting)
+    monkeypatch.setattr(feistel, "_speck_block", counting)
     assert np.array_equal(perm(positions), expected)
     assert sizes == [4096] * (perm.rounds - 1)  # rounds 1-4 vectorised, round 0 once
 
@@ -246,7 +245,7 @@ def test_large_speck_inputs_are_computed_in_chunks(monkeypatch: pytest.MonkeyPat
     n = 2**40 + 7
     positions = np.random.default_rng(2).integers(0, n, size=3000)
     expected = make(n, 8, "speck")(positions)
-    monkeypatch.setattr(shuffle, "_CHUNK", 256)
+    monkeypatch.setattr(feistel, "_CHUNK", 256)
     assert np.array_equal(make(n, 8, "speck")(positions), expected)
 
 

@@ -1,56 +1,21 @@
-"""The GuideLoom-exact per-epoch shuffle: a Feistel permutation of ``[0, n)``, vectorised.
-
-The shuffled order of an epoch maps a position ``p`` in ``[0, n)`` to the sample id
-``perm(p)``. It is reproduced bit for bit from GuideLoom 1.1 (SPEC §5, "Shuffle"):
-
-* **Seeding.** Epoch ``e`` draws ``key_seed`` from
-  ``Generator(Philox(SeedSequence(shuffle_seed, spawn_key=(e,)))).integers(0, 2**32,
-  dtype=uint64)`` (:func:`epoch_key_seed`); ``shuffle_seed=None`` draws fresh entropy.
-* **Domain.** The positions are laid on a square of side ``a = isqrt(n - 1) + 1``
-  (``a * a >= n``): ``v = a * R + L``.
-* **Round function.** Round ``j`` keys Speck64/128 with the 128-bit key whose 32-bit words,
-  low to high, are ``key_seed & 0xffffffff``, ``key_seed >> 32``, ``j & 0xffffffff`` and
-  ``j >> 32`` (the standard 27-step Speck64/128 key schedule), and ``F_j(R)`` is the Speck64
-  encryption of the 64-bit block ``R``.
-* **One pass.** ``L, R = v mod a, v // a``; for each round ``j``:
-  ``L, R = R, ((L + F_j(R)) mod 2**64) mod a``; the result is ``a * L + R`` (5 rounds, an
-  odd count; ``a * R + L`` for an even count).
-* **Cycle walking.** A pass permutes ``[0, a*a)``; values that land in ``[n, a*a)`` are
-  passed again until they fall below ``n``. :meth:`FeistelPermutation.inverse` undoes the
-  passes the same way.
-
-Validity: the sum ``L + F_j(R)`` wraps modulo ``2**64`` before the reduction modulo ``a``,
-which makes a round non-invertible with probability about ``a / 2**64`` per round key and
-value of ``R``, so about ``5 n / 2**64`` in all. GuideLoom's order is therefore a permutation
-only with overwhelming probability, for ``n`` up to about ``2**48``; beyond that it is not
-guaranteed (we reproduce it anyway, wrap-around included). Should a key fail to give a
-permutation so that cycle walking cannot return below ``n``, a ``RuntimeError`` says so
-instead of looping forever.
-
-Speed: ``F_j`` only ever sees ``R < a``, and ``a`` is about ``sqrt(n)``. When ``a`` is small
-(``a <= _TABLE_MAX_SIDE = 2**17``, so ``n`` up to about ``1.7e10``) the values
-``F_j(R) mod a`` of all rounds are tabulated on first use (``rounds * a`` 32-bit words), so
-a pass is a few gathers, additions and comparisons.
-Otherwise Speck runs vectorised on uint32 arrays, a chunk of positions at a time (and in
-plain Python for a handful of values, where numpy's per-call overhead dominates). Nothing of
-the size of the dataset is ever allocated; compute blocks of thousands of positions per call,
-as each call has a fixed overhead.
-"""
+"""``FeistelPermutation``, GuideLoom's permutation of ``[0, n)`` (by round tables or direct
+Speck, a value at a time or vectorised, forward and inverse), and ``epoch_key_seed``, the key
+of an epoch (the construction: :mod:`guideloom_pipes.shuffle`)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["FeistelPermutation", "FeistelStack", "epoch_key_seed"]
+from guideloom_pipes.shuffle.passes import _U32, _U64, _combine, _cycle_walk, _table_pass
+from guideloom_pipes.shuffle.speck import _MASK32, _speck_block, _speck_round_keys
 
-_MASK32 = 0xFFFFFFFF
+__all__ = ["FeistelPermutation", "epoch_key_seed"]
+
 _MASK64 = (1 << 64) - 1
-_SPECK_STEPS = 27
 #: Largest square side ``a`` for which the round functions are tabulated (memory:
 #: ``rounds * a * 4`` bytes; build time: ``rounds * a`` Speck evaluations).
 _TABLE_MAX_SIDE = 1 << 17
@@ -62,58 +27,6 @@ _ROUNDS_TOGETHER = 2048
 _SMALL = 16
 #: ids are int64, so n - 1 must fit in int64.
 _MAX_N = 1 << 63
-
-_U64 = npt.NDArray[np.uint64]
-_U32 = npt.NDArray[np.uint32]
-
-
-def _rol32(x: int, r: int) -> int:
-    return ((x << r) | (x >> (32 - r))) & _MASK32
-
-
-def _ror32(x: int, r: int) -> int:
-    return ((x >> r) | (x << (32 - r))) & _MASK32
-
-
-def _speck_round_keys(key_seed: int, j: int) -> list[int]:
-    """The 27 Speck64/128 round keys of Feistel round ``j``."""
-    b = key_seed & _MASK32
-    words = [(key_seed >> 32) & _MASK32, j & _MASK32, (j >> 32) & _MASK32]
-    keys = [b]
-    for i in range(_SPECK_STEPS - 1):
-        x = ((_ror32(words[i % 3], 8) + b) & _MASK32) ^ i
-        b = _rol32(b, 3) ^ x
-        words[i % 3] = x
-        keys.append(b)
-    return keys
-
-
-def _speck_block(values: _U64, keys: Sequence[Any]) -> _U64:
-    """Speck64 encryption of blocks ``values < 2**32`` (so the high word starts at 0), under
-    the round keys ``keys``: uint32 scalars, or arrays that broadcast against ``values``
-    (a column of keys per row of a 2-D ``values``)."""
-    lo = values.astype(np.uint32)
-    t = np.empty_like(lo)
-    # Step 0 with hi = 0: hi = (ror(0, 8) + lo) ^ k0.
-    hi = np.bitwise_xor(lo, keys[0])
-    np.right_shift(lo, 29, out=t)
-    np.left_shift(lo, 3, out=lo)
-    np.bitwise_or(lo, t, out=lo)
-    np.bitwise_xor(lo, hi, out=lo)
-    for k in keys[1:]:
-        np.right_shift(hi, 8, out=t)
-        np.left_shift(hi, 24, out=hi)
-        np.bitwise_or(hi, t, out=hi)
-        np.add(hi, lo, out=hi)
-        np.bitwise_xor(hi, k, out=hi)
-        np.right_shift(lo, 29, out=t)
-        np.left_shift(lo, 3, out=lo)
-        np.bitwise_or(lo, t, out=lo)
-        np.bitwise_xor(lo, hi, out=lo)
-    out = hi.astype(np.uint64)
-    np.left_shift(out, np.uint64(32), out=out)
-    np.bitwise_or(out, lo, out=out)
-    return out
 
 
 def epoch_key_seed(shuffle_seed: int | None, epoch: int) -> int:
@@ -141,7 +54,7 @@ class FeistelPermutation:
 
     Calling it maps positions to sample ids; :meth:`inverse` maps ids back to positions. Both
     take an int (and return an int) or an integer array (and return an int64 array of the
-    same shape). See the module docstring for the construction.
+    same shape). See :mod:`guideloom_pipes.shuffle` for the construction.
 
     Args:
         n: size of the permuted range, ``1 <= n <= 2**63``.
@@ -437,220 +350,3 @@ class FeistelPermutation:
             cand[use_alt] = alt[use_alt]
             old[risky] = cand
         return old
-
-
-class FeistelStack:
-    """Several :class:`FeistelPermutation` applied in one call, each element by its own.
-
-    ``stack(which, positions)`` maps ``positions[i]`` by ``permutations[which[i]]``, exactly
-    as that permutation's own call does. The round tables of the permutations that have
-    them are laid end to end, so a batch that mixes many permutations costs the few numpy
-    operations of one; a permutation without tables (side ``a > 2**17``) or with a round
-    whose sum can wrap around ``2**64`` is called by itself on its elements. Immutable once
-    built (the tables are built here), so one stack may serve several threads.
-
-    Args:
-        permutations: the permutations, numbered by their order (at least one; all with
-            the same number of rounds).
-    """
-
-    permutations: tuple[FeistelPermutation, ...]
-
-    def __init__(self, permutations: Sequence[FeistelPermutation]) -> None:
-        self.permutations = tuple(permutations)
-        if not self.permutations:
-            raise ValueError("FeistelStack needs at least one permutation, got none")
-        rounds = sorted({p.rounds for p in self.permutations})
-        if len(rounds) > 1:
-            raise ValueError(
-                f"the permutations of a FeistelStack must have the same number of rounds, "
-                f"got {rounds}; stack those with the same count together"
-            )
-        self._odd = rounds[0] % 2 == 1
-        fast = [p._use_table and not any(p._get_tables()[1]) for p in self.permutations]
-        self._fast = np.array(fast, dtype=bool)
-        # A permutation served by itself keeps a placeholder of side 1 in the stack.
-        sides = [p._a if f else 1 for p, f in zip(self.permutations, fast)]
-        self._offsets = np.zeros(len(sides), dtype=np.uint64)
-        np.cumsum(sides[:-1], out=self._offsets[1:])
-        self._tables = [
-            np.concatenate(
-                [
-                    p._get_tables()[0][j] if f else np.zeros(1, np.uint32)
-                    for p, f in zip(self.permutations, fast)
-                ]
-            )
-            for j in range(rounds[0])
-        ]
-        self._side64 = np.array(sides, dtype=np.uint64)
-        self._side32 = self._side64.astype(np.uint32)
-        self._sizes = np.array([p.n for p in self.permutations], dtype=np.uint64)
-        # Cycle walking of any stacked permutation ends within this many passes after the
-        # first (see FeistelPermutation._walk).
-        self._budget = max(
-            (p._a * p._a - p.n for p, f in zip(self.permutations, fast) if f), default=0
-        )
-
-    def __len__(self) -> int:
-        return len(self.permutations)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self.permutations)} permutations)"
-
-    def __call__(self, which: npt.ArrayLike, positions: npt.ArrayLike) -> npt.NDArray[np.int64]:
-        """Map each position by the permutation ``which`` names.
-
-        Args:
-            which: the permutation of each element, an integer array of numbers in
-                ``[0, len(stack))``.
-            positions: an integer array of the shape of ``which``, each in ``[0, n)`` of
-                its permutation.
-
-        Returns:
-            The sample ids, an int64 array of that shape.
-
-        Raises:
-            IndexError: a number or a position is out of range (the message names it).
-        """
-        slot = np.asarray(which)
-        given = np.asarray(positions)
-        if slot.shape != given.shape:
-            raise ValueError(
-                f"which and positions must have the same shape, got {slot.shape} and {given.shape}"
-            )
-        for name, arr in (("which", slot), ("positions", given)):
-            if arr.size and arr.dtype.kind not in "iu":
-                raise TypeError(f"{name} must be integers, got an array of {arr.dtype}")
-        shape = given.shape
-        slot = slot.reshape(-1).astype(np.int64, copy=False)
-        offset = given.reshape(-1).astype(np.int64, copy=False)
-        if not offset.size:
-            return np.empty(shape, dtype=np.int64)
-        self._check(slot, offset)
-        quick = self._fast[slot]
-        if quick.all():
-            return self._walk(slot, offset).view(np.int64).reshape(shape)
-        out = np.empty(len(offset), dtype=np.int64)
-        for s in np.unique(slot[~quick]).tolist():
-            rows = np.flatnonzero(slot == s)
-            out[rows] = self.permutations[s](offset[rows])
-        rows = np.flatnonzero(quick)
-        if len(rows):
-            out[rows] = self._walk(slot[rows], offset[rows]).view(np.int64)
-        return out.reshape(shape)
-
-    def _check(self, slot: npt.NDArray[np.int64], offset: npt.NDArray[np.int64]) -> None:
-        low, high = int(slot.min()), int(slot.max())
-        if low < 0 or high >= len(self.permutations):
-            bad = low if low < 0 else high
-            raise IndexError(
-                f"permutation {bad} is out of range [0, {len(self.permutations)}) of this stack"
-            )
-        outside = (offset < 0) | (offset.astype(np.uint64) >= self._sizes[slot])
-        if outside.any():
-            i = int(np.flatnonzero(outside)[0])
-            raise IndexError(
-                f"position {int(offset[i])} is out of range [0, {int(self._sizes[slot[i]])}) "
-                f"of permutation {int(slot[i])}"
-            )
-
-    def _walk(self, slot: npt.NDArray[np.int64], offset: npt.NDArray[np.int64]) -> _U64:
-        """Cycle-walk positions of stacked permutations (each ``slot`` has tables)."""
-        tables, odd = self._tables, self._odd
-        offsets, side64, side32 = self._offsets[slot], self._side64[slot], self._side32[slot]
-
-        def step(values: _U64, rows: npt.NDArray[np.intp] | None) -> _U64:
-            if rows is None:
-                return _table_pass(values, tables, side64, side32, odd, offset=offsets)
-            return _table_pass(
-                values, tables, side64[rows], side32[rows], odd, offset=offsets[rows]
-            )
-
-        def fail(rows: npt.NDArray[np.intp]) -> RuntimeError:
-            return self.permutations[int(slot[rows[0]])]._not_a_permutation()
-
-        return _cycle_walk(offset.astype(np.uint64), step, self._sizes[slot], self._budget, fail)
-
-
-def _cycle_walk(
-    v: _U64,
-    step: Callable[[_U64, npt.NDArray[np.intp] | None], _U64],
-    n: Any,
-    budget: int,
-    fail: Callable[[npt.NDArray[np.intp]], Exception],
-) -> _U64:
-    """Cycle walking: passes of ``v`` until every value is below its bound ``n``.
-
-    Args:
-        v: the values (uint64), each below its bound; may be reused.
-        step: one pass, ``step(values, rows)``: ``rows`` are the values' indices in ``v``
-            (for per-element parameters), ``None`` for all of ``v``.
-        n: the bound, a uint64, or one per element of ``v`` (a uint64 array).
-        budget: the passes allowed after the first; a permutation needs at most its
-            ``a*a - n``.
-        fail: the error to raise when the budget is spent, given the rows still above.
-    """
-    per_element = isinstance(n, np.ndarray)
-    v = step(v, None)
-    todo = np.flatnonzero(v >= n)
-    while todo.size:
-        if budget <= 0:
-            raise fail(todo)
-        budget -= 1
-        w = step(v[todo], todo)
-        v[todo] = w
-        todo = todo[w >= (n[todo] if per_element else n)]
-    return v
-
-
-def _table_pass(
-    v: _U64,
-    tables: Sequence[_U32],
-    side64: Any,
-    side32: Any,
-    odd: bool,
-    wraps: Sequence[bool] = (),
-    exact: Callable[[int, _U32, _U32], None] | None = None,
-    *,
-    offset: _U64 | None = None,
-) -> _U64:
-    """One forward Feistel pass over ``[0, a*a)`` by round tables of ``F_j mod a``.
-
-    Args:
-        v: the values, uint64.
-        tables: per round ``j``, ``F_j(R) mod a`` at ``R`` (uint32), or at ``offset + R``.
-        side64, side32: the side ``a`` as uint64 and uint32: a scalar, or one per value.
-        odd: whether the round count is odd (how the halves combine).
-        wraps: per round, whether it is computed by ``exact(j, left, right)`` (in place on
-            ``left``) instead of the table: a sum ``L + F_j(R)`` may wrap around ``2**64``.
-        offset: where each value's permutation starts in the tables (a stack of them).
-    """
-    right64, left64 = np.divmod(v, side64)
-    left = left64.astype(np.uint32)
-    right = right64.astype(np.uint32)
-    tmp = np.empty_like(left)
-    for j, table in enumerate(tables):
-        # left = (left + F_j(right)) mod 2**64 mod a, in place.
-        if exact is not None and wraps[j]:
-            exact(j, left, right)
-        else:
-            index = right if offset is None else offset + right
-            np.take(table, index, out=tmp, mode="wrap")
-            # left + (F mod a) < 2a <= 2**32, and s - a wraps above s when s < a.
-            np.add(left, tmp, out=left)
-            np.subtract(left, side32, out=tmp)
-            np.minimum(left, tmp, out=left)
-        left, right = right, left
-    return _combine(left.astype(np.uint64), right.astype(np.uint64), side64, odd)
-
-
-def _combine(left: _U64, right: _U64, side: Any, odd: bool) -> _U64:
-    """The value of the halves after a pass: ``a * L + R`` for an odd round count, else
-    ``a * R + L`` (``side``: ``a``, a uint64 or one per value); reuses their memory."""
-    if odd:
-        np.multiply(left, side, out=left)
-        np.add(left, right, out=left)
-        return left
-    np.multiply(right, side, out=right)
-    np.add(right, left, out=right)
-    return right
