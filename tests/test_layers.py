@@ -28,6 +28,8 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.batch": 2,
     "guideloom_pipes.datasets": 3,
     "guideloom_pipes.mixture": 3,
+    "guideloom_pipes.mixture_schedule": 3,
+    "guideloom_pipes.mixture_reader": 3,
     "guideloom_pipes.packing": 3,
     "guideloom_pipes.shuffle": 3,
     "guideloom_pipes.opening": 3,

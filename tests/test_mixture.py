@@ -21,7 +21,7 @@ from guideloom_pipes import (
     StreamNumpyFormat,
     StreamStorage,
 )
-from guideloom_pipes.mixture import (
+from guideloom_pipes.mixture_schedule import (
     _floor_muldiv,
     _integer_weights,
     _name_key,
