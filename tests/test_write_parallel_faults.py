@@ -306,7 +306,7 @@ def test_a_pool_worker_whose_driver_died_before_it_started_ends_at_once() -> Non
     any more (here: never was) means it died before the worker could watch it."""
     code = (
         "import time\n"
-        "from guideloom_pipes.parallel import _start_worker\n"
+        "from guideloom_pipes.parallel.worker import _start_worker\n"
         "_start_worker(1)\n"
         "for _ in range(600):\n"
         "    time.sleep(0.1)\n"
