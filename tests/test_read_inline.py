@@ -787,7 +787,12 @@ def test_one_late_call_keeps_the_calling_thread_reading(
         got.append(next(node))
     clock.advance(late)
     got.append(next(node))  # timed: it measures the caller's time since the last call
-    assert node.schedule.learned().gap > 0 and node.schedule.reads_inline() and not node._pending and node._jobs == 0
+    assert (
+        node.schedule.learned().gap > 0
+        and node.schedule.reads_inline()
+        and not node._pending
+        and node._jobs == 0
+    )
     got += list(node)
     node.close()
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
