@@ -186,7 +186,7 @@ def _drained_quick(node: ReadSamples) -> list[Any]:
     node.reset()
     got = [next(node)]
     _taught_quick(node)
-    while node._pending or node._job is not None:
+    while node._pending or node._workers.job is not None:
         got.append(next(node))
     return got
 
@@ -235,8 +235,8 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
     assert not second._pending and not second.schedule.probing  # no job, no timing alone
     got = [next(second) for _ in range(3)]
     # and its worker threads never started (a start and a join at every epoch, for nothing)
-    assert second._pool is not None and second._pool._threads
-    assert all(thread.ident is None for thread in second._pool._threads)
+    assert second._workers.pool is not None and second._workers.pool._threads
+    assert all(thread.ident is None for thread in second._workers.pool._threads)
     second.close()
     main = threading.current_thread().name
     assert readers.threads == [main] * 3
@@ -358,11 +358,11 @@ def test_any_format_or_collate_is_read_as_a_worker_reads_it_where_workers_are_to
         assert all(node._may_inline for node in (ours, users, bench))
         # the calling thread runs a job no worker has started as a worker too
         for node in (ours, users, bench):
-            assert node._pool._caller_as is not None  # type: ignore[union-attr]
-        assert all(n._pool._caller_runs for n in (ours, users, bench))  # type: ignore[union-attr]
+            assert node._workers.pool._caller_as is not None  # type: ignore[union-attr]
+        assert all(n._workers.pool._caller_runs for n in (ours, users, bench))  # type: ignore[union-attr]
         torch = pytest.importorskip("torch")
         for node in (ours, users, bench):
-            with node._as_worker(1):
+            with node._workers.pool._caller_as(1):  # type: ignore[union-attr,misc]
                 info = get_worker_info()
                 assert info is not None
                 assert (info.id, info.num_workers, info.seed) == (1, 2, 6)
@@ -376,7 +376,7 @@ def test_any_format_or_collate_is_read_as_a_worker_reads_it_where_workers_are_to
     initialised.worker_init_fn = lambda index: None
     initialised.reset()
     try:
-        assert not initialised._pool._caller_runs  # type: ignore[union-attr]
+        assert not initialised._workers.pool._caller_runs  # type: ignore[union-attr]
         assert not initialised._may_inline and initialised._stand_in is None
     finally:
         initialised.close()
@@ -430,7 +430,7 @@ def test_a_caller_that_slows_or_reads_that_wait_go_back_to_the_workers(
     assert not node.schedule.reads_inline()
     assert change == "the reads wait" or len(got) - turned <= 3 * INLINE_SAMPLE
     got.append(next(node))  # through the workers again
-    assert node._jobs > 0 or node._job is not None
+    assert node._workers.jobs > 0 or node._workers.job is not None
     got += list(node)
     node.close()
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
@@ -518,7 +518,7 @@ def test_a_chunk_read_inline_is_delivered_whole_when_untimed_calls_follow(
     node.reset()
     got = [next(node)]
     node.schedule.adopt(ReadFigures(clock.read, 1.0, 0.0))
-    while node._pending or node._job is not None:  # the jobs already submitted
+    while node._pending or node._workers.job is not None:  # the jobs already submitted
         got.append(next(node))
     got.append(next(node))  # read by this thread, timed: the next calls are not
     assert node._inline_left == INLINE_SAMPLE - 1
@@ -791,7 +791,7 @@ def test_one_late_call_keeps_the_calling_thread_reading(
         node.schedule.learned().gap > 0
         and node.schedule.reads_inline()
         and not node._pending
-        and node._jobs == 0
+        and node._workers.jobs == 0
     )
     got += list(node)
     node.close()
@@ -811,7 +811,7 @@ def test_a_caller_back_within_the_gap_floor_keeps_reading_quicker_batches(
     for _ in range(8 * INLINE_SAMPLE):
         clock.advance(8e-6)
         got.append(next(node))
-        assert node.schedule.reads_inline() and node._jobs == 0
+        assert node.schedule.reads_inline() and node._workers.jobs == 0
     learned = node.schedule.learned()
     assert learned.gap > schedule_module.GAP_SHARE * learned.batch_seconds
     node.close()

@@ -19,12 +19,8 @@ from guideloom_pipes.pipes.collate import collated_read_fn
 from guideloom_pipes.pipes.errors import DataLoaderTimeoutError, mark_batch_failure
 from guideloom_pipes.pipes.positions import Positions
 from guideloom_pipes.pipes.shuffle import Shuffle, state_marks
-from guideloom_pipes.pipes.worker_info import (
-    _thread_info,
-    standing_in,
-    thread_worker_info,
-    thread_worker_infos,
-)
+from guideloom_pipes.pipes.worker_info import _thread_info
+from guideloom_pipes.pipes.workers.jobs import WorkerJobs
 from guideloom_pipes.pipes.workers.processes import ProcessPool, start_context
 from guideloom_pipes.pipes.workers.schedule import (
     CHUNK_SECONDS,
@@ -42,7 +38,6 @@ from guideloom_pipes.pipes.workers.tasks import (
     read_many_fn_for,
 )
 from guideloom_pipes.pipes.workers.threads import (
-    ThreadPool,
     after_orphaned_jobs,
     seconds_text,
     together_text,
@@ -75,6 +70,60 @@ def _failed_error(failed: Failed) -> BaseException:
         error.__cause__ = RemoteTraceback(failed.remote)
     mark_batch_failure(error)
     return error
+
+
+class _SourceBatches:
+    """The stage's source as batches of ids, each taken with the source's state after it (a
+    mark, see ``state_marks``) and, with ``batch_seeds``, its seed; the source's end or error
+    is kept (``done``, ``end_state``, ``error``), to be delivered once the batches before it
+    are. Shared by the calling thread's reads and the workers' jobs."""
+
+    __slots__ = ("batch_seeds", "done", "end_state", "error", "mark", "next_ids", "source", "taken")
+
+    def __init__(
+        self, source: Any, next_ids: Callable[[], _I64], batch_seeds: Callable[[int], int] | None
+    ) -> None:
+        self.source = source
+        self.next_ids = next_ids
+        self.batch_seeds = batch_seeds
+        self.mark: Callable[[], Any] = source.state_dict
+        self.taken = 0  # batches taken from the source since reset (see batch_seeds)
+        self.done = False
+        self.end_state: Any = None
+        self.error: BaseException | None = None
+
+    def restart(self, mark: Callable[[], Any]) -> None:
+        """A reset: nothing taken, the source not ended; ``mark`` marks its state."""
+        self.mark = mark
+        self.taken = 0
+        self.done = False
+        self.end_state = None
+        self.error = None
+
+    def take(self, size: int) -> tuple[list[_I64], list[Any], list[int]]:
+        """Up to ``size`` batches of ids from the source, each with the source's state after
+        it and (with ``batch_seeds``) its seed; fewer where the source ends or raises."""
+        batch_seeds, mark, next_ids = self.batch_seeds, self.mark, self.next_ids
+        batches: list[_I64] = []
+        snapshots: list[Any] = []
+        seeds: list[int] = []
+        while len(batches) < size:
+            try:
+                ids = next_ids()
+            except StopIteration:
+                self.done = True
+                self.end_state = self.source.state_dict()
+                break
+            except Exception as error:
+                self.done = True
+                self.error = error
+                break
+            batches.append(ids)
+            snapshots.append(mark())
+            if batch_seeds is not None:
+                seeds.append(batch_seeds(self.taken))
+                self.taken += 1
+        return batches, snapshots, seeds
 
 
 class ReadSamples(BaseNode[Any]):
@@ -240,21 +289,14 @@ class ReadSamples(BaseNode[Any]):
             max_in_flight=self.max_in_flight,
             figures=figures,
         )
-        self._taken = 0  # batches taken from the source since reset (see batch_seeds)
+        self._ids = _SourceBatches(source, self._next_ids, batch_seeds)
         self._reader = reader
         self._owns_reader = False
         self._task: ReadTask | None = None
-        self._pool: ThreadPool | ProcessPool | None = None
-        # One entry per batch submitted and not yet delivered, oldest first:
-        # (job, index in the job, last of its job, source state after the batch).
-        self._pending: collections.deque[tuple[Any, int, bool, Any]] = collections.deque()
-        self._jobs = 0  # jobs with batches in _pending
-        self._job: Any = None  # the job whose outcomes are being delivered
-        self._outcomes: list[Any] = []
+        self._workers = WorkerJobs(self.schedule, self._ids, seeded=batch_seeds is not None)
+        self._pending = self._workers.pending  # (the same deque: batches on the workers)
         self._may_inline = False  # batches may be read by the calling thread (schedule.start)
-        # each worker thread's WorkerInfo where they are told who they are; and the same
-        # where the calling thread stands in for them (no worker_init_fn), else None
-        self._infos: list[Any] | None = None
+        # each worker's WorkerInfo where the calling thread stands in for them, else None
         self._stand_in: list[Any] | None = None
         self._inline_left = 0  # calls the calling thread reads without a clock (_next_inline)
         self._solo = False  # ... each batch by itself (no chunk): next() goes to _read_next
@@ -272,9 +314,6 @@ class ReadSamples(BaseNode[Any]):
         self._state_at: Callable[[Any], Any] | None = None
         self._drained = False  # the source's end was delivered
         self._read_ahead = False  # workers may have read the source ahead of the caller
-        self._end_snapshot: Any = None
-        self._source_done = False
-        self._source_error: BaseException | None = None
 
     # -- reader ---------------------------------------------------------------------------
 
@@ -324,7 +363,7 @@ class ReadSamples(BaseNode[Any]):
             self.source.reset()
         self._read_ahead = False
         self._delivered = 0
-        self._taken = 0
+        self._ids.taken = 0
         if self.num_workers == 0 or self.method == "thread":
             self.open()
         if self.num_workers == 0:
@@ -338,85 +377,45 @@ class ReadSamples(BaseNode[Any]):
         self._previous = None
         self._drained = False
         self._read_ahead = True
-        self._end_snapshot = None
-        self._source_done = False
-        self._source_error = None
+        self._ids.restart(self._mark)
         self._returned = 0.0
         self._start_workers()
         if not self.schedule.reads_inline():
-            self._fill()  # (else the calling thread reads from the first batch on)
+            self._workers.fill()  # (else the calling thread reads from the first batch on)
 
     def _start_workers(self) -> None:
-        """Start this epoch's workers and tell the schedule who may read.
-
-        The calling thread reads a batch, or runs a job no worker has started, only as a
-        worker would: where the workers are told who they are (``base_seed`` or a
-        ``worker_init_fn``: ``get_worker_info()`` answers in them), standing in for one;
+        """Start this epoch's workers and tell the schedule whether the calling thread may
+        read: as a worker would, standing in for one where they are told who they are;
         never where a ``worker_init_fn`` may have set up the workers' threads, nor with a
         timeout (a read in the calling thread could not be interrupted)."""
-        told = self.base_seed is not None or self.worker_init_fn is not None
-        threads = self.method == "thread"
         caller_reads = self.timeout is None and self.worker_init_fn is None
-        self._infos = None
-        if told and threads:
-            base = self._worker_base_seed() or 0
-            self._infos = thread_worker_infos(self.dataset, self.num_workers, base)
-        self._stand_in = self._infos if self.worker_init_fn is None else None
         self._may_inline = self.schedule.start(caller_reads)
-        if threads:
+        base_seed = self.base_seed
+        if base_seed is None and self.worker_init_fn is not None:
+            base_seed = 0
+        if self.method == "thread":
             assert self._task is not None
-            self._pool = ThreadPool(
+            self._stand_in = self._workers.start_threads(
                 self._task.run,
                 self.num_workers,
-                caller_runs=caller_reads,
-                init=self._init_thread if told else None,
-                caller_as=None if self._stand_in is None else self._as_worker,
-                # (only a user's init is seen before a job runs: ours only tells the thread
-                # who it is)
-                start_now=self.worker_init_fn is not None,
-            )
-        elif self._process_pool is not None:
-            if self._process_pool.closed:
-                raise RuntimeError(
-                    "the worker processes given to this ReadSamples were stopped: a failed "
-                    "pool is not reused (the loader starts new ones at its next iter())"
-                )
-            self._pool = self._process_pool
-            try:
-                self._process_pool.begin(self.dataset, self.collate_fn)
-            except BaseException:
-                self._pool = None
-                self._process_pool.close()
-                raise
-        else:
-            assert self._mp is not None
-            self._pool = ProcessPool(
                 self.dataset,
-                self._worker_collate,
-                self.num_workers,
-                self._mp,
-                base_seed=self._worker_base_seed(),
+                timeout=self.timeout,
+                base_seed=base_seed,
                 worker_init_fn=self.worker_init_fn,
+                caller_reads=caller_reads,
             )
-
-    def _worker_base_seed(self) -> int | None:
-        if self.base_seed is not None:
-            return self.base_seed
-        return 0 if self.worker_init_fn is not None else None
-
-    def _init_thread(self, index: int) -> None:
-        """Tell worker thread ``index`` who it is (our ``get_worker_info()``), then run
-        ``worker_init_fn``."""
-        assert self._infos is not None
-        thread_worker_info(self._infos[index])
-        if self.worker_init_fn is not None:
-            self.worker_init_fn(index)
-
-    def _as_worker(self, index: int) -> contextlib.AbstractContextManager[None]:
-        """The calling thread stands in for worker thread ``index`` (a batch it reads, a
-        job no worker has started): ``get_worker_info()`` answers as in it, then as before."""
-        assert self._stand_in is not None
-        return standing_in(self._stand_in[index])
+            return
+        self._stand_in = None
+        self._workers.start_processes(
+            self.dataset,
+            self.collate_fn if self._process_pool is not None else self._worker_collate,
+            self.num_workers,
+            self._mp,
+            timeout=self.timeout,
+            shared=self._process_pool,
+            base_seed=base_seed,
+            worker_init_fn=self.worker_init_fn,
+        )
 
     def _reset_source_as_delivered(self) -> None:
         """``source.reset()`` as if the source had given only the batches delivered.
@@ -448,8 +447,9 @@ class ReadSamples(BaseNode[Any]):
                 seeds = self.batch_seeds
                 if seeds is None:
                     return task._plain(ids)
-                self._taken += 1
-                return task(ids, seeds(self._taken - 1))
+                source = self._ids
+                source.taken += 1
+                return task(ids, seeds(source.taken - 1))
             except Exception as failed:
                 mark_batch_failure(failed)  # the source has moved past it: the next batch follows
                 raise
@@ -465,8 +465,8 @@ class ReadSamples(BaseNode[Any]):
                 self._inline_left = left - 1
                 return self._read_next()
             return self._next_here()
-        # Standing in for worker delivered % N (as _as_worker does, without a context
-        # manager's ~1.5 us per batch: this is the path of every quick batch)
+        # Standing in for worker delivered % N (as worker_info.standing_in does, without a
+        # context manager's ~1.5 us per batch: this is the path of every quick batch)
         local = _thread_info
         before = getattr(local, "info", None)
         local.info = infos[self._delivered % len(infos)]
@@ -499,30 +499,26 @@ class ReadSamples(BaseNode[Any]):
         try:
             if self._ready:
                 return self._deliver_ready()
-            if not self._source_done and not self._pending and schedule.reads_inline():
+            if not self._ids.done and not self._pending and schedule.reads_inline():
                 return self._next_inline(timed=True)
             return self._next_from_workers()
         finally:
             self._returned = time.perf_counter()
 
     def _next_from_workers(self) -> Any:
-        self._fill()
-        if not self._pending:
+        try:
+            got = self._workers.next()
+        except DataLoaderTimeoutError as timed_out:  # (the message names the batch)
+            raise self._timed_out(timed_out.batches) from None
+        if got is None:
             return self._source_end()
-        job, index, last, snapshot = self._pending.popleft()
-        if job is not self._job:
-            self._await_job(job, last)
-        outcomes = self._outcomes
-        result, outcomes[index] = outcomes[index], None  # the caller's from now on
-        if last:
-            self._jobs -= 1
-            self._job, self._outcomes = None, []
+        result, snapshot = got
         # A failed batch counts as delivered too: the next call delivers the batch after it.
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
         if type(result) is Failed:
             error = _failed_error(result)
-            del result, outcomes
+            del result, got
             try:
                 raise error
             finally:
@@ -532,41 +528,17 @@ class ReadSamples(BaseNode[Any]):
     def _source_end(self) -> Any:
         """Nothing is pending: the source's error, kept until the batches before it were
         delivered, or its end."""
-        if self._source_error is not None:
-            error, self._source_error = self._source_error, None
+        source = self._ids
+        if source.error is not None:
+            error, source.error = source.error, None
             try:
                 raise error
             finally:
                 del error  # (see _failed_error)
-        if self._end_snapshot is not None:
-            self._snapshot = self._end_snapshot
+        if source.end_state is not None:
+            self._snapshot = source.end_state
             self._drained = True
         raise StopIteration()
-
-    def _await_job(self, job: Any, last: bool) -> None:
-        """Wait for ``job``'s outcomes (the next batch's job) and tell the schedule its time."""
-        pool = self._pool
-        assert pool is not None
-        probing = self.schedule.probing
-        if probing:
-            self._probe(job)
-        try:
-            outcomes, elapsed, cpu_share = pool.result(job, self.timeout)
-        except BaseException as failure:
-            together = 1 + sum(entry[0] is job for entry in self._pending)
-            if pool is self._process_pool:
-                pool.close()  # (a timeout, a dead worker: not one to reuse)
-            if self._pool is pool:  # (else closed meanwhile, by another thread)
-                self._drop_job(job, last)
-            if isinstance(failure, DataLoaderTimeoutError):
-                timed_out = DataLoaderTimeoutError(self._timeout_message(together))
-                timed_out.batches = together
-                raise timed_out from None
-            raise
-        self._job, self._outcomes = job, outcomes
-        self.schedule.batches_read(elapsed / len(outcomes), cpu_share)
-        if probing:
-            self._fill()  # the workers read ahead from now on
 
     def _next_inline(self, timed: bool) -> Any:
         """The next batch, read by the calling thread (see :meth:`ReadSchedule.reads_inline`):
@@ -609,7 +581,7 @@ class ReadSamples(BaseNode[Any]):
             share = min(1.0, (time.thread_time() - cpu) / elapsed) if elapsed > 0 else None
             schedule = self.schedule
             schedule.batches_read(elapsed, share)
-            if not self._source_done and schedule.reads_inline():
+            if not self._ids.done and schedule.reads_inline():
                 self._inline_left = INLINE_SAMPLE - 1
                 self._solo = schedule.inline_chunk(task.columns, task.packs_chunks) == 1
 
@@ -618,11 +590,12 @@ class ReadSamples(BaseNode[Any]):
         the next batch's ids: delivered as the workers' path delivers it, after any batches
         before it still to deliver."""
         self._inline_left = 0
-        self._source_done = True
+        source = self._ids
+        source.done = True
         if error is None:
-            self._end_snapshot = self.source.state_dict()
+            source.end_state = self.source.state_dict()
             return self._next_from_workers()  # delivers the end
-        self._source_error = error
+        source.error = error
         del error  # (see _failed_error)
         return self._next_from_workers()  # raises it
 
@@ -634,8 +607,9 @@ class ReadSamples(BaseNode[Any]):
             if seeds is None:
                 result = task._plain(ids)
             else:
-                self._taken += 1
-                result = task(ids, seeds(self._taken - 1))
+                source = self._ids
+                source.taken += 1
+                result = task(ids, seeds(source.taken - 1))
         except Exception as error:
             self._previous, self._snapshot = self._snapshot, snapshot
             self._delivered += 1
@@ -651,7 +625,7 @@ class ReadSamples(BaseNode[Any]):
         task = self._task
         assert task is not None
         batch_seeds = self.batch_seeds
-        batches, snapshots, seeds = self._take(size)
+        batches, snapshots, seeds = self._ids.take(size)
         if not batches:
             return self._next_from_workers()
         cpu = time.thread_time()
@@ -692,43 +666,17 @@ class ReadSamples(BaseNode[Any]):
                 del raised
         return result
 
-    def _timeout_message(self, together: int) -> str:
+    def _timed_out(self, together: int) -> DataLoaderTimeoutError:
+        """The timeout waiting for a job of ``together`` batches, naming the batch."""
         workers = f"{self.num_workers} {self.method} worker" + "s" * (self.num_workers > 1)
-        return (
+        timed_out = DataLoaderTimeoutError(
             f"DataLoader timed out after {seconds_text(self.timeout or 0)} seconds waiting for "
             f"batch {self._delivered} (counting from 0 at the last reset) from {workers}"
             f"{together_text(together)}: a read or collate_fn took longer than the timeout, or "
             "hangs; raise timeout= or find what blocks"
         )
-
-    def _probe(self, job: Any) -> None:
-        """Wait for the first job, which runs alone, up to ``chunk_seconds``; if it still
-        runs, tell the schedule what share of its time it has spent on the CPU
-        (:meth:`ReadSchedule.lone_job_running`) and fill. A job done by then tells by its
-        result (see :meth:`_await_job`)."""
-        schedule = self.schedule
-        schedule.probe_over()
-        pool = self._pool
-        seconds = schedule.chunk_seconds
-        if not isinstance(pool, ThreadPool) or pool.wait_done(job, seconds):
-            return
-        # Judge the job once it has itself run for chunk_seconds: a worker may have started
-        # it late (a loaded machine), and the first moments of a job that waits are spent
-        # computing (setting up its read). One not started at all is taken to wait.
-        running = job.running_for()
-        while running is not None and running < seconds:
-            if pool.wait_done(job, seconds - running):
-                return  # done: its result tells (see next)
-            running = job.running_for()
-        schedule.lone_job_running(job.running_share())
-        self._fill()
-
-    def _drop_job(self, job: Any, last: bool) -> None:
-        """Forget the rest of a job that failed as a whole (its batches were not delivered)."""
-        pending = self._pending
-        while not last and pending and pending[0][0] is job:
-            last = pending.popleft()[2]
-        self._jobs -= 1
+        timed_out.batches = together
+        return timed_out
 
     def get_state(self) -> dict[str, Any]:
         if self.num_workers == 0:
@@ -743,77 +691,10 @@ class ReadSamples(BaseNode[Any]):
 
     # -- workers --------------------------------------------------------------------------
 
-    def _fill(self) -> None:
-        """Submit jobs from the source until enough batches are in flight, as many batches
-        to a job and as many jobs as the schedule says (:meth:`ReadSchedule.chunk_size`,
-        :meth:`ReadSchedule.enough_in_flight`); on thread workers, one at a time or side by
-        side as it says (:meth:`ReadSchedule.workers_at_once`)."""
-        pool = self._pool
-        schedule = self.schedule
-        if pool is None or self._source_done or schedule.reads_inline():
-            return
-        pending = self._pending
-        if isinstance(pool, ThreadPool):
-            pool.set_limit(schedule.workers_at_once())
-        size = schedule.chunk_size()
-        batch_seeds = self.batch_seeds
-        while not self._source_done:
-            if schedule.enough_in_flight(len(pending), self._jobs, size):
-                return
-            batches, snapshots, seeds = self._take(size)
-            if not batches:
-                return
-            job = pool.submit((batches, seeds) if batch_seeds is not None else batches)
-            last = len(batches) - 1
-            for index, snapshot in enumerate(snapshots):
-                pending.append((job, index, index == last, snapshot))
-            self._jobs += 1
-
-    def _take(self, size: int) -> tuple[list[_I64], list[Any], list[int]]:
-        """Up to ``size`` batches of ids from the source, each with the source's state after
-        it and (with ``batch_seeds``) its seed. The source's end or error is kept, to be
-        raised once the batches before it are delivered."""
-        source, batch_seeds, mark = self.source, self.batch_seeds, self._mark
-        next_ids = self._next_ids
-        batches: list[_I64] = []
-        snapshots: list[Any] = []
-        seeds: list[int] = []
-        while len(batches) < size:
-            try:
-                ids = next_ids()
-            except StopIteration:
-                self._source_done = True
-                self._end_snapshot = source.state_dict()
-                break
-            except Exception as error:
-                self._source_done = True
-                self._source_error = error
-                break
-            batches.append(ids)
-            snapshots.append(mark())
-            if batch_seeds is not None:
-                seeds.append(batch_seeds(self._taken))
-                self._taken += 1
-        return batches, snapshots, seeds
-
     def _stop_workers(self) -> None:
-        pool, self._pool = self._pool, None
-        self._pending.clear()
         self._ready.clear()
         self._inline_left = 0
-        self._jobs = 0
-        self.schedule.probe_over()
-        self._job, self._outcomes = None, []
-        if pool is None:
-            return
-        if pool is not self._process_pool:
-            pool.close()
-            return
-        try:
-            pool.release()
-        except BaseException:
-            pool.close()
-            raise
+        self._workers.stop()
 
 
 def _checked_workers(num_workers: Any, method: Any, buffers: Any) -> int:
