@@ -25,8 +25,9 @@ from torchdata.nodes import BaseNode
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle, get_worker_info
-from guideloom_pipes.pipes import read as read_module
+from guideloom_pipes.pipes import delivery as delivery_module
 from guideloom_pipes.pipes.collate import default_collate
+from guideloom_pipes.pipes.delivery import Delivery
 from guideloom_pipes.pipes.positions import RankPositions
 from guideloom_pipes.pipes.workers import schedule as schedule_module
 from guideloom_pipes.pipes.workers.schedule import INLINE_SAMPLE, ReadFigures
@@ -45,9 +46,10 @@ def _stages_closed_whatever_happens(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 class FakeClock:
-    """Stands in for ``time`` in the stage. It stands still except when a read advances it
-    by ``read`` seconds a batch, or the test by :meth:`advance` (the caller's own work); the
-    thread's CPU clock moves with the reads unless ``waiting``."""
+    """Stands in for ``time`` where the stage measures (pipes/delivery.py). It stands still
+    except when a read advances it by ``read`` seconds a batch, or the test by
+    :meth:`advance` (the caller's own work); the thread's CPU clock moves with the reads
+    unless ``waiting``."""
 
     def __init__(self) -> None:
         self.read = 0.45e-3  # chunks of 2 ms: 4 batches
@@ -73,7 +75,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(read_module, "time", fake)
+    monkeypatch.setattr(delivery_module, "time", fake)
     # and the workers' jobs teach 0.45 ms batches that compute, however loaded the machine is
     result = ThreadPool.result
 
@@ -186,7 +188,7 @@ def _drained_quick(node: ReadSamples) -> list[Any]:
     node.reset()
     got = [next(node)]
     _taught_quick(node)
-    while node._pending or node._workers.job is not None:
+    while node._delivery._pending or node._workers.job is not None:
         got.append(next(node))
     return got
 
@@ -199,7 +201,7 @@ def test_quick_batches_of_our_code_are_read_by_the_calling_thread(
     node.reset()
     # nothing learned yet: the first batches go to the pool as a job (a worker runs it, or
     # the calling thread when no worker has started it yet: that is the pool's scheduling)
-    assert node._pending and node.schedule.probing
+    assert node._delivery._pending and node.schedule.probing
     got = [next(node)]
     _taught_quick(node)
     got += list(node)
@@ -220,7 +222,7 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
     figures = ReadFigures()
     first = _stage(readers, figures=figures)
     first.reset()
-    assert first._pending  # nothing learned yet: the first job is submitted and timed
+    assert first._delivery._pending  # nothing learned yet: the first job is submitted and timed
     next(first)
     next(first)  # (the caller came back at once: its gap is known too)
     assert figures.known() and figures.batch_seconds == pytest.approx(0.45e-3)
@@ -232,7 +234,7 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
     # get_worker_info(), or not: either way they would only read batches)
     second = _stage(readers, figures=figures, base_seed=5 if told else None)
     second.reset()
-    assert not second._pending and not second.schedule.probing  # no job, no timing alone
+    assert not second._delivery._pending and not second.schedule.probing  # no job, no timing alone
     got = [next(second) for _ in range(3)]
     # and its worker threads never started (a start and a join at every epoch, for nothing)
     assert second._workers.pool is not None and second._workers.pool._threads
@@ -250,7 +252,7 @@ def test_figures_that_say_the_batches_wait_keep_the_workers_reading_ahead(
     figures.batch_seconds, figures.cpu_share, figures.gap = 0.45e-3, 0.05, 0.0  # I/O-bound
     node = _stage(readers, figures=figures)
     node.reset()
-    assert node._pending and not node.schedule.probing and node.schedule.side_by_side()
+    assert node._delivery._pending and not node.schedule.probing and node.schedule.side_by_side()
     node.close()
     with pytest.raises(TypeError, match="figures must be a ReadFigures"):
         _stage(readers, figures={"batch_seconds": 1})
@@ -283,7 +285,7 @@ def test_a_user_collate_stays_on_workers_that_a_worker_init_fn_set_up(
 ) -> None:
     inline = []
     monkeypatch.setattr(
-        ReadSamples, "_next_inline", lambda self: inline.append(1) or pytest.fail("inline")
+        Delivery, "_next_inline", lambda self: inline.append(1) or pytest.fail("inline")
     )
     node = _stage(readers, user_collate, base_seed=5, worker_init_fn=lambda index: None)
     node.reset()
@@ -354,8 +356,8 @@ def test_any_format_or_collate_is_read_as_a_worker_reads_it_where_workers_are_to
         node.reset()
     try:
         for node in (ours, users, bench):
-            assert [info.id for info in node._stand_in] == [0, 1]  # type: ignore[union-attr]
-        assert all(node._may_inline for node in (ours, users, bench))
+            assert [info.id for info in node._delivery._stand_in] == [0, 1]  # type: ignore[union-attr]
+        assert all(node._delivery._may_inline for node in (ours, users, bench))
         # the calling thread runs a job no worker has started as a worker too
         for node in (ours, users, bench):
             assert node._workers.pool._caller_as is not None  # type: ignore[union-attr]
@@ -377,7 +379,7 @@ def test_any_format_or_collate_is_read_as_a_worker_reads_it_where_workers_are_to
     initialised.reset()
     try:
         assert not initialised._workers.pool._caller_runs  # type: ignore[union-attr]
-        assert not initialised._may_inline and initialised._stand_in is None
+        assert not initialised._delivery._may_inline and initialised._delivery._stand_in is None
     finally:
         initialised.close()
 
@@ -415,7 +417,7 @@ def test_a_caller_that_slows_or_reads_that_wait_go_back_to_the_workers(
     got = _drained_quick(node)
     for _ in range(20):
         got.append(next(node))
-    assert node.schedule.reads_inline() and not node._pending
+    assert node.schedule.reads_inline() and not node._delivery._pending
     turned = len(got)
     if change == "the reads wait":
         clock.waiting = True  # reads that take no CPU time: they wait on I/O
@@ -490,9 +492,9 @@ def test_a_state_taken_between_inline_batches_resumes_there(
     _taught_quick(node)
     while len(got) < 300:
         got.append(next(node))
-    assert node.schedule.reads_inline() and not node._pending
+    assert node.schedule.reads_inline() and not node._delivery._pending
     if collate is not default_collate:
-        while not node._ready:  # a state between two batches of one chunk
+        while not node._delivery._ready:  # a state between two batches of one chunk
             got.append(next(node))
     state = node.state_dict()
     node.reset()  # no state: the epoch restarts where the delivered batches leave it
@@ -518,10 +520,10 @@ def test_a_chunk_read_inline_is_delivered_whole_when_untimed_calls_follow(
     node.reset()
     got = [next(node)]
     node.schedule.adopt(ReadFigures(clock.read, 1.0, 0.0))
-    while node._pending or node._workers.job is not None:  # the jobs already submitted
+    while node._delivery._pending or node._workers.job is not None:  # the jobs already submitted
         got.append(next(node))
     got.append(next(node))  # read by this thread, timed: the next calls are not
-    assert node._inline_left == INLINE_SAMPLE - 1
+    assert node._delivery._inline_left == INLINE_SAMPLE - 1
     clock.read = 0.45e-3  # quick from now on: chunks of 4 batches
     _teach_batch_seconds(node, clock.read)
     most_waiting = 0
@@ -530,7 +532,7 @@ def test_a_chunk_read_inline_is_delivered_whole_when_untimed_calls_follow(
             got.append(next(node))
         except StopIteration:
             break
-        most_waiting = max(most_waiting, len(node._ready))
+        most_waiting = max(most_waiting, len(node._delivery._ready))
     node.close()
     assert 0 < most_waiting < 4  # at most the rest of one chunk waits
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
@@ -619,7 +621,7 @@ def test_a_chunk_of_payload_windows_read_inline_makes_each_batch_when_delivered(
     got = _drained_quick(node)
     meta.format.unpacked = 0
     got.append(next(node))  # reads a chunk of 4 batches, delivers the first
-    assert len(node._ready) == 3
+    assert len(node._delivery._ready) == 3
     assert meta.format.unpacked == BATCH  # only the delivered batch's windows are decoded
     got.append(next(node))
     assert meta.format.unpacked == 2 * BATCH
@@ -642,12 +644,12 @@ def test_ctrl_c_in_the_collate_of_a_batch_made_at_delivery_delivers_nothing(
     node = meta.stage(collate)
     got = _drained_quick(node)
     got.append(next(node))  # a chunk read: the rest of it waits, made at delivery
-    assert len(node._ready) == 3
+    assert len(node._delivery._ready) == 3
     state = node.state_dict()
     interrupt_on.append(int(expected[len(got)][0]["tokens"][0]))
     with pytest.raises(KeyboardInterrupt):
         next(node)
-    assert node.state_dict() == state and len(node._ready) == 3
+    assert node.state_dict() == state and len(node._delivery._ready) == 3
     interrupt_on.clear()
     got.append(next(node))  # the same batch, now made
     node.close()
@@ -673,12 +675,12 @@ def test_a_batch_made_at_delivery_that_fails_counts_as_delivered_and_the_next_fo
     node = meta.stage(collate)
     got = _drained_quick(node)
     got.append(next(node))
-    assert len(node._ready) == 3
+    assert len(node._delivery._ready) == 3
     failing = len(got)
     fail_on.append(int(expected[failing][0]["tokens"][0]))
     with pytest.raises(ValueError, match="cannot be collated"):
         next(node)
-    assert len(node._ready) == 2
+    assert len(node._delivery._ready) == 2
     got += list(node)
     node.close()
     _same_meta_batches(got, expected[:failing] + expected[failing + 1 :])
@@ -694,13 +696,13 @@ def test_batches_read_one_by_one_skip_the_policy_between_timed_calls(
     node = _stage(readers)
     got = _drained_quick(node)
     policy: list[int] = []
-    here = ReadSamples._next_here
+    here = Delivery._next_here
 
-    def counted(self: ReadSamples) -> Any:
+    def counted(self: Delivery) -> Any:
         policy.append(self._delivered)
         return here(self)
 
-    monkeypatch.setattr(ReadSamples, "_next_here", counted)
+    monkeypatch.setattr(Delivery, "_next_here", counted)
     states = []
     while True:
         try:
@@ -783,14 +785,14 @@ def test_one_late_call_keeps_the_calling_thread_reading(
     got = _drained_quick(node)
     for _ in range(2 * INLINE_SAMPLE):
         got.append(next(node))
-    while node._inline_left:  # (calls between timed ones measure nothing)
+    while node._delivery._inline_left:  # (calls between timed ones measure nothing)
         got.append(next(node))
     clock.advance(late)
     got.append(next(node))  # timed: it measures the caller's time since the last call
     assert (
         node.schedule.learned().gap > 0
         and node.schedule.reads_inline()
-        and not node._pending
+        and not node._delivery._pending
         and node._workers.jobs == 0
     )
     got += list(node)
