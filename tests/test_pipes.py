@@ -650,8 +650,8 @@ def test_quick_jobs_that_wait_run_side_by_side():
     waits = _Concurrency(4000, wait=True)
     node = ReadSamples(RankPositions(4000, 2), waits, num_workers=4, max_in_flight=12)
     assert len(list(node)) == 2000
-    assert node._side_by_side()
-    assert node._pool is not None and node._pool._limit == 4  # all workers may run
+    assert node.schedule.side_by_side()
+    assert node._workers.pool is not None and node._workers.pool._limit == 4  # all workers may run
     node.close()
 
 
@@ -659,8 +659,8 @@ def test_quick_jobs_that_compute_run_one_at_a_time(cpu_clock_is_the_wall_clock):
     computes = _Concurrency(4000, wait=False)
     node = ReadSamples(RankPositions(4000, 2), computes, num_workers=4, max_in_flight=12)
     assert len(list(node)) == 2000
-    assert not node._side_by_side()
-    assert node._pool is not None and node._pool._limit == 1
+    assert not node.schedule.side_by_side()
+    assert node._workers.pool is not None and node._workers.pool._limit == 1
     assert computes.most == 1  # counted inside the reads
     node.close()
 
@@ -687,11 +687,11 @@ def test_the_first_job_is_judged_after_running_for_chunk_seconds_itself_not_from
             return False
 
     node = ReadSamples(RankPositions(40, 2), Ids(40), num_workers=2, chunk_seconds=0.002)
-    node._pool = Pool(str, 0)
-    node._probe(Job())
+    node._workers.pool = Pool(str, 0)
+    node._workers.probe(Job())
     assert waited == [0.002, 0.0015]  # then 1.5 ms more, for 2 ms of its own
-    assert node._side_by_side()  # judged by its share over those 2 ms (1/4): it waits
-    node._pool = None
+    assert node.schedule.side_by_side()  # judged by its share over those 2 ms (1/4): it waits
+    node._workers.pool = None
 
 
 def _idle_pool(fn: Any, workers: int) -> ThreadPool:
@@ -844,8 +844,8 @@ def test_slow_batches_that_compute_run_on_one_worker_at_a_time(cpu_clock_is_the_
         RankPositions(60, 2), dataset, num_workers=3, collate_fn=ids_collate, chunk_seconds=1.0
     )
     assert list(node) == [[i, i + 1] for i in range(0, 60, 2)]
-    assert not node._side_by_side()
-    assert node._pool is not None and node._pool._limit == 1
+    assert not node.schedule.side_by_side()
+    assert node._workers.pool is not None and node._workers.pool._limit == 1
     assert dataset.most == 1  # counted inside the reads: never two at once
     node.close()
 

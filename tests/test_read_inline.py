@@ -1,10 +1,11 @@
 """While the caller waits for the batches, batches that compute are read by the calling
-thread, not handed to a worker thread (``ReadSamples``' policy, see ``_quick_to_inline``).
+thread, not handed to a worker thread (``ReadSamples``' schedule, see
+``ReadSchedule.reads_inline``; tests/test_schedule.py drives the policy alone).
 
 The policy follows measured figures (a batch's read time and CPU share, the caller's time
 between batches); these tests replace the clock the stage measures with, advance it by a
-set time per read and between batches, and set what the workers' first job taught, so they
-do not depend on how fast or how loaded the machine is.
+set time per read and between batches, and have the schedule adopt what the workers' first
+job taught, so they do not depend on how fast or how loaded the machine is.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ from torchdata.nodes import BaseNode
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes import Prefetcher, ReadSamples, Shuffle, get_worker_info
-from guideloom_pipes.pipes import read as read_module
+from guideloom_pipes.pipes import delivery as delivery_module
 from guideloom_pipes.pipes.collate import default_collate
+from guideloom_pipes.pipes.delivery import Delivery
 from guideloom_pipes.pipes.positions import RankPositions
+from guideloom_pipes.pipes.workers import schedule as schedule_module
+from guideloom_pipes.pipes.workers.schedule import INLINE_SAMPLE, ReadFigures
 from guideloom_pipes.pipes.workers.threads import ThreadPool
 
 TOKENS = np.dtype([("tokens", "<i4")])
@@ -42,9 +46,10 @@ def _stages_closed_whatever_happens(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 
 class FakeClock:
-    """Stands in for ``time`` in the stage. It stands still except when a read advances it
-    by ``read`` seconds a batch, or the test by :meth:`advance` (the caller's own work); the
-    thread's CPU clock moves with the reads unless ``waiting``."""
+    """Stands in for ``time`` where the stage measures (pipes/delivery.py). It stands still
+    except when a read advances it by ``read`` seconds a batch, or the test by
+    :meth:`advance` (the caller's own work); the thread's CPU clock moves with the reads
+    unless ``waiting``."""
 
     def __init__(self) -> None:
         self.read = 0.45e-3  # chunks of 2 ms: 4 batches
@@ -70,7 +75,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     fake = FakeClock()
-    monkeypatch.setattr(read_module, "time", fake)
+    monkeypatch.setattr(delivery_module, "time", fake)
     # and the workers' jobs teach 0.45 ms batches that compute, however loaded the machine is
     result = ThreadPool.result
 
@@ -166,7 +171,14 @@ COLLATES = pytest.mark.parametrize(
 def _taught_quick(node: ReadSamples) -> None:
     """What the workers' first job would teach of batches that compute (0.45 ms each, as
     the fake clock's reads take), and a caller that waits for them."""
-    node._batch_seconds, node._cpu_share, node._gap = 0.45e-3, 1.0, 0.0
+    node.schedule.adopt(ReadFigures(0.45e-3, 1.0, 0.0))
+
+
+def _teach_batch_seconds(node: ReadSamples, seconds: float) -> None:
+    """The schedule goes on from what it learned, with batches of ``seconds`` each."""
+    learned = node.schedule.learned()
+    learned.batch_seconds = seconds
+    node.schedule.adopt(learned)
 
 
 def _drained_quick(node: ReadSamples) -> list[Any]:
@@ -176,7 +188,7 @@ def _drained_quick(node: ReadSamples) -> list[Any]:
     node.reset()
     got = [next(node)]
     _taught_quick(node)
-    while node._pending or node._job is not None:
+    while node._delivery._pending or node._workers.job is not None:
         got.append(next(node))
     return got
 
@@ -189,7 +201,7 @@ def test_quick_batches_of_our_code_are_read_by_the_calling_thread(
     node.reset()
     # nothing learned yet: the first batches go to the pool as a job (a worker runs it, or
     # the calling thread when no worker has started it yet: that is the pool's scheduling)
-    assert node._pending and node._probing
+    assert node._delivery._pending and node.schedule.probing
     got = [next(node)]
     _taught_quick(node)
     got += list(node)
@@ -207,10 +219,10 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
     readers: Readers, clock: FakeClock, told: bool
 ) -> None:
     expected = _reference(readers)
-    figures = read_module.ReadFigures()
+    figures = ReadFigures()
     first = _stage(readers, figures=figures)
     first.reset()
-    assert first._pending  # nothing learned yet: the first job is submitted and timed
+    assert first._delivery._pending  # nothing learned yet: the first job is submitted and timed
     next(first)
     next(first)  # (the caller came back at once: its gap is known too)
     assert figures.known() and figures.batch_seconds == pytest.approx(0.45e-3)
@@ -222,11 +234,11 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
     # get_worker_info(), or not: either way they would only read batches)
     second = _stage(readers, figures=figures, base_seed=5 if told else None)
     second.reset()
-    assert not second._pending and not second._probing  # no job, no timing alone
+    assert not second._delivery._pending and not second.schedule.probing  # no job, no timing alone
     got = [next(second) for _ in range(3)]
     # and its worker threads never started (a start and a join at every epoch, for nothing)
-    assert second._pool is not None and second._pool._threads
-    assert all(thread.ident is None for thread in second._pool._threads)
+    assert second._workers.pool is not None and second._workers.pool._threads
+    assert all(thread.ident is None for thread in second._workers.pool._threads)
     second.close()
     main = threading.current_thread().name
     assert readers.threads == [main] * 3
@@ -236,11 +248,11 @@ def test_a_stage_given_learned_figures_reads_in_the_calling_thread_from_its_firs
 def test_figures_that_say_the_batches_wait_keep_the_workers_reading_ahead(
     readers: Readers, clock: FakeClock
 ) -> None:
-    figures = read_module.ReadFigures()
+    figures = ReadFigures()
     figures.batch_seconds, figures.cpu_share, figures.gap = 0.45e-3, 0.05, 0.0  # I/O-bound
     node = _stage(readers, figures=figures)
     node.reset()
-    assert node._pending and not node._probing and node._side_by_side()
+    assert node._delivery._pending and not node.schedule.probing and node.schedule.side_by_side()
     node.close()
     with pytest.raises(TypeError, match="figures must be a ReadFigures"):
         _stage(readers, figures={"batch_seconds": 1})
@@ -260,7 +272,7 @@ def test_a_loader_hands_each_epochs_read_stage_the_same_figures(readers: Readers
             stages.append(node)
             assert sum(1 for _ in iterator) == WINDOWS // BATCH
     assert stages[0] is not stages[1]
-    assert stages[0]._figures is stages[1]._figures is loader._read_figures
+    assert stages[0].schedule.figures is stages[1].schedule.figures is loader._read_figures
     assert loader._read_figures.known()
 
 
@@ -273,13 +285,13 @@ def test_a_user_collate_stays_on_workers_that_a_worker_init_fn_set_up(
 ) -> None:
     inline = []
     monkeypatch.setattr(
-        ReadSamples, "_next_inline", lambda self: inline.append(1) or pytest.fail("inline")
+        Delivery, "_next_inline", lambda self: inline.append(1) or pytest.fail("inline")
     )
     node = _stage(readers, user_collate, base_seed=5, worker_init_fn=lambda index: None)
     node.reset()
     next(node)
     _taught_quick(node)
-    assert not node._quick_to_inline()
+    assert not node.schedule.reads_inline()
     rest = list(node)
     node.close()
     assert len(rest) == WINDOWS // BATCH - 1 and not inline
@@ -316,9 +328,12 @@ class UserTokens(StreamNumpyFormat):
     """A user's format: its ``unpack`` runs inside our reader's reads."""
 
 
-def test_a_users_format_or_the_benchmarks_collate_are_read_as_a_worker_reads_them(
+def test_any_format_or_collate_is_read_as_a_worker_reads_it_where_workers_are_told(
     tmp_path: Path, clock: FakeClock
 ) -> None:
+    # Whose code a batch runs (ours, a user's format, the benchmark's collate) does not
+    # matter: where the workers are told who they are, the calling thread reads, and runs
+    # a job no worker has started, standing in for a worker.
     from guideloom_pipes.bench.data import collate_tokens
 
     def stage(format: Any, collate_fn: Any) -> ReadSamples:
@@ -340,25 +355,21 @@ def test_a_users_format_or_the_benchmarks_collate_are_read_as_a_worker_reads_the
     for node in (ours, users, bench):
         node.reset()
     try:
-        assert ours._library_only() and ours._stand_in is None
-        # a user's format or collate: the calling thread reads as a worker, if at all
-        for node in (users, bench):
-            assert not node._library_only()
-            assert [info.id for info in node._stand_in] == [0, 1]  # type: ignore[union-attr]
-        assert all(node._may_inline for node in (ours, users, bench))
-        # the calling thread runs a job no worker has started as a worker where a user's
-        # code could ask who runs it
-        assert ours._pool._caller_as is None  # type: ignore[union-attr]
-        assert users._pool._caller_as is not None  # type: ignore[union-attr]
-        assert bench._pool._caller_as is not None  # type: ignore[union-attr]
-        assert all(n._pool._caller_runs for n in (ours, users, bench))  # type: ignore[union-attr]
+        for node in (ours, users, bench):
+            assert [info.id for info in node._delivery._stand_in] == [0, 1]  # type: ignore[union-attr]
+        assert all(node._delivery._may_inline for node in (ours, users, bench))
+        # the calling thread runs a job no worker has started as a worker too
+        for node in (ours, users, bench):
+            assert node._workers.pool._caller_as is not None  # type: ignore[union-attr]
+        assert all(n._workers.pool._caller_runs for n in (ours, users, bench))  # type: ignore[union-attr]
         torch = pytest.importorskip("torch")
-        with users._as_worker(1):
-            info = get_worker_info()
-            assert info is not None
-            assert (info.id, info.num_workers, info.seed) == (1, 2, 6)
-            assert torch.utils.data.get_worker_info() is None  # torch's: one per process
-        assert get_worker_info() is None
+        for node in (ours, users, bench):
+            with node._workers.pool._caller_as(1):  # type: ignore[union-attr,misc]
+                info = get_worker_info()
+                assert info is not None
+                assert (info.id, info.num_workers, info.seed) == (1, 2, 6)
+                assert torch.utils.data.get_worker_info() is None  # torch's: one per process
+            assert get_worker_info() is None
     finally:
         for node in (ours, users, bench):
             node.close()
@@ -367,8 +378,8 @@ def test_a_users_format_or_the_benchmarks_collate_are_read_as_a_worker_reads_the
     initialised.worker_init_fn = lambda index: None
     initialised.reset()
     try:
-        assert not initialised._pool._caller_runs  # type: ignore[union-attr]
-        assert not initialised._may_inline and initialised._stand_in is None
+        assert not initialised._workers.pool._caller_runs  # type: ignore[union-attr]
+        assert not initialised._delivery._may_inline and initialised._delivery._stand_in is None
     finally:
         initialised.close()
 
@@ -406,22 +417,22 @@ def test_a_caller_that_slows_or_reads_that_wait_go_back_to_the_workers(
     got = _drained_quick(node)
     for _ in range(20):
         got.append(next(node))
-    assert node._quick_to_inline() and not node._pending
+    assert node.schedule.reads_inline() and not node._delivery._pending
     turned = len(got)
     if change == "the reads wait":
         clock.waiting = True  # reads that take no CPU time: they wait on I/O
     # told at the timed batches (one in _INLINE_SAMPLE): a slow caller at the third in a row
     # (one late call is not enough, see the test below); waiting, after a few of them
-    for _ in range(8 * read_module._INLINE_SAMPLE):
+    for _ in range(8 * INLINE_SAMPLE):
         if change == "the caller slows":
             clock.advance(1.0)  # a training step of its own before it asks for a batch
         got.append(next(node))
-        if not node._quick_to_inline():
+        if not node.schedule.reads_inline():
             break
-    assert not node._quick_to_inline()
-    assert change == "the reads wait" or len(got) - turned <= 3 * read_module._INLINE_SAMPLE
+    assert not node.schedule.reads_inline()
+    assert change == "the reads wait" or len(got) - turned <= 3 * INLINE_SAMPLE
     got.append(next(node))  # through the workers again
-    assert node._jobs > 0 or node._job is not None
+    assert node._workers.jobs > 0 or node._workers.job is not None
     got += list(node)
     node.close()
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
@@ -481,9 +492,9 @@ def test_a_state_taken_between_inline_batches_resumes_there(
     _taught_quick(node)
     while len(got) < 300:
         got.append(next(node))
-    assert node._quick_to_inline() and not node._pending
+    assert node.schedule.reads_inline() and not node._delivery._pending
     if collate is not default_collate:
-        while not node._ready:  # a state between two batches of one chunk
+        while not node._delivery._ready:  # a state between two batches of one chunk
             got.append(next(node))
     state = node.state_dict()
     node.reset()  # no state: the epoch restarts where the delivered batches leave it
@@ -508,20 +519,20 @@ def test_a_chunk_read_inline_is_delivered_whole_when_untimed_calls_follow(
     clock.read = 3e-3  # more than chunk_seconds (2 ms): one batch per read
     node.reset()
     got = [next(node)]
-    node._batch_seconds, node._cpu_share, node._gap = clock.read, 1.0, 0.0
-    while node._pending or node._job is not None:  # the jobs already submitted
+    node.schedule.adopt(ReadFigures(clock.read, 1.0, 0.0))
+    while node._delivery._pending or node._workers.job is not None:  # the jobs already submitted
         got.append(next(node))
     got.append(next(node))  # read by this thread, timed: the next calls are not
-    assert node._inline_left == read_module._INLINE_SAMPLE - 1
+    assert node._delivery._inline_left == INLINE_SAMPLE - 1
     clock.read = 0.45e-3  # quick from now on: chunks of 4 batches
-    node._batch_seconds = clock.read
+    _teach_batch_seconds(node, clock.read)
     most_waiting = 0
     while True:
         try:
             got.append(next(node))
         except StopIteration:
             break
-        most_waiting = max(most_waiting, len(node._ready))
+        most_waiting = max(most_waiting, len(node._delivery._ready))
     node.close()
     assert 0 < most_waiting < 4  # at most the rest of one chunk waits
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
@@ -610,7 +621,7 @@ def test_a_chunk_of_payload_windows_read_inline_makes_each_batch_when_delivered(
     got = _drained_quick(node)
     meta.format.unpacked = 0
     got.append(next(node))  # reads a chunk of 4 batches, delivers the first
-    assert len(node._ready) == 3
+    assert len(node._delivery._ready) == 3
     assert meta.format.unpacked == BATCH  # only the delivered batch's windows are decoded
     got.append(next(node))
     assert meta.format.unpacked == 2 * BATCH
@@ -633,12 +644,12 @@ def test_ctrl_c_in_the_collate_of_a_batch_made_at_delivery_delivers_nothing(
     node = meta.stage(collate)
     got = _drained_quick(node)
     got.append(next(node))  # a chunk read: the rest of it waits, made at delivery
-    assert len(node._ready) == 3
+    assert len(node._delivery._ready) == 3
     state = node.state_dict()
     interrupt_on.append(int(expected[len(got)][0]["tokens"][0]))
     with pytest.raises(KeyboardInterrupt):
         next(node)
-    assert node.state_dict() == state and len(node._ready) == 3
+    assert node.state_dict() == state and len(node._delivery._ready) == 3
     interrupt_on.clear()
     got.append(next(node))  # the same batch, now made
     node.close()
@@ -664,12 +675,12 @@ def test_a_batch_made_at_delivery_that_fails_counts_as_delivered_and_the_next_fo
     node = meta.stage(collate)
     got = _drained_quick(node)
     got.append(next(node))
-    assert len(node._ready) == 3
+    assert len(node._delivery._ready) == 3
     failing = len(got)
     fail_on.append(int(expected[failing][0]["tokens"][0]))
     with pytest.raises(ValueError, match="cannot be collated"):
         next(node)
-    assert len(node._ready) == 2
+    assert len(node._delivery._ready) == 2
     got += list(node)
     node.close()
     _same_meta_batches(got, expected[:failing] + expected[failing + 1 :])
@@ -685,13 +696,13 @@ def test_batches_read_one_by_one_skip_the_policy_between_timed_calls(
     node = _stage(readers)
     got = _drained_quick(node)
     policy: list[int] = []
-    here = ReadSamples._next_here
+    here = Delivery._next_here
 
-    def counted(self: ReadSamples) -> Any:
+    def counted(self: Delivery) -> Any:
         policy.append(self._delivered)
         return here(self)
 
-    monkeypatch.setattr(ReadSamples, "_next_here", counted)
+    monkeypatch.setattr(Delivery, "_next_here", counted)
     states = []
     while True:
         try:
@@ -711,7 +722,7 @@ def test_batches_read_one_by_one_skip_the_policy_between_timed_calls(
     reference.close()
     taken = len(states) + 1  # (the end, too)
     # per _INLINE_SAMPLE batches: the timed one and the last untimed one decide again
-    assert len(policy) <= 2 * (taken // read_module._INLINE_SAMPLE + 1) + 1, len(policy)
+    assert len(policy) <= 2 * (taken // INLINE_SAMPLE + 1) + 1, len(policy)
 
 
 class _IdsFailingAt(BaseNode[Any]):
@@ -772,13 +783,18 @@ def test_one_late_call_keeps_the_calling_thread_reading(
     expected = _reference(readers)
     node = _stage(readers)
     got = _drained_quick(node)
-    for _ in range(2 * read_module._INLINE_SAMPLE):
+    for _ in range(2 * INLINE_SAMPLE):
         got.append(next(node))
-    while node._inline_left:  # (calls between timed ones measure nothing)
+    while node._delivery._inline_left:  # (calls between timed ones measure nothing)
         got.append(next(node))
     clock.advance(late)
     got.append(next(node))  # timed: it measures the caller's time since the last call
-    assert node._gap > 0 and node._quick_to_inline() and not node._pending and node._jobs == 0
+    assert (
+        node.schedule.learned().gap > 0
+        and node.schedule.reads_inline()
+        and not node._delivery._pending
+        and node._workers.jobs == 0
+    )
     got += list(node)
     node.close()
     assert list(map(_tokens, got)) == list(map(_tokens, expected))
@@ -793,10 +809,11 @@ def test_a_caller_back_within_the_gap_floor_keeps_reading_quicker_batches(
     node = _stage(readers)
     got = _drained_quick(node)
     clock.read = 10e-6
-    node._batch_seconds = clock.read
-    for _ in range(8 * read_module._INLINE_SAMPLE):
+    _teach_batch_seconds(node, clock.read)
+    for _ in range(8 * INLINE_SAMPLE):
         clock.advance(8e-6)
         got.append(next(node))
-        assert node._quick_to_inline() and node._jobs == 0
-    assert node._gap > read_module._GAP_SHARE * node._batch_seconds
+        assert node.schedule.reads_inline() and node._workers.jobs == 0
+    learned = node.schedule.learned()
+    assert learned.gap > schedule_module.GAP_SHARE * learned.batch_seconds
     node.close()

@@ -3,14 +3,16 @@ worker processes (numpy-only: importing it never imports torch)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch.utils.data._utils.worker import WorkerInfo
 
-__all__ = ["get_worker_info", "thread_worker_info"]
+__all__ = ["get_worker_info", "standing_in", "thread_worker_info", "thread_worker_infos"]
 
 #: What each worker thread was told of itself (``info``; absent or ``None`` elsewhere).
 _thread_info = threading.local()
@@ -57,3 +59,31 @@ def thread_worker_info(info: Any) -> None:
     read stage calls it in each worker thread it starts (and around a batch the calling
     thread reads as a worker)."""
     _thread_info.info = info
+
+
+def thread_worker_infos(dataset: Any, num_workers: int, base_seed: int) -> list[WorkerInfo]:
+    """torch's ``WorkerInfo`` of each of ``num_workers`` worker threads reading ``dataset``
+    (``seed = base_seed + id``, ``worker_method="thread"`` where torch's has the field)."""
+    from torch.utils.data._utils import worker as torch_worker
+
+    fields: dict[str, Any] = {"worker_method": "thread"}
+    if "worker_method" not in getattr(torch_worker.WorkerInfo, "__dataclass_fields__", {}):
+        fields = {}
+    return [
+        torch_worker.WorkerInfo(
+            id=index, num_workers=num_workers, seed=base_seed + index, dataset=dataset, **fields
+        )
+        for index in range(num_workers)
+    ]
+
+
+@contextlib.contextmanager
+def standing_in(info: Any) -> Iterator[None]:
+    """This thread stands in for the worker ``info`` names (a batch it reads in a worker's
+    place): :func:`get_worker_info` answers ``info`` inside, then as before."""
+    before = getattr(_thread_info, "info", None)
+    _thread_info.info = info
+    try:
+        yield
+    finally:
+        _thread_info.info = before

@@ -4,6 +4,7 @@ pipe and a result ring per worker, jobs sent to the least busy one, answers read
 from __future__ import annotations
 
 import collections
+import multiprocessing
 import multiprocessing.connection
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -21,6 +22,33 @@ from guideloom_pipes.pipes.workers.process_main import WorkerSetup, _process_wor
 from guideloom_pipes.pipes.workers.tasks import Failed, RemoteTraceback
 from guideloom_pipes.pipes.workers.threads import WAKE_SECONDS, timed_out
 from guideloom_pipes.pipes.workers.transport import ResultRing, load_result
+
+_START_METHODS = ("spawn", "forkserver", "fork")
+
+
+def _default_start_method() -> str:
+    """``forkserver`` where the platform has it (workers start in milliseconds), else spawn."""
+    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+
+
+def start_context(value: Any) -> multiprocessing.context.BaseContext:
+    """The multiprocessing context of ``multiprocessing_context=``: a start method's name,
+    a context, or None (``forkserver`` where there is one, else ``spawn``)."""
+    if value is None:
+        return multiprocessing.get_context(_default_start_method())
+    if isinstance(value, str):
+        if value not in _START_METHODS:
+            raise ValueError(
+                f"multiprocessing_context must be one of {_START_METHODS} or a context "
+                f"object, got {value!r}"
+            )
+        return multiprocessing.get_context(value)
+    if isinstance(value, multiprocessing.context.BaseContext):
+        return value
+    raise TypeError(
+        f"multiprocessing_context must be a start method name {_START_METHODS} or a "
+        f"multiprocessing context, got {value!r}"
+    )
 
 
 def _how_it_ended(code: int | None) -> str:

@@ -131,6 +131,16 @@ def seconds_text(seconds: float) -> str:
     return str(int(seconds)) if float(seconds).is_integer() else repr(float(seconds))
 
 
+def together_text(batches: int) -> str:
+    """What a timeout message says of a job of several batches."""
+    if batches <= 1:
+        return ""
+    return (
+        f" (read in one job with the next {batches - 1} batch" + "es" * (batches > 2) + ": the "
+        "one that hangs may be any of them)"
+    )
+
+
 def timed_out(timeout: float) -> DataLoaderTimeoutError:
     # ReadSamples and the loader replace the message with one that names the batch.
     return DataLoaderTimeoutError(f"DataLoader timed out after {seconds_text(timeout)} seconds")
