@@ -25,17 +25,17 @@ import numpy as np
 
 from guideloom_pipes.progress import Progress
 from guideloom_pipes.storage.base import StorageBase
-from guideloom_pipes.storage.commit import (
-    WRITER_MODES,
-    CreateLock,
-    refuse_other_kind,
-    remove_shards_from,
-)
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.names import RECORD, shard_ids, shard_name
 from guideloom_pipes.storage.records import ShardRecord, format_name
 from guideloom_pipes.storage.remote import RemotePath
 from guideloom_pipes.storage.upload import RemoteUpload, sweep_staging
+from guideloom_pipes.storage.writer_modes import (
+    WRITER_MODES,
+    CreateLock,
+    refuse_other_kind,
+    remove_shards_from,
+)
 
 __all__ = ["WriteParallelError", "WriteReport", "item_fingerprint", "write_parallel"]
 

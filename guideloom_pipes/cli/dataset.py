@@ -22,8 +22,8 @@ from guideloom_pipes.opening import (
     detect,
     is_pickled,
 )
-from guideloom_pipes.storage.commit import is_locked
 from guideloom_pipes.storage.errors import StorageError
+from guideloom_pipes.storage.locks import is_locked
 from guideloom_pipes.storage.names import (
     CREATE_LOCK,
     IN_BAND,

@@ -18,7 +18,7 @@ import numpy as np
 
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
-from guideloom_pipes.storage.commit import ShardWriterBase, _CountingFile
+from guideloom_pipes.storage.commit import _CountingFile
 from guideloom_pipes.storage.errors import (
     CorruptShardError,
     ShardDecodeError,
@@ -28,6 +28,7 @@ from guideloom_pipes.storage.errors import (
 from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND, shard_name
 from guideloom_pipes.storage.stream import as_indexes
+from guideloom_pipes.storage.writer import ShardWriterBase
 from guideloom_pipes.types import (
     DocumentStorageAbstract,
     DocumentStorageAsyncReaderAbstract,

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, TypeVar
 
-from guideloom_pipes.storage.commit import is_locked
 from guideloom_pipes.storage.errors import DatasetChangedError, StaleWriteWarning
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
+from guideloom_pipes.storage.locks import is_locked
 from guideloom_pipes.storage.names import (
     IN_BAND,
     INDEX,

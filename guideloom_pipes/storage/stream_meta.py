@@ -15,7 +15,6 @@ import numpy as np
 
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.base import AsyncReaderBase, StorageBase
-from guideloom_pipes.storage.commit import ShardWriterBase
 from guideloom_pipes.storage.document import (
     INDEX_DTYPE,
     OffsetIndex,
@@ -36,6 +35,7 @@ from guideloom_pipes.storage.stream import (
     check_packed,
     check_stream_format,
 )
+from guideloom_pipes.storage.writer import ShardWriterBase
 from guideloom_pipes.types import (
     InDataT,
     OutDataT,
