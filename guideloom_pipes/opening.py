@@ -27,7 +27,9 @@ from guideloom_pipes.storage.names import (
     shard_name,
 )
 from guideloom_pipes.storage.records import ShardRecord, format_name
-from guideloom_pipes.storage.remote import RetryPolicy, file_url_path, is_url, resolve_location
+from guideloom_pipes.storage.remote import resolve_location
+from guideloom_pipes.storage.remote_failures import RetryPolicy
+from guideloom_pipes.storage.remote_paths import file_url_path, is_url
 
 __all__ = ["Detected", "detect", "open_storage", "STORAGE_CLASSES"]
 

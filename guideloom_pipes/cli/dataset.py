@@ -34,7 +34,7 @@ from guideloom_pipes.storage.names import (
     shard_name,
 )
 from guideloom_pipes.storage.records import ShardRecord
-from guideloom_pipes.storage.remote import RemotePath, file_url_path, is_url
+from guideloom_pipes.storage.remote_paths import RemotePath, file_url_path, is_url
 from guideloom_pipes.storage.stream_meta import record_dtype
 
 KINDS = tuple(KIND_SUFFIXES)

@@ -55,7 +55,8 @@ from guideloom_pipes.storage.names import (
     versioned_name,
 )
 from guideloom_pipes.storage.records import ShardRecord
-from guideloom_pipes.storage.remote import FsspecIO, ListingFsspecIO, RemotePath
+from guideloom_pipes.storage.remote import FsspecIO, ListingFsspecIO
+from guideloom_pipes.storage.remote_paths import RemotePath
 from guideloom_pipes.storage.writer_modes import refuse_to_create
 
 try:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from guideloom_pipes.storage.names import SHARD_NAME, check_shard_id, shard_name
 from guideloom_pipes.storage.records import format_name
 from guideloom_pipes.storage.recovery import recover_directory
-from guideloom_pipes.storage.remote import RemotePath
+from guideloom_pipes.storage.remote_paths import RemotePath
 from guideloom_pipes.storage.transaction import ShardTransaction, commit_transactions
 from guideloom_pipes.storage.writer_modes import (
     WRITER_MODES,
