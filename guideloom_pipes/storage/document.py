@@ -25,8 +25,8 @@ from guideloom_pipes.storage.errors import (
     StorageError,
     decode_error,
 )
-from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND, shard_name
+from guideloom_pipes.storage.shard_listing import ShardListing
 from guideloom_pipes.storage.stream import as_indexes
 from guideloom_pipes.storage.writer import ShardWriterBase
 from guideloom_pipes.types import (

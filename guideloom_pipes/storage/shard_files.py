@@ -16,8 +16,8 @@ import numpy as np
 
 from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import descriptor_limit, max_open_per_kind, resolve_backend
-from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import shard_name
+from guideloom_pipes.storage.shard_listing import ShardListing
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:

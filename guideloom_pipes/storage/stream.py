@@ -19,9 +19,9 @@ import numpy as np
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.base import AsyncReaderBase, ReaderBase, StorageBase
 from guideloom_pipes.storage.errors import CorruptShardError
-from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import IN_BAND, shard_name
 from guideloom_pipes.storage.recycle import BufferPool
+from guideloom_pipes.storage.shard_listing import ShardListing
 from guideloom_pipes.storage.writer import ShardWriterBase
 from guideloom_pipes.types import (
     InDataT,

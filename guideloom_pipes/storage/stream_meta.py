@@ -28,8 +28,8 @@ from guideloom_pipes.storage.errors import (
     StorageError,
     decode_error,
 )
-from guideloom_pipes.storage.listing import ShardListing
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
+from guideloom_pipes.storage.shard_listing import ShardListing
 from guideloom_pipes.storage.stream import (
     StreamReader,
     check_packed,
