@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable
 from pathlib import PurePath
 from typing import Any, TypeVar
 
+from guideloom_pipes.storage.backend_base import BackendBase
 from guideloom_pipes.storage.cache import ShardCache
-from guideloom_pipes.storage.io import BackendBase
 from guideloom_pipes.storage.records import ExpectedFile
 from guideloom_pipes.storage.remote_failures import (
     RangeIgnoredError,
