@@ -22,7 +22,6 @@ from guideloom_pipes.storage.names import INDEX, OUT_OF_BAND, shard_name
 from guideloom_pipes.storage.payloads import (
     OffsetIndex,
     PayloadLog,
-    RunPayloads,  # noqa: F401  (its old path: pickles)
     check_payload,
     index_counts,
 )
