@@ -26,7 +26,7 @@ from guideloom_pipes.storage.payloads import (
     index_counts,
 )
 from guideloom_pipes.storage.shard_listing import ShardListing
-from guideloom_pipes.storage.stream import as_indexes
+from guideloom_pipes.storage.stream_checks import as_indexes
 from guideloom_pipes.storage.writer import ShardWriterBase
 from guideloom_pipes.types import (
     DocumentStorageAbstract,

@@ -66,11 +66,7 @@ def _load_libc() -> Any:
 
 #: Python >= 3.13 can map a file without keeping a duplicate of its descriptor.
 _TRACKFD = sys.version_info >= (3, 13)
-
-
 _LIBC: Any = None if _TRACKFD or os.name != "posix" else _load_libc()
-
-
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 

@@ -18,8 +18,6 @@ from guideloom_pipes.storage.errors import CorruptShardError
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
 
 INDEX_DTYPE = np.dtype("<i8")
-
-
 #: Runs that :meth:`OffsetIndex.run_views` reads one by one rather than all at once.
 _FEW_RUNS = 16
 

@@ -48,7 +48,6 @@ from guideloom_pipes.types import IOSyncReaderAbstract
 
 T = TypeVar("T")
 
-
 #: Protocols whose "directories" cannot be listed reliably: shards are found by probing ids.
 _UNLISTABLE = frozenset({"http", "https"})
 

@@ -107,8 +107,6 @@ _TRANSIENT_ERRNOS = frozenset(
     )
     if code is not None
 )
-
-
 #: Exception classes (by name, so no client library is imported) that mean "try again".
 _TRANSIENT_NAMES = frozenset(
     {
@@ -137,8 +135,6 @@ _TRANSIENT_NAMES = frozenset(
         "_ShortRead",
     }
 )
-
-
 _TRANSIENT_CODES = frozenset(
     {
         "SlowDown",
@@ -204,8 +200,6 @@ _DENIED_CODES = frozenset(
         "SignatureDoesNotMatch",
     }
 )
-
-
 #: S3 error codes that mean "no such object" (HTTP 404)
 _MISSING_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NoSuchVersion"})
 

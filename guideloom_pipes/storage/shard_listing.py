@@ -86,8 +86,6 @@ def _backend_info(backend: ResolvedBackend, path: PurePath) -> tuple[int, str | 
 
 
 _T = TypeVar("_T")
-
-
 _R = TypeVar("_R")
 
 

@@ -25,7 +25,8 @@ from guideloom_pipes.storage.meta_windows import MetaWindows
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
 from guideloom_pipes.storage.payloads import INDEX_DTYPE, OffsetIndex, PayloadLog, index_counts
 from guideloom_pipes.storage.shard_listing import ShardListing
-from guideloom_pipes.storage.stream import StreamReader, check_packed, check_stream_format
+from guideloom_pipes.storage.stream_checks import check_packed, check_stream_format
+from guideloom_pipes.storage.stream_reader import StreamReader
 from guideloom_pipes.storage.writer import ShardWriterBase
 from guideloom_pipes.types import (
     InDataT,
