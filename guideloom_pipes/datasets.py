@@ -29,7 +29,8 @@ from guideloom_pipes.batch import Batch, LazyRows
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.formats import StreamNumpyFormat
 from guideloom_pipes.storage.document import DocumentReader, DocumentStorage
-from guideloom_pipes.storage.stream import StreamReader, StreamStorage, as_indexes
+from guideloom_pipes.storage.stream import StreamReader, StreamStorage
+from guideloom_pipes.storage.stream_checks import as_indexes
 from guideloom_pipes.storage.stream_meta import StreamWithMetaReader, StreamWithMetaStorage
 from guideloom_pipes.types import (
     DatasetAbstract,

@@ -17,7 +17,6 @@ from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.io import resolve_backend
-from guideloom_pipes.storage.listing import backend_size, read_whole
 from guideloom_pipes.storage.names import (
     IN_BAND,
     INDEX,
@@ -27,7 +26,10 @@ from guideloom_pipes.storage.names import (
     shard_name,
 )
 from guideloom_pipes.storage.records import ShardRecord, format_name
-from guideloom_pipes.storage.remote import RetryPolicy, file_url_path, is_url, resolve_location
+from guideloom_pipes.storage.remote import resolve_location
+from guideloom_pipes.storage.remote_failures import RetryPolicy
+from guideloom_pipes.storage.remote_paths import file_url_path, is_url
+from guideloom_pipes.storage.shard_listing import backend_size, read_whole
 
 __all__ = ["Detected", "detect", "open_storage", "STORAGE_CLASSES"]
 

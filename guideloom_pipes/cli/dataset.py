@@ -22,8 +22,8 @@ from guideloom_pipes.opening import (
     detect,
     is_pickled,
 )
-from guideloom_pipes.storage.commit import is_locked
 from guideloom_pipes.storage.errors import StorageError
+from guideloom_pipes.storage.locks import is_locked
 from guideloom_pipes.storage.names import (
     CREATE_LOCK,
     IN_BAND,
@@ -34,7 +34,7 @@ from guideloom_pipes.storage.names import (
     shard_name,
 )
 from guideloom_pipes.storage.records import ShardRecord
-from guideloom_pipes.storage.remote import RemotePath, file_url_path, is_url
+from guideloom_pipes.storage.remote_paths import RemotePath, file_url_path, is_url
 from guideloom_pipes.storage.stream_meta import record_dtype
 
 KINDS = tuple(KIND_SUFFIXES)

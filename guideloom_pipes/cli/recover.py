@@ -12,8 +12,9 @@ from pathlib import Path
 
 from guideloom_pipes.cli.dataset import UsageError, is_shard_file
 from guideloom_pipes.opening import local_path
-from guideloom_pipes.storage.commit import is_locked, recover_directory, recovery_plan
+from guideloom_pipes.storage.locks import is_locked
 from guideloom_pipes.storage.names import RECORD, TMP, shard_name
+from guideloom_pipes.storage.recovery import recover_directory, recovery_plan
 
 
 def plan(directory: Path) -> dict[str, list[int]]:

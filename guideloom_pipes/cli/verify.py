@@ -15,8 +15,9 @@ from typing import Any
 from guideloom_pipes.cli.dataset import Opened, ignored_entries, open_dataset
 from guideloom_pipes.progress import Progress, human_bytes
 from guideloom_pipes.storage.errors import DatasetChangedError
-from guideloom_pipes.storage.listing import ShardListing, discover
+from guideloom_pipes.storage.listing import discover
 from guideloom_pipes.storage.names import IN_BAND, shard_name
+from guideloom_pipes.storage.shard_listing import ShardListing
 from guideloom_pipes.storage.stream_meta import record_dtype
 from guideloom_pipes.storage.verify import check_files, check_listing, recorded_files
 

@@ -17,7 +17,7 @@ from guideloom_pipes.storage.base import StorageBase
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.names import RECORD, shard_ids, shard_name
 from guideloom_pipes.storage.records import ShardRecord, format_name
-from guideloom_pipes.storage.remote import RemotePath
+from guideloom_pipes.storage.remote_paths import RemotePath
 from guideloom_pipes.storage.upload import RemoteUpload
 
 __all__ = ["item_fingerprint"]

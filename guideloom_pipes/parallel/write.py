@@ -28,13 +28,13 @@ from guideloom_pipes.parallel.report import WriteParallelError, WriteReport, _sh
 from guideloom_pipes.parallel.worker import _start_worker, _stop_workers, _write_shard
 from guideloom_pipes.progress import Progress
 from guideloom_pipes.storage.base import StorageBase
-from guideloom_pipes.storage.commit import (
+from guideloom_pipes.storage.upload import RemoteUpload, sweep_staging
+from guideloom_pipes.storage.writer_modes import (
     WRITER_MODES,
     CreateLock,
     refuse_other_kind,
     remove_shards_from,
 )
-from guideloom_pipes.storage.upload import RemoteUpload, sweep_staging
 
 __all__ = ["write_parallel"]
 

@@ -10,7 +10,7 @@ from guideloom_pipes.storage.errors import (
     StorageError,
     UncommittedShardError,
 )
-from guideloom_pipes.storage.remote import RangeIgnoredError, RemoteReadError, RetryPolicy
+from guideloom_pipes.storage.remote_failures import RangeIgnoredError, RemoteReadError, RetryPolicy
 from guideloom_pipes.storage.stream import StreamStorage
 from guideloom_pipes.storage.stream_meta import StreamWithMetaStorage
 

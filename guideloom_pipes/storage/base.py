@@ -11,14 +11,18 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.checks import check_int
-from guideloom_pipes.storage.commit import _fsync_directory, recover_directory, seal_shard
+from guideloom_pipes.storage.commit import _fsync_directory
 from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
-from guideloom_pipes.storage.listing import ShardListing, discover
+from guideloom_pipes.storage.listing import discover
 from guideloom_pipes.storage.names import shard_name
 from guideloom_pipes.storage.records import format_name
-from guideloom_pipes.storage.remote import RetryPolicy, is_url, resolve_location
+from guideloom_pipes.storage.recovery import recover_directory, seal_shard
+from guideloom_pipes.storage.remote import resolve_location
+from guideloom_pipes.storage.remote_failures import RetryPolicy
+from guideloom_pipes.storage.remote_paths import is_url
 from guideloom_pipes.storage.shard_files import ShardFiles
+from guideloom_pipes.storage.shard_listing import ShardListing
 from guideloom_pipes.storage.verify import check_listing, verify_checksums
 from guideloom_pipes.types import Storage
 

@@ -8,14 +8,12 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any, TypeVar
+from typing import Any
 
-from guideloom_pipes.storage.commit import is_locked
 from guideloom_pipes.storage.errors import DatasetChangedError, StaleWriteWarning
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
+from guideloom_pipes.storage.locks import is_locked
 from guideloom_pipes.storage.names import (
     IN_BAND,
     INDEX,
@@ -27,7 +25,9 @@ from guideloom_pipes.storage.names import (
     _display,
     shard_name,
 )
-from guideloom_pipes.storage.records import ExpectedFile, ShardRecord
+from guideloom_pipes.storage.probing import _probe
+from guideloom_pipes.storage.records import ShardRecord
+from guideloom_pipes.storage.shard_listing import ShardListing, _concurrently, _Entry, read_whole
 
 #: The storage class whose shards are exactly these files.
 _CLASS_OF_SUFFIXES = {
@@ -41,47 +41,6 @@ _DATA_SUFFIXES = {
     OUT_OF_BAND: "DocumentStorage or StreamWithMetaStorage",
     INDEX: "DocumentStorage or StreamWithMetaStorage",
 }
-
-
-@dataclass
-class ShardListing:
-    """What discovery found in a dataset directory."""
-
-    directory: PurePath
-    num_shards: int
-    #: size of each (shard, suffix) file, when the backend could tell without opening it
-    sizes: dict[tuple[int, str], int] = field(default_factory=dict)
-    records: dict[int, ShardRecord] = field(default_factory=dict)
-    listed: bool = True
-    #: the file name of each (shard, suffix) whose record names a versioned file (a commit
-    #: whose files are not yet at their canonical names); others are the canonical name
-    names: dict[tuple[int, str], str] = field(default_factory=dict)
-    #: ``(st_dev, st_ino)`` of each (shard, suffix) file as listed (local backends only):
-    #: readers open exactly these files, or fail (see ``ShardFiles``)
-    identities: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
-    #: the ETag of each (shard, suffix) object as listed (remote backends that give one):
-    #: readers read exactly that version of the object, or fail (see ``FsspecIO``)
-    tags: dict[tuple[int, str], str] = field(default_factory=dict)
-
-    def file_name(self, shard: int, suffix: str) -> str:
-        """The name of the file a reader reads for ``shard``'s ``suffix``."""
-        return self.names.get((shard, suffix)) or shard_name(shard) + suffix
-
-    def expected(self, shard: int, suffix: str) -> ExpectedFile:
-        """What the open found of ``shard``'s ``suffix`` file: its size, its record's
-        CRC-32 and block checksums, and its ETag (each None where unknown)."""
-        record = self.records.get(shard)
-        committed = record.files.get(suffix.lstrip(".")) if record is not None else None
-        return ExpectedFile(
-            self.sizes.get((shard, suffix)),
-            committed.crc32 if committed is not None else None,
-            self.tags.get((shard, suffix)),
-            committed.blocks if committed is not None else None,
-        )
-
-
-#: an entry of a directory listing: size (-1: unknown), st_dev, st_ino (0: unknown)
-_Entry = tuple[int, int, int]
 
 
 def _shard_of(name: str) -> int:
@@ -137,15 +96,6 @@ def _scan_local(directory: PurePath) -> dict[str, _Entry]:
         ) from None
 
 
-def read_whole(backend: ResolvedBackend, path: PurePath) -> bytes:
-    reader = backend.reader(path)
-    reader.open()
-    try:
-        return bytes(reader.read(0, reader.filesize()))
-    finally:
-        reader.close()
-
-
 def _read_local(path: str) -> bytes:
     """A small local file's bytes (a commit record), with the fewest system calls."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -156,43 +106,6 @@ def _read_local(path: str) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
-
-
-def backend_size(backend: ResolvedBackend, path: PurePath) -> int | None:
-    found = _backend_info(backend, path)
-    return None if found is None else found[0]
-
-
-def _backend_info(backend: ResolvedBackend, path: PurePath) -> tuple[int, str | None] | None:
-    """The size of ``path`` and its ETag (where the reader has an ``etag``: remote
-    backends), or None where it does not exist."""
-    reader = backend.reader(path)
-    try:
-        reader.open()
-    except (FileNotFoundError, IsADirectoryError):
-        return None
-    try:
-        return int(reader.filesize()), getattr(reader, "etag", None)
-    finally:
-        reader.close()
-
-
-_T = TypeVar("_T")
-_R = TypeVar("_R")
-
-
-def _concurrently(
-    backend: ResolvedBackend, function: Callable[[_T], _R], items: Iterable[_T]
-) -> list[_R]:
-    """``[function(item) for item in items]``, on up to ``open_concurrency`` threads where
-    the backend has that attribute (``FsspecIO``: the requests of an open overlap their
-    latency instead of adding it up); in order, the first error raised."""
-    workers = int(getattr(backend.backend, "open_concurrency", 1) or 1)
-    items = list(items)
-    if workers <= 1 or len(items) <= 1:
-        return [function(item) for item in items]
-    with ThreadPoolExecutor(min(workers, len(items)), thread_name_prefix="storage-open") as pool:
-        return list(pool.map(function, items))
 
 
 #: how many times an open lists a directory whose files a writer changes meanwhile
@@ -246,67 +159,86 @@ def discover(backend: Any, directory: PurePath, suffixes: Sequence[str] | str) -
         suffixes = (suffixes,)
     ours = tuple(suffixes)
     if backend.local:
-        base = os.fspath(directory)
-
-        def read_local(name: str) -> ShardRecord:
-            path = os.path.join(base, name)
-            try:
-                raw = _read_local(path)
-            except FileNotFoundError:
-                raise _Changed from None
-            return ShardRecord.from_json(raw, path)
-
-        for attempt in range(_ATTEMPTS):
-            before = _relisted(directory)  # nothing changed from here ...
-            entries = _scan_local(directory)
-            try:
-                found = _assemble(directory, entries, ours, read_local)
-            except _Changed:
-                found = None
-            if found is not None and _relisted(directory) == before:  # ... to here
-                return _finish(backend, *found)
-            time.sleep(0.002 * 2**attempt)  # back off: a commit takes milliseconds
-        raise DatasetChangedError(
-            f"the shards of {_display(directory)} changed every time they were listed "
-            f"({_ATTEMPTS} times over about half a second): a writer is committing to this "
-            f"dataset right now. Open it again once the writer has closed"
-        )
+        return _finish(backend, *_list_local(directory, ours))
     if backend.list_dir is not None:
-        # a backend that lists sizes too (FsspecIO's object stores) spares a request per file
-        list_sized = getattr(backend.backend, "list_dir_sizes", None)
-        list_tagged = getattr(backend.backend, "list_dir_details", None)
-        tagged: dict[str, str] = {}
-        try:
-            if callable(list_tagged):
-                details = dict(list_tagged(directory))
-                sized = {name: size for name, (size, _) in details.items()}
-                tagged = {name: tag for name, (_, tag) in details.items() if tag}
-            elif callable(list_sized):
-                sized = dict(list_sized(directory))
-            else:
-                sized = dict.fromkeys(backend.list_dir(directory), -1)
-        except FileNotFoundError:
-            raise FileNotFoundError(
-                f"dataset directory {_display(directory)} does not exist; check the path"
-            ) from None
-
-        def read_remote(name: str) -> ShardRecord:
-            path = directory / name
-            return ShardRecord.from_json(read_whole(backend, path), _display(path))
-
-        entries = {name: (int(size), 0, 0) for name, size in sized.items()}
-        record_names = [name for name in entries if _is_record(name)]
-        fetched = dict(zip(record_names, _concurrently(backend, read_remote, record_names)))
-        listing, temporaries = _assemble(
-            directory, entries, ours, lambda name: fetched.get(name) or read_remote(name)
-        )
-        for shard in range(listing.num_shards):
-            for suffix in ours:
-                tag = tagged.get(listing.file_name(shard, suffix))
-                if tag:
-                    listing.tags[(shard, suffix)] = tag
-        return _finish(backend, listing, temporaries)
+        return _finish(backend, *_list_remote(backend, backend.list_dir, directory, ours))
     return _probe(backend, directory, ours)
+
+
+def _list_local(
+    directory: PurePath, ours: tuple[str, ...]
+) -> tuple[ShardListing, dict[int, list[str]]]:
+    """:func:`discover` of a local directory: its listing and stale temporaries, from a
+    snapshot that no commit changed (listed again until one did not)."""
+    base = os.fspath(directory)
+
+    def read_local(name: str) -> ShardRecord:
+        path = os.path.join(base, name)
+        try:
+            raw = _read_local(path)
+        except FileNotFoundError:
+            raise _Changed from None
+        return ShardRecord.from_json(raw, path)
+
+    for attempt in range(_ATTEMPTS):
+        before = _relisted(directory)  # nothing changed from here ...
+        entries = _scan_local(directory)
+        try:
+            found = _assemble(directory, entries, ours, read_local)
+        except _Changed:
+            found = None
+        if found is not None and _relisted(directory) == before:  # ... to here
+            return found
+        time.sleep(0.002 * 2**attempt)  # back off: a commit takes milliseconds
+    raise DatasetChangedError(
+        f"the shards of {_display(directory)} changed every time they were listed "
+        f"({_ATTEMPTS} times over about half a second): a writer is committing to this "
+        f"dataset right now. Open it again once the writer has closed"
+    )
+
+
+def _list_remote(
+    backend: ResolvedBackend,
+    list_dir: Callable[[PurePath], Iterable[str]],
+    directory: PurePath,
+    ours: tuple[str, ...],
+) -> tuple[ShardListing, dict[int, list[str]]]:
+    """:func:`discover` through the backend's ``list_dir`` (with sizes and ETags where it
+    gives them); the records read concurrently."""
+    # a backend that lists sizes too (FsspecIO's object stores) spares a request per file
+    list_sized = getattr(backend.backend, "list_dir_sizes", None)
+    list_tagged = getattr(backend.backend, "list_dir_details", None)
+    tagged: dict[str, str] = {}
+    try:
+        if callable(list_tagged):
+            details = dict(list_tagged(directory))
+            sized = {name: size for name, (size, _) in details.items()}
+            tagged = {name: tag for name, (_, tag) in details.items() if tag}
+        elif callable(list_sized):
+            sized = dict(list_sized(directory))
+        else:
+            sized = dict.fromkeys(list_dir(directory), -1)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"dataset directory {_display(directory)} does not exist; check the path"
+        ) from None
+
+    def read_remote(name: str) -> ShardRecord:
+        path = directory / name
+        return ShardRecord.from_json(read_whole(backend, path), _display(path))
+
+    entries = {name: (int(size), 0, 0) for name, size in sized.items()}
+    record_names = [name for name in entries if _is_record(name)]
+    fetched = dict(zip(record_names, _concurrently(backend, read_remote, record_names)))
+    listing, temporaries = _assemble(
+        directory, entries, ours, lambda name: fetched.get(name) or read_remote(name)
+    )
+    for shard in range(listing.num_shards):
+        for suffix in ours:
+            tag = tagged.get(listing.file_name(shard, suffix))
+            if tag:
+                listing.tags[(shard, suffix)] = tag
+    return listing, temporaries
 
 
 def _is_record(name: str) -> bool:
@@ -328,6 +260,31 @@ def _assemble(
 ) -> tuple[ShardListing, dict[int, list[str]]]:
     """The listing of ``entries`` (records read with ``read_record``), and the stale
     temporaries by shard (checked and warned about by :func:`_finish`)."""
+    ids, record_names, temporaries, versioned, foreign = _sort_names(entries, ours)
+    records = {shard: read_record(name) for shard, name in record_names.items()}
+    for shard, found_record in list(records.items()):
+        if found_record.state == "deleted":  # being removed: absent, whatever files remain
+            del records[shard]
+            ids.discard(shard)
+    ids |= set(records)
+    sizes, names, identities = _files_of(ids, records, entries, ours)
+    for shard, found in versioned.items():
+        owner = records.get(shard)
+        named = {owner.file_name(s) for s in ours} if owner is not None else set()
+        stale = [name for name in found if name not in named]
+        if stale:  # a commit that stopped before its commit point
+            temporaries.setdefault(shard, []).extend(stale)
+    count = _count_shards(directory, ids, ours, foreign, bool(record_names))
+    listing = ShardListing(directory, count, sizes, records, True, names, identities)
+    return listing, temporaries
+
+
+def _sort_names(
+    entries: dict[str, _Entry], ours: tuple[str, ...]
+) -> tuple[set[int], dict[int, str], dict[int, list[str]], dict[int, list[str]], set[str]]:
+    """The shard names among ``entries``, sorted: the ids with a data file of ours, each
+    shard's record name, its temporaries, its versioned files, and the data-file suffixes
+    that are not ours."""
     ids: set[int] = set()
     record_names: dict[int, str] = {}
     temporaries: dict[int, list[str]] = {}
@@ -351,12 +308,19 @@ def _assemble(
             foreign.add(suffix)
             continue
         ids.add(shard)
-    records = {shard: read_record(name) for shard, name in record_names.items()}
-    for shard, found_record in list(records.items()):
-        if found_record.state == "deleted":  # being removed: absent, whatever files remain
-            del records[shard]
-            ids.discard(shard)
-    ids |= set(records)
+    return ids, record_names, temporaries, versioned, foreign
+
+
+def _files_of(
+    ids: set[int],
+    records: dict[int, ShardRecord],
+    entries: dict[str, _Entry],
+    ours: tuple[str, ...],
+) -> tuple[
+    dict[tuple[int, str], int], dict[tuple[int, str], str], dict[tuple[int, str], tuple[int, int]]
+]:
+    """The size, the file name where it is not the canonical one (a versioned file its
+    record names) and the identity of each (shard, suffix) file of the shards ``ids``."""
     sizes: dict[tuple[int, str], int] = {}
     names: dict[tuple[int, str], str] = {}
     identities: dict[tuple[int, str], tuple[int, int]] = {}
@@ -378,14 +342,16 @@ def _assemble(
                 sizes[(shard, suffix)] = size
             if inode:
                 identities[(shard, suffix)] = (device, inode)
-    for shard, found in versioned.items():
-        owner = records.get(shard)
-        named = {owner.file_name(s) for s in ours} if owner is not None else set()
-        stale = [name for name in found if name not in named]
-        if stale:  # a commit that stopped before its commit point
-            temporaries.setdefault(shard, []).extend(stale)
+    return sizes, names, identities
+
+
+def _count_shards(
+    directory: PurePath, ids: set[int], ours: tuple[str, ...], foreign: set[str], recorded: bool
+) -> int:
+    """The number of shards, ``ids`` being all of them: refuses data files of another
+    storage class in a dataset without records (``recorded``), no shards, and a gap."""
     where = _display(directory)
-    if foreign and not record_names:
+    if foreign and not recorded:
         # Without commit records the kind is known only from the file names: GuideLoom's
         # storages never mix these, and reading one as another returns garbage.
         kinds = " and ".join(sorted(f"*{s}" for s in foreign))
@@ -413,8 +379,7 @@ def _assemble(
             f"fills the gap (write_parallel skips the shards already committed); or renumber "
             f"the shards so that ids run 0..N-1"
         )
-    listing = ShardListing(directory, count, sizes, records, True, names, identities)
-    return listing, temporaries
+    return count
 
 
 def _finish(
@@ -437,71 +402,3 @@ def _warn_stale(directory: PurePath, temporaries: dict[int, list[str]]) -> None:
             StaleWriteWarning,
             stacklevel=5,
         )
-
-
-def _probe(backend: ResolvedBackend, directory: PurePath, ours: tuple[str, ...]) -> ShardListing:
-    primary = ours[0]
-
-    def exists(shard: int) -> bool:
-        return backend_size(backend, directory / (shard_name(shard) + primary)) is not None
-
-    high = 0  # the first id without a data file
-    if exists(0):
-        low, high = 0, 1  # exists(low); probe 1, 2, 4, ... for the first id that does not
-        while exists(high):
-            low, high = high, high * 2
-        while high - low > 1:
-            middle = (low + high) // 2
-            if exists(middle):
-                low = middle
-            else:
-                high = middle
-
-    def record_of(shard: int) -> ShardRecord | None:
-        path = directory / (shard_name(shard) + RECORD)
-        if backend_size(backend, path) is None:
-            return None
-        return ShardRecord.from_json(read_whole(backend, path), _display(path))
-
-    records: dict[int, ShardRecord] = {}
-    names: dict[tuple[int, str], str] = {}
-
-    def add(shard: int, record: ShardRecord | None) -> None:
-        if record is None:
-            return
-        records[shard] = record
-        if record.versioned:
-            for suffix in record.files:
-                names[(shard, "." + suffix)] = record.file_name("." + suffix)
-
-    for shard, record in enumerate(_concurrently(backend, record_of, range(high))):
-        add(shard, record)
-    sizes: dict[tuple[int, str], int] = {}
-    tags: dict[tuple[int, str], str] = {}
-    if getattr(backend.backend, "open_concurrency", 1) > 1:  # else check_listing asks
-        files = [(shard, suffix) for shard in range(high) for suffix in ours]
-
-        def info_of(file: tuple[int, str]) -> tuple[int, str | None] | None:
-            shard, suffix = file
-            name = names.get(file) or shard_name(shard) + suffix
-            return _backend_info(backend, directory / name)
-
-        for file, info in zip(files, _concurrently(backend, info_of, files)):
-            if info is not None:
-                sizes[file] = info[0]
-                if info[1]:
-                    tags[file] = info[1]
-    # A committed shard whose data file is missing (deleted, or refused as 404) ends the
-    # probe early: its record is still there, so the shard counts, and the check of the
-    # listing fails naming its missing file instead of the dataset ending before it. (Asked
-    # last: the first requests of an open stay those of GuideLoom's probe.)
-    tail = record_of(high)
-    if tail is None and high == 0:
-        raise FileNotFoundError(
-            f"no shard 0000000{primary} in {_display(directory)}; write the dataset first, or "
-            f"check the path and the storage class"
-        )
-    if tail is not None:
-        add(high, tail)
-        high += 1
-    return ShardListing(directory, high, sizes, records, listed=False, names=names, tags=tags)

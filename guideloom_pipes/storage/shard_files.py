@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from guideloom_pipes.storage.backend_base import descriptor_limit, max_open_per_kind
 from guideloom_pipes.storage.errors import DatasetChangedError
-from guideloom_pipes.storage.io import descriptor_limit, max_open_per_kind, resolve_backend
-from guideloom_pipes.storage.listing import ShardListing
+from guideloom_pipes.storage.io import resolve_backend
 from guideloom_pipes.storage.names import shard_name
+from guideloom_pipes.storage.shard_listing import ShardListing
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:
@@ -64,7 +65,7 @@ class ShardFiles:
         suffix: the file kind, e.g. ``".in_band.bin"``.
         num_shards: how many shards there are.
         max_open: most descriptor-holding readers kept open at once (default:
-            :func:`~guideloom_pipes.storage.io.max_open_per_kind`, 64 or less under a low
+            :func:`~guideloom_pipes.storage.backend_base.max_open_per_kind`, 64 or less under a low
             ``ulimit -n``). Where opening one more fails for want of descriptors, idle
             readers are closed and the open tried again; if every open one is in use, an
             ``OSError`` says which limit to raise.

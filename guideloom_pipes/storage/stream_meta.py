@@ -15,27 +15,19 @@ import numpy as np
 
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.base import AsyncReaderBase, StorageBase
-from guideloom_pipes.storage.commit import ShardWriterBase
-from guideloom_pipes.storage.document import (
-    INDEX_DTYPE,
-    OffsetIndex,
-    PayloadLog,
-    RunPayloads,
-    index_counts,
-)
 from guideloom_pipes.storage.errors import (
     CorruptShardError,
     ShardDecodeError,
     StorageError,
     decode_error,
 )
-from guideloom_pipes.storage.listing import ShardListing
+from guideloom_pipes.storage.meta_windows import MetaWindows
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
-from guideloom_pipes.storage.stream import (
-    StreamReader,
-    check_packed,
-    check_stream_format,
-)
+from guideloom_pipes.storage.payloads import INDEX_DTYPE, OffsetIndex, PayloadLog, index_counts
+from guideloom_pipes.storage.shard_listing import ShardListing
+from guideloom_pipes.storage.stream_checks import check_packed, check_stream_format
+from guideloom_pipes.storage.stream_reader import StreamReader
+from guideloom_pipes.storage.writer import ShardWriterBase
 from guideloom_pipes.types import (
     InDataT,
     OutDataT,
@@ -122,6 +114,56 @@ class StreamWithMetaStorage(
         return StreamWithMetaWriter(self, mode)
 
 
+def _pairs(name: str, generator: Any, size: int) -> tuple[np.ndarray, list[bytes], Any]:
+    """The ``(key, payload)`` pairs ``generator`` (``format.pack``) yields, checked: each
+    element's payload number, the payloads (one per run of a key), and what it returned
+    (the stream)."""
+    index = np.empty(size, dtype="<i4")
+    payloads: list[bytes] = []
+    seen: set[Any] = set()
+    last: Any = None
+    count = 0
+    while True:
+        try:
+            pair = next(generator)
+        except StopIteration as stop:
+            stream = stop.value
+            break
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(
+                f"{name}.pack must yield (key, payload) pairs; element {count} is {_short(pair)}"
+            )
+        key, payload = pair
+        if count >= size:
+            raise ValueError(f"{name}.pack yielded more than size(data) = {size} pairs")
+        if count == 0 or key != last:
+            try:
+                repeated = key in seen
+            except TypeError:
+                raise TypeError(
+                    f"{name}.pack: keys must be hashable, got {_short(key)} "
+                    f"({type(key).__name__}) at element {count}"
+                ) from None
+            if repeated:
+                raise ValueError(
+                    f"{name}.pack: key {key!r} repeats after another key at element "
+                    f"{count}; a key may repeat only in one contiguous run"
+                )
+            if not isinstance(payload, (bytes, bytearray, memoryview)):
+                raise ValueError(
+                    f"{name}.pack: the first pair of the run of key {key!r} (element "
+                    f"{count}) must carry bytes or memoryview, got {type(payload).__name__}"
+                )
+            seen.add(key)
+            payloads.append(bytes(payload))
+            last = key
+        index[count] = len(payloads) - 1
+        count += 1
+    if count != size:
+        raise ValueError(f"{name}.pack yielded {count} pairs but size(data) is {size}")
+    return index, payloads, stream
+
+
 class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]):
     """Appends records with their metadata payloads; commits each touched shard on close."""
 
@@ -143,63 +185,7 @@ class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]
         shard as it was.
         """
         self._check_open()
-        name = type(self.format).__name__
-        size = check_int(f"{name}.size(data)", self.format.size(data), minimum=0)
-        generator = self.format.pack(data)
-        if not hasattr(generator, "send"):
-            raise TypeError(
-                f"{name}.pack must be a generator yielding (key, payload) pairs and returning "
-                f"the stream array, got {type(generator).__name__}"
-            )
-        index = np.empty(size, dtype="<i4")
-        payloads: list[bytes] = []
-        seen: set[Any] = set()
-        last: Any = None
-        count = 0
-        while True:
-            try:
-                pair = next(generator)
-            except StopIteration as stop:
-                stream = stop.value
-                break
-            if not isinstance(pair, tuple) or len(pair) != 2:
-                raise TypeError(
-                    f"{name}.pack must yield (key, payload) pairs; element {count} is "
-                    f"{_short(pair)}"
-                )
-            key, payload = pair
-            if count >= size:
-                raise ValueError(f"{name}.pack yielded more than size(data) = {size} pairs")
-            if count == 0 or key != last:
-                try:
-                    repeated = key in seen
-                except TypeError:
-                    raise TypeError(
-                        f"{name}.pack: keys must be hashable, got {_short(key)} "
-                        f"({type(key).__name__}) at element {count}"
-                    ) from None
-                if repeated:
-                    raise ValueError(
-                        f"{name}.pack: key {key!r} repeats after another key at element "
-                        f"{count}; a key may repeat only in one contiguous run"
-                    )
-                if not isinstance(payload, (bytes, bytearray, memoryview)):
-                    raise ValueError(
-                        f"{name}.pack: the first pair of the run of key {key!r} (element "
-                        f"{count}) must carry bytes or memoryview, got {type(payload).__name__}"
-                    )
-                seen.add(key)
-                payloads.append(bytes(payload))
-                last = key
-            index[count] = len(payloads) - 1
-            count += 1
-        if count != size:
-            raise ValueError(f"{name}.pack yielded {count} pairs but size(data) is {size}")
-        stream = check_packed(stream, self.dtype, f"{name}.pack")
-        if len(stream) != size:
-            raise ValueError(
-                f"{name}.pack returned a stream of {len(stream)} elements but size(data) is {size}"
-            )
+        size, index, payloads, stream = self._pack(data)
         with self._lock:  # one append at a time: the files, their checksums, the offsets
             transaction = self._transaction(shard)
             shard = transaction.shard
@@ -219,6 +205,25 @@ class StreamWithMetaWriter(ShardWriterBase, StreamStorageSyncWriterAbstract[Any]
             transaction.files[IN_BAND].write(records)
             self._lengths[shard] = self._lengths.get(shard, 0) + size
             self._written(shard)
+
+    def _pack(self, data: Any) -> tuple[int, np.ndarray, list[bytes], np.ndarray]:
+        """``data`` packed and checked, nothing written: its element count, each element's
+        payload number (from 0), the payloads, the stream array."""
+        name = type(self.format).__name__
+        size = check_int(f"{name}.size(data)", self.format.size(data), minimum=0)
+        generator = self.format.pack(data)
+        if not hasattr(generator, "send"):
+            raise TypeError(
+                f"{name}.pack must be a generator yielding (key, payload) pairs and returning "
+                f"the stream array, got {type(generator).__name__}"
+            )
+        index, payloads, stream = _pairs(name, generator, size)
+        stream = check_packed(stream, self.dtype, f"{name}.pack")
+        if len(stream) != size:
+            raise ValueError(
+                f"{name}.pack returned a stream of {len(stream)} elements but size(data) is {size}"
+            )
+        return size, index, payloads, stream
 
     def length(self, shard: int) -> int:
         """Elements appended to ``shard`` in this writer session (``KeyError`` if none)."""
@@ -407,126 +412,6 @@ class StreamWithMetaReader(StreamReader):
         """
         records, shard_lengths, shards = self.read_raw(global_index, global_length)
         return self.decode(records, shard_lengths, shards)
-
-
-class MetaWindows:
-    """A read of stream-with-metadata windows, prepared for the whole read at once
-    (:meth:`StreamWithMetaReader.prepare_windows`) and decoded a range of rows at a time.
-
-    It holds arrays and one copy of the payloads' bytes; :meth:`decode` makes the samples
-    of rows ``begin .. end - 1``: their payloads' memoryviews and one ``unpack`` per row.
-    """
-
-    __slots__ = (
-        "_document_index",
-        "_ends",
-        "_low",
-        "_payload_shards",
-        "_payloads",
-        "_position",
-        "_reader",
-        "_runs",
-        "_starts",
-        "_stream",
-        "_windows",
-    )
-
-    def __init__(
-        self,
-        reader: StreamWithMetaReader,
-        windows: np.ndarray,
-        starts: np.ndarray,
-        simple: np.ndarray,
-    ) -> None:
-        self._reader = reader
-        self._windows = windows
-        self._starts = starts
-        # row -> its place among the rows decoded together (-1: decoded alone, by decode())
-        position = np.full(len(simple), -1, dtype=np.int64)
-        position[simple] = np.arange(int(np.count_nonzero(simple)), dtype=np.int64)
-        self._position = position
-        self._stream: np.ndarray | None = None
-        self._document_index: np.ndarray | None = None
-        self._payloads: RunPayloads | None = None
-        self._payload_shards: np.ndarray | None = None
-        self._low: np.ndarray | None = None
-        self._runs: np.ndarray | None = None
-        self._ends: list[int] = []
-
-    def fill(
-        self,
-        *,
-        stream: np.ndarray,
-        document_index: np.ndarray,
-        payloads: RunPayloads,
-        payload_shards: np.ndarray,
-        low: np.ndarray,
-        runs: np.ndarray,
-    ) -> None:
-        """The shared work for the rows decoded together, in their order."""
-        self._stream = stream
-        self._document_index = document_index
-        self._payloads = payloads
-        self._payload_shards = payload_shards
-        self._low = low
-        self._runs = runs
-        self._ends = [0, *np.cumsum(runs).tolist()]  # row k's payloads: ends[k] .. ends[k + 1]
-
-    def __len__(self) -> int:
-        return len(self._position)
-
-    def decode(self, begin: int, end: int) -> list[Any]:
-        """The samples of rows ``begin .. end - 1``, in order."""
-        reader = self._reader
-        positions = self._position[begin:end]
-        if len(positions) == 0:
-            return []
-        out: list[Any] = []
-        together = positions >= 0
-        if not together.all():
-            length = self._windows.shape[1]
-            windows, starts = self._windows, self._starts
-            for row, position in zip(range(begin, end), positions.tolist()):
-                if position < 0:  # (an empty window's pieces: those of (0, 0))
-                    pieces = reader.window_pieces(int(starts[row]) if length else 0, length)
-                    out.append(reader.decode(windows[row], *pieces))
-                else:
-                    out += self._together(position, position + 1)
-            return out
-        return self._together(int(positions[0]), int(positions[-1]) + 1)
-
-    def _together(self, first: int, stop: int) -> list[Any]:
-        """``unpack`` of rows ``first .. stop - 1`` of those decoded together."""
-        stream, document_index = self._stream, self._document_index
-        payloads, shards = self._payloads, self._payload_shards
-        assert stream is not None and document_index is not None
-        assert payloads is not None and shards is not None
-        ends = self._ends
-        offset = ends[first]
-        fetched = payloads.views(offset, ends[stop])
-        unpack = self._reader.storage.format.unpack
-        out: list[Any] = []
-        begin = end = offset
-        try:
-            for k in range(first, stop):
-                end = ends[k + 1]
-                out.append(
-                    unpack(
-                        stream[k],
-                        shards[begin:end],
-                        document_index[k],
-                        fetched[begin - offset : end - offset],
-                    )
-                )
-                begin = end
-        except StorageError:
-            raise
-        except Exception as error:
-            assert self._low is not None and self._runs is not None
-            row = len(out) + first
-            locals_ = np.arange(int(self._low[row]), int(self._low[row] + self._runs[row]))
-            raise self._reader._decode_failed(error, shards[begin:end], locals_) from error
-        return out
 
 
 class AsyncStreamWithMetaReader(AsyncReaderBase, StreamStorageAsyncReaderAbstract[Any]):

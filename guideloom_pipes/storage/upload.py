@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from guideloom_pipes.storage.commit import _read_record, refuse_to_create
+from guideloom_pipes.storage.commit import _read_record
 from guideloom_pipes.storage.errors import CorruptShardError, StorageError
 from guideloom_pipes.storage.names import (
     IN_BAND,
@@ -55,7 +55,9 @@ from guideloom_pipes.storage.names import (
     versioned_name,
 )
 from guideloom_pipes.storage.records import ShardRecord
-from guideloom_pipes.storage.remote import FsspecIO, ListingFsspecIO, RemotePath
+from guideloom_pipes.storage.remote import FsspecIO, ListingFsspecIO
+from guideloom_pipes.storage.remote_paths import RemotePath
+from guideloom_pipes.storage.writer_modes import refuse_to_create
 
 try:
     import fcntl

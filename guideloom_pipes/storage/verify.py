@@ -13,17 +13,18 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.commit import _read_record, is_locked
+from guideloom_pipes.storage.commit import _read_record
 from guideloom_pipes.storage.errors import (
     CorruptShardError,
     DatasetChangedError,
     UncommittedShardError,
 )
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
-from guideloom_pipes.storage.listing import ShardListing, backend_size
+from guideloom_pipes.storage.locks import is_locked
 from guideloom_pipes.storage.names import RECORD, SHARD_NAME, TMP, _display, shard_name
 from guideloom_pipes.storage.records import _CHUNK, FileRecord, ShardRecord
 from guideloom_pipes.storage.remote import FsspecIO
+from guideloom_pipes.storage.shard_listing import ShardListing, backend_size
 
 
 def check_listing(
