@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["Batch", "LazyRows", "accepts_batch_arrays", "batch_arrays"]
+__all__ = ["Batch", "LazyRows", "accepts_batch_arrays", "batch_arrays", "one_column_collate"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -226,6 +226,19 @@ def accepts_batch_arrays(fn: Any) -> bool:
         return True
     inner = getattr(fn, "func", None)  # functools.partial(pad_collate, pad_value=...)
     return inner is not None and getattr(inner, "accepts_batch_arrays", False) is True
+
+
+def one_column_collate(
+    fn: Any, name: str, dtype: np.dtype[Any]
+) -> Callable[[np.ndarray], Any] | None:
+    """The form ``fn`` (a collate) declares for batches that are one column: its
+    ``one_column(name, dtype)`` attribute gives ``column -> batch``, what ``fn`` returns for
+    ``Batch({name: column})`` (a column of at least one row), or None where it has none for
+    that dtype. A reader that can read such a batch's column alone (see
+    ``guideloom_pipes.datasets.BatchReads``) then makes no :class:`Batch` for it. None where
+    ``fn`` declares no such form."""
+    make = getattr(fn, "one_column", None)
+    return make(name, dtype) if callable(make) else None
 
 
 def int64_list(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
