@@ -273,9 +273,10 @@ class DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
         faster ways for some batches add them (one column alone, packed chunks)."""
         if not arrays:
             return BatchReads(self.read_rows)
-        if out is not None:
-            return BatchReads(functools.partial(self.read_arrays, out=out))
-        return BatchReads(self.read_arrays)
+        read_arrays: Callable[..., Any] = self.read_arrays
+        if out is not None:  # (a reader whose read_arrays takes no out raises for each batch)
+            return BatchReads(functools.partial(read_arrays, out=out))
+        return BatchReads(read_arrays)
 
 
 class StreamDatasetReader(DatasetReaderBase):

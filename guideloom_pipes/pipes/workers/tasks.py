@@ -148,7 +148,10 @@ class ReadTask:
         # that applies (read_column gives None for a batch it does not read: the read and
         # collate above take it); see column_read
         one = column_read(reads, collate_fn)
-        self._read_column, self._collate_column = (None, None) if one is None else one
+        self._read_column: Callable[[Ids], np.ndarray | None] | None = None
+        self._collate_column: Callable[[np.ndarray], Any] | None = None
+        if one is not None:
+            self._read_column, self._collate_column = one
         self._collate = collate_fn
         self._arrays = accepts_batch_arrays(collate_fn)
         # whether the read gives batches of columns (None: not known before the first read)
