@@ -18,7 +18,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["Batch", "LazyRows", "accepts_batch_arrays", "batch_arrays", "one_column_collate"]
+__all__ = [
+    "Batch",
+    "LazyRows",
+    "accepts_batch_arrays",
+    "batch_arrays",
+    "draws_no_random",
+    "keeps_no_arrays",
+    "one_column_collate",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -239,6 +247,21 @@ def one_column_collate(
     ``fn`` declares no such form."""
     make = getattr(fn, "one_column", None)
     return make(name, dtype) if callable(make) else None
+
+
+def draws_no_random(fn: Any) -> bool:
+    """Whether ``fn`` (a collate) declares that its calls draw no random numbers
+    (``draws_random = False`` on it, as on ours): batches it collates from our readers then
+    need no seed."""
+    return getattr(fn, "draws_random", True) is False
+
+
+def keeps_no_arrays(fn: Any) -> bool:
+    """Whether ``fn`` (a collate) declares ``keeps_no_arrays = True``: of the arrays it is
+    given it keeps only what the batch it returns holds (its tensors may view them), so the
+    buffers they were read into can be reused once that batch is copied to the device (a
+    loader's pinned ring). A collate that could keep or hand on the arrays does not."""
+    return getattr(fn, "keeps_no_arrays", False) is True
 
 
 def int64_list(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:

@@ -87,6 +87,9 @@ def _one_column(name: str, dtype: np.dtype[Any]) -> Callable[[np.ndarray], Any] 
 
 
 default_collate.one_column = _one_column  # type: ignore[attr-defined]
+# (see guideloom_pipes.batch: draws_no_random, keeps_no_arrays)
+default_collate.draws_random = False  # type: ignore[attr-defined]
+default_collate.keeps_no_arrays = True  # type: ignore[attr-defined]
 
 
 def _as_sequence(value: Any) -> np.ndarray | None:
@@ -227,6 +230,9 @@ def pad_collate(
         else:
             out[name] = column
     return out
+
+
+pad_collate.draws_random = False  # type: ignore[attr-defined]
 
 
 class Collate(BaseNode[Any]):
