@@ -18,7 +18,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-__all__ = ["Batch", "LazyRows", "accepts_batch_arrays", "batch_arrays"]
+__all__ = [
+    "Batch",
+    "LazyRows",
+    "accepts_batch_arrays",
+    "batch_arrays",
+    "draws_no_random",
+    "keeps_no_arrays",
+    "one_column_collate",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -226,6 +234,34 @@ def accepts_batch_arrays(fn: Any) -> bool:
         return True
     inner = getattr(fn, "func", None)  # functools.partial(pad_collate, pad_value=...)
     return inner is not None and getattr(inner, "accepts_batch_arrays", False) is True
+
+
+def one_column_collate(
+    fn: Any, name: str, dtype: np.dtype[Any]
+) -> Callable[[np.ndarray], Any] | None:
+    """The form ``fn`` (a collate) declares for batches that are one column: its
+    ``one_column(name, dtype)`` attribute gives ``column -> batch``, what ``fn`` returns for
+    ``Batch({name: column})`` (a column of at least one row), or None where it has none for
+    that dtype. A reader that can read such a batch's column alone (see
+    ``guideloom_pipes.datasets.BatchReads``) then makes no :class:`Batch` for it. None where
+    ``fn`` declares no such form."""
+    make = getattr(fn, "one_column", None)
+    return make(name, dtype) if callable(make) else None
+
+
+def draws_no_random(fn: Any) -> bool:
+    """Whether ``fn`` (a collate) declares that its calls draw no random numbers
+    (``draws_random = False`` on it, as on ours): batches it collates from our readers then
+    need no seed."""
+    return getattr(fn, "draws_random", True) is False
+
+
+def keeps_no_arrays(fn: Any) -> bool:
+    """Whether ``fn`` (a collate) declares ``keeps_no_arrays = True``: of the arrays it is
+    given it keeps only what the batch it returns holds (its tensors may view them), so the
+    buffers they were read into can be reused once that batch is copied to the device (a
+    loader's pinned ring). A collate that could keep or hand on the arrays does not."""
+    return getattr(fn, "keeps_no_arrays", False) is True
 
 
 def int64_list(value: list[Any] | tuple[Any, ...]) -> np.ndarray | None:

@@ -61,17 +61,15 @@ def open_reader(dataset: Any) -> tuple[Any, bool]:
 
 
 def batch_read_fn(
-    reader: Any, arrays: bool = False, out: WindowBuffers | None = None, rows: bool = False
+    reader: Any, arrays: bool = False, out: WindowBuffers | None = None
 ) -> Callable[[np.ndarray], Any]:
     """The fastest way ``reader`` offers to turn an int64 id array into a list of samples:
-    its ``read_batch``, else ``__getitems__``, else ``[i]`` for each id.
+    its ``read_batch``, else ``__getitems__``, else ``[i]`` for each id (what a reader
+    reading another one, a mixture's component or a packed dataset's source, reads it with).
 
     With ``arrays=True``, a reader's ``read_arrays`` comes first: it may return a
     :class:`~guideloom_pipes.batch.Batch` instead of the list (for a collate that takes one);
-    ``out`` (see :meth:`StreamDatasetReader.read_arrays`) is then passed to it. Else, with
-    ``rows=True``, one of our readers' ``read_rows`` comes first: it may return
-    :class:`~guideloom_pipes.batch.LazyRows` (for a caller that slices it; a user's reader
-    with a method of that name is not asked).
+    ``out`` (see :meth:`StreamDatasetReader.read_arrays`) is then passed to it.
     """
     if arrays:
         read_arrays = getattr(reader, "read_arrays", None)
@@ -79,8 +77,6 @@ def batch_read_fn(
             if out is not None:
                 return functools.partial(read_arrays, out=out)
             return read_arrays
-    elif rows and isinstance(reader, DatasetReaderBase):
-        return reader.read_rows
     read_batch = getattr(reader, "read_batch", None)
     if callable(read_batch):
         return read_batch
@@ -89,6 +85,56 @@ def batch_read_fn(
         return lambda ids: list(getitems(ids.tolist()))
     getitem = reader.__getitem__
     return lambda ids: [getitem(i) for i in ids.tolist()]
+
+
+class BatchReads:
+    """How a loader's read task reads the batches of one reader, as the reader chose
+    (:meth:`DatasetReaderBase.batch_reads`; :func:`batch_reads` for any reader).
+
+    Args:
+        read: ``ids -> samples``: a :class:`~guideloom_pipes.batch.Batch` (for a collate
+            that takes arrays), :class:`~guideloom_pipes.batch.LazyRows` (samples made a
+            slice at a time) or the list of samples.
+        read_many: ``[ids, ...] -> [Batch, ...]``: a chunk of batches read and packed
+            together, each a :class:`~guideloom_pipes.batch.Batch` of its own (packed
+            windows); None where the reader has no such read.
+        column: ``(name, dtype, read_column)`` where a batch's :class:`Batch` would be one
+            column ``name`` of ``dtype``: ``read_column(ids)`` reads that array alone (None
+            for a batch that ``read`` takes: empty, other ids), for a collate that declares
+            a form for one column (:func:`~guideloom_pipes.batch.one_column_collate`).
+        draws_random: whether a read may draw random numbers (a user's ``__getitem__``):
+            each batch that has a seed is then read under it. Our readers' reads draw none.
+    """
+
+    __slots__ = ("column", "draws_random", "read", "read_many")
+
+    def __init__(
+        self,
+        read: Callable[[np.ndarray], Any],
+        *,
+        read_many: Callable[[list[np.ndarray]], list[Batch]] | None = None,
+        column: tuple[str, np.dtype[Any], Callable[[np.ndarray], np.ndarray | None]] | None = None,
+        draws_random: bool = False,
+    ) -> None:
+        self.read = read
+        self.read_many = read_many
+        self.column = column
+        self.draws_random = draws_random
+
+
+def batch_reads(reader: Any, arrays: bool = False, out: WindowBuffers | None = None) -> BatchReads:
+    """How ``reader``'s batches are read, for a collate that takes arrays (``arrays``) or
+    not; ``out``: where the arrays' windows go (a loader's pinned ring).
+
+    Our readers choose (:meth:`DatasetReaderBase.batch_reads`). Any other reader is read
+    with :func:`batch_read_fn`; one that offers ``read_batch`` (a batch read of its own) is
+    taken to draw no random numbers, as ours, any other may (its ``__getitem__``)."""
+    if isinstance(reader, DatasetReaderBase):
+        return reader.batch_reads(arrays, out)
+    return BatchReads(
+        batch_read_fn(reader, arrays, out),
+        draws_random=not callable(getattr(reader, "read_batch", None)),
+    )
 
 
 def reader_code(reader: Any) -> list[Any]:
@@ -222,6 +268,17 @@ class DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
         samples), else as :meth:`read_batch`'s list (the same samples)."""
         return self.read_batch(ids)
 
+    def batch_reads(self, arrays: bool, out: WindowBuffers | None = None) -> BatchReads:
+        """How a loader reads this reader's batches: :meth:`read_arrays` for a collate that
+        takes arrays (``arrays``; ``out`` passed on), else :meth:`read_rows`. Readers with
+        faster ways for some batches add them (one column alone, packed chunks)."""
+        if not arrays:
+            return BatchReads(self.read_rows)
+        read_arrays: Callable[..., Any] = self.read_arrays
+        if out is not None:  # (a reader whose read_arrays takes no out raises for each batch)
+            return BatchReads(functools.partial(read_arrays, out=out))
+        return BatchReads(read_arrays)
+
 
 class StreamDatasetReader(DatasetReaderBase):
     """Reader of a :class:`StreamDataset` (windows of ``sequence_length`` elements)."""
@@ -241,15 +298,14 @@ class StreamDatasetReader(DatasetReaderBase):
         self._one_field = self._column_of_windows()
 
     def _column_of_windows(self) -> tuple[str, np.dtype[Any]] | None:
-        """``(name, dtype)`` of the one field of a plain ``StreamNumpyFormat`` whose column
-        is the windows' own bytes (see :meth:`reads_into_buffers`): its batches are the
-        copied windows viewed as that dtype. None for any other format."""
+        """``(name, dtype)`` of the one field of a ``StreamNumpyFormat`` whose column is the
+        windows' own bytes (``StreamNumpyFormat.window_field``): its batches are the copied
+        windows viewed as that dtype. None for any other format."""
         reader = self._storage_reader
         format = reader.storage.format
-        if type(format) is not StreamNumpyFormat or not self.reads_into_buffers():
+        if not isinstance(format, StreamNumpyFormat) or isinstance(reader, StreamWithMetaReader):
             return None
-        name = format.fields[0]
-        return name, format.stream_dtype.fields[name][0]  # type: ignore[index]
+        return format.window_field()
 
     def _read_one(self, index: int) -> Any:
         length = self.sequence_length
@@ -282,11 +338,15 @@ class StreamDatasetReader(DatasetReaderBase):
             unpack_columns(reader._windows(ids * length, length, out, recycle=True))
         )
 
-    def column_field(self) -> tuple[str, np.dtype[Any]] | None:
-        """``(name, dtype)`` of the one field of a stream whose batches :meth:`read_column`
-        reads (see :meth:`read_arrays`), or None for any other format (or an unopened
-        reader)."""
-        return self._one_field
+    def batch_reads(self, arrays: bool, out: WindowBuffers | None = None) -> BatchReads:
+        """:meth:`DatasetReaderBase.batch_reads`, and for a one-field stream's arrays read
+        into memory of their own (no ``out``) the batch's one column alone
+        (:meth:`read_column`), for a collate that declares a form for one column."""
+        reads = super().batch_reads(arrays, out)
+        one = self._one_field
+        if arrays and out is None and one is not None:
+            reads.column = (one[0], one[1], self.read_column)
+        return reads
 
     def read_column(self, ids: Any) -> np.ndarray | None:
         """The one column of a one-field stream's batch at ``ids`` (a 1-D integer array of

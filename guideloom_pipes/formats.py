@@ -153,6 +153,23 @@ class StreamNumpyFormat(StreamStorageFormat[DataT, DataT, DType]):
         else one copy per field."""
         return {name: np.ascontiguousarray(windows[name]) for name in self.fields}
 
+    def window_field(self) -> tuple[str, np.dtype[Any]] | None:
+        """``(name, dtype)`` of the one field whose column :meth:`unpack_columns` makes of
+        windows by viewing them as ``dtype``, nothing decoded: a dtype of one field, as wide
+        as the element, at offset 0, not a subarray. None for any other dtype, and for a
+        subclass that decodes columns its own way (overrides :meth:`unpack_columns`): its
+        reader then asks it for every batch's columns."""
+        if type(self).unpack_columns is not StreamNumpyFormat.unpack_columns:
+            return None
+        dtype = self.stream_dtype
+        if len(self.fields) != 1:
+            return None
+        name = self.fields[0]
+        field_dtype, offset = dtype.fields[name][:2]  # type: ignore[index]
+        if offset or field_dtype.itemsize != dtype.itemsize or field_dtype.shape:
+            return None
+        return name, field_dtype
+
     def unpack_batch(self, windows: np.ndarray) -> list[dict[str, np.ndarray]]:
         """Decode a ``(batch, length)`` array of windows: one contiguous copy per field."""
         columns = list(self.unpack_columns(windows).items())

@@ -45,9 +45,11 @@ import numpy.typing as npt
 from guideloom_pipes.batch import Batch, token_array
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.datasets import (
+    BatchReads,
     DatasetReaderBase,
     DocumentDataset,
     StreamDataset,
+    WindowBuffers,
     _as_ids,
     _AsyncDatasetReader,
     batch_read_fn,
@@ -862,6 +864,14 @@ class PackedReader(DatasetReaderBase):
             out.extend(Batch.of_columns(columns) for columns, _ in group)
             first, begin = last, begin + rows
         return out
+
+    def batch_reads(self, arrays: bool, out: WindowBuffers | None = None) -> BatchReads:
+        """:meth:`DatasetReaderBase.batch_reads`, and for arrays read into memory of their
+        own (no ``out``) :meth:`read_arrays_many` for a chunk of batches."""
+        reads = super().batch_reads(arrays, out)
+        if arrays and out is None:
+            reads.read_many = self.read_arrays_many
+        return reads
 
     def _columns(self, ids: Sequence[int] | np.ndarray) -> tuple[dict[str, _I64], _I64]:
         self._check_open()

@@ -563,6 +563,7 @@ def test_default_collate_of_columns_torch_cannot_share_fails_as_torch_does() -> 
 
 
 def test_batches_of_columns_are_read_one_by_one_and_lists_a_chunk_at_a_time() -> None:
+    from guideloom_pipes.datasets import BatchReads
     from guideloom_pipes.pipes.workers.tasks import ReadTask
 
     calls: list[int] = []
@@ -576,17 +577,17 @@ def test_batches_of_columns_are_read_one_by_one_and_lists_a_chunk_at_a_time() ->
         return ids.tolist()
 
     chunk = [np.arange(k, k + 2, dtype=np.int64) for k in (0, 2, 4)]
-    task = ReadTask(columns, ArrayCollate())
+    task = ReadTask(BatchReads(columns), ArrayCollate())
     first = task.run(chunk)
     assert calls == [2, 2, 2]  # one read per batch: arrays the size of one batch
     assert [b["samples"][0]["tokens"][1] for b in first] == [[0, 0, 0], [2, 2, 2], [4, 4, 4]]
     calls.clear()
-    task = ReadTask(rows, ArrayCollate())
+    task = ReadTask(BatchReads(rows), ArrayCollate())
     task.run(chunk[:1])  # the first read tells: no columns
     task.run(chunk)
     assert calls == [2, 6]  # then one read for the whole chunk
     calls.clear()
-    ReadTask(rows, list_collate).run(chunk)
+    ReadTask(BatchReads(rows), list_collate).run(chunk)
     assert calls == [6]  # a user collate: the list path, a chunk at a time, as before
 
 
@@ -617,11 +618,12 @@ def test_lazy_rows_decode_each_slice_when_asked_and_pickle_as_their_samples() ->
 
 
 def test_a_chunk_of_lazy_rows_is_decoded_batch_by_batch_or_at_delivery() -> None:
+    from guideloom_pipes.datasets import BatchReads
     from guideloom_pipes.pipes.workers.tasks import Deferred, Failed, ReadTask
 
     decoded: list[tuple[int, int]] = []
     chunk = [np.arange(k, k + 2, dtype=np.int64) for k in (0, 2, 4, 6)]
-    task = ReadTask(lambda ids: _lazy(decoded, len(ids), fail_at=5), list_collate)
+    task = ReadTask(BatchReads(lambda ids: _lazy(decoded, len(ids), fail_at=5)), list_collate)
     outcomes = task.run(chunk)
     # one slice per batch; the batch whose slice raises fails alone
     assert decoded == [(0, 2), (2, 4), (4, 6), (6, 8)]
@@ -641,7 +643,7 @@ def test_a_chunk_of_lazy_rows_is_decoded_batch_by_batch_or_at_delivery() -> None
 
 
 def test_only_our_readers_are_asked_for_lazy_rows(tmp_path: Path) -> None:
-    from guideloom_pipes.datasets import batch_read_fn
+    from guideloom_pipes.datasets import batch_read_fn, batch_reads
 
     class UsersReader:
         def read_batch(self, ids: np.ndarray) -> list[int]:
@@ -650,12 +652,12 @@ def test_only_our_readers_are_asked_for_lazy_rows(tmp_path: Path) -> None:
         def read_rows(self, ids: np.ndarray) -> str:  # a method of the user's own
             return "not samples"
 
-    assert batch_read_fn(UsersReader(), rows=True)(np.arange(3)) == [0, 1, 2]
+    assert batch_reads(UsersReader()).read(np.arange(3)) == [0, 1, 2]
     storage = StreamWithMetaStorage(tmp_path, ChunkMetaFormat())
     with storage.sync_writer() as writer:
         writer.append(0, {"doc": 0, "tokens": list(range(12)), "chunk_ids": [0] * 6 + [1] * 6})
     with StreamDataset(storage, 4).sync_reader() as reader:
-        rows = batch_read_fn(reader, rows=True)(np.array([2, 0]))
+        rows = batch_reads(reader).read(np.array([2, 0]))
         assert type(rows) is LazyRows
         assert [s["stream"] for s in rows[:]] == [[8, 9, 10, 11], [0, 1, 2, 3]]
         assert type(batch_read_fn(reader)(np.array([0]))) is list
@@ -686,7 +688,22 @@ def test_a_one_field_stream_with_default_collate_is_read_straight_into_its_tenso
 def test_the_one_step_read_is_only_for_default_collate_over_one_numeric_field(
     tmp_path: Path,
 ) -> None:
-    from guideloom_pipes.pipes.collate import collated_read_fn
+    from guideloom_pipes.datasets import batch_reads
+    from guideloom_pipes.pipes.workers.tasks import column_read
+
+    def collated_read_fn(reader: Any, collate_fn: Any, out: Any = None) -> Any:
+        """The one-step read a ReadTask makes of ``reader`` for ``collate_fn`` (or None)."""
+        reads = batch_reads(reader, accepts_batch_arrays(collate_fn), out)
+        one = column_read(reads, collate_fn)
+        if one is None:
+            return None
+        read_column, collate_column = one
+
+        def read(ids: np.ndarray) -> Any:
+            column = read_column(ids)
+            return None if column is None else collate_column(column)
+
+        return read
 
     datasets = _datasets(tmp_path)
     swapped = StreamDataset(_stream(tmp_path / "swapped", np.dtype([("tokens", ">i4")])), LENGTH)

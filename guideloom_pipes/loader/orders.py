@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.batch import draws_no_random, keeps_no_arrays
 from guideloom_pipes.pipes import (
     Collate,
     PinMemory,
@@ -30,10 +31,7 @@ from guideloom_pipes.pipes import (
     ReadSamples,
     Shuffle,
     ToDevice,
-    collate_packed,
-    default_collate,
     num_steps,
-    pad_collate,
 )
 from guideloom_pipes.pipes.read import CHUNK_SECONDS
 from guideloom_pipes.pipes.seeding import Seeding, batch_seed
@@ -50,9 +48,6 @@ from guideloom_pipes.pipes.shards import (
 if TYPE_CHECKING:
     from guideloom_pipes.loader.stateful import StatefulDataLoader
 
-#: Collates of ours: they draw no random numbers, so batches read by our datasets' readers
-#: and collated by them need no seed.
-_OUR_COLLATES: tuple[Callable[..., Any], ...] = (default_collate, pad_collate, collate_packed)
 #: Extra keys of a shard-streaming state: the order, the world size and the buffer size its
 #: shards were dealt and mixed with.
 ORDER_KEY = "order"
@@ -340,7 +335,8 @@ def batch_seeds(
     whichever worker reads the batch and after a resume. ``None`` when only our code reads
     and collates (nothing draws random numbers)."""
     collate = loader.settings.collate_fn
-    if hasattr(loader.dataset, "sync_reader") and (collate is None or collate in _OUR_COLLATES):
+    # (our collates declare that they draw no random numbers: guideloom_pipes.batch)
+    if hasattr(loader.dataset, "sync_reader") and (collate is None or draws_no_random(collate)):
         return None
     base, rank, step = loader.base_seed, loader.settings.rank, loader.global_batch_size
 
@@ -381,8 +377,9 @@ def batches_ahead(loader: StatefulDataLoader[Any, Any]) -> int:
 def pinned_ring(loader: StatefulDataLoader[Any, Any]) -> PinnedRing | None:
     """The ring of pinned buffers an iterator reads its windows into, or None where the
     path does not apply: batches pinned for a CUDA device, in GuideLoom's global order,
-    collated by ``default_collate`` (whose tensors are the windows' own memory; a user's
-    ``collate_fn`` could keep or hand on the host buffers), read in this process (inline or
+    collated by a collate that keeps no arrays (``keeps_no_arrays``: ``default_collate``,
+    whose tensors are the windows' own memory; a user's ``collate_fn`` could keep or hand on
+    the host buffers), read in this process (inline or
     threads), from a stream whose columns are views of the windows read (a
     ``StreamNumpyFormat`` of one field). Elsewhere batches are pinned by a copy
     (``PinMemory``), as before.
@@ -392,7 +389,7 @@ def pinned_ring(loader: StatefulDataLoader[Any, Any]) -> PinnedRing | None:
     settings = loader.settings
     if not loader._held.ring_device(settings) or not isinstance(loader._order, GlobalOrder):
         return None
-    if settings.collate_fn is not default_collate:
+    if not keeps_no_arrays(settings.collate_fn):
         return None
     if settings.num_workers > 0 and settings.parallel_method == "process":
         return None

@@ -69,38 +69,27 @@ def default_collate(samples: Sequence[Any] | Batch) -> Any:
     return _torch_collate(samples, collate_fn_map=_COLLATE_FN_MAP)
 
 
-def collated_read_fn(
-    reader: Any, collate_fn: Callable[..., Any] | None, out: Any = None
-) -> Callable[[np.ndarray], dict[str, torch.Tensor] | None] | None:
-    """``ids -> default_collate(reader.read_arrays(ids))`` in one step where the batches
-    are one column of numbers (a one-field stream: our readers' ``read_column``) and
-    ``collate_fn`` is :func:`default_collate`: the column's tensor in a dict, no
-    :class:`~guideloom_pipes.batch.Batch` in between. The function returns None for a
-    batch it does not read (empty, other ids: the general read takes it). None where it
-    does not apply (another collate, a reader of ours of another format or none of ours,
-    windows read into given buffers ``out``)."""
-    if collate_fn is not default_collate or out is not None:
-        return None
-    from guideloom_pipes.datasets import StreamDatasetReader
-
-    if not isinstance(reader, StreamDatasetReader):
-        return None
-    field = reader.column_field()
-    if field is None:
-        return None
-    name, dtype = field
-    read_column = reader.read_column
+def _one_column(name: str, dtype: np.dtype[Any]) -> Callable[[np.ndarray], Any] | None:
+    """:func:`default_collate`'s form for batches of one column ``name`` of ``dtype`` (see
+    :func:`~guideloom_pipes.batch.one_column_collate`): the column's tensor in a dict, as
+    ``default_collate(Batch({name: column}))`` makes it. None for a dtype that torch cannot
+    share (``default_collate`` goes row by row there)."""
     from_numpy = torch.from_numpy
     try:
         from_numpy(np.empty(0, dtype))
     except (TypeError, ValueError):
-        return None  # (a dtype torch cannot share: default_collate goes row by row)
+        return None
 
-    def read(ids: np.ndarray) -> dict[str, torch.Tensor] | None:
-        column = read_column(ids)
-        return None if column is None else {name: from_numpy(column)}
+    def collate(column: np.ndarray) -> dict[str, torch.Tensor]:
+        return {name: from_numpy(column)}
 
-    return read
+    return collate
+
+
+default_collate.one_column = _one_column  # type: ignore[attr-defined]
+# (see guideloom_pipes.batch: draws_no_random, keeps_no_arrays)
+default_collate.draws_random = False  # type: ignore[attr-defined]
+default_collate.keeps_no_arrays = True  # type: ignore[attr-defined]
 
 
 def _as_sequence(value: Any) -> np.ndarray | None:
@@ -241,6 +230,9 @@ def pad_collate(
         else:
             out[name] = column
     return out
+
+
+pad_collate.draws_random = False  # type: ignore[attr-defined]
 
 
 class Collate(BaseNode[Any]):

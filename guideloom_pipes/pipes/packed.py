@@ -132,3 +132,7 @@ def collate_packed(samples: Sequence[Mapping[str, Any]] | Mapping[str, Any] | Ba
     out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
     out["max_seqlen"] = max_seqlen
     return out
+
+
+# (see guideloom_pipes.batch.draws_no_random)
+collate_packed.draws_random = False  # type: ignore[attr-defined]

@@ -13,7 +13,6 @@ from torchdata.nodes import BaseNode
 
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.datasets import WindowBuffers, open_reader
-from guideloom_pipes.pipes.collate import collated_read_fn
 from guideloom_pipes.pipes.delivery import Delivery, SourceBatches
 from guideloom_pipes.pipes.errors import mark_batch_failure
 from guideloom_pipes.pipes.positions import Positions
@@ -28,8 +27,6 @@ from guideloom_pipes.pipes.workers.schedule import (
 from guideloom_pipes.pipes.workers.tasks import (
     ReadTask,
     keep_batch_arrays,
-    read_fn_for,
-    read_many_fn_for,
 )
 from guideloom_pipes.pipes.workers.threads import (
     after_orphaned_jobs,
@@ -234,12 +231,10 @@ class ReadSamples(BaseNode[Any]):
         if self._task is None:
             collate = self._worker_collate
             reader = self._reader
-            self._task = ReadTask(
-                read_fn_for(reader, collate, out=self.buffers),
+            self._task = ReadTask.of_reader(
+                reader,
                 collate,
-                read_many=read_many_fn_for(reader, collate, out=self.buffers),
-                read_collated=collated_read_fn(reader, collate, out=self.buffers),
-                read_is_ours=callable(getattr(reader, "read_batch", None)),
+                out=self.buffers,
                 seeding="globals" if self.num_workers == 0 else "local",
             )
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes.seeding import seed_globals
-from guideloom_pipes.pipes.workers.tasks import Failed, Ids, ReadTask, read_fn_for, read_many_fn_for
+from guideloom_pipes.pipes.workers.tasks import Failed, Ids, ReadTask
 from guideloom_pipes.pipes.workers.transport import ResultRing, dump_result
 
 
@@ -89,14 +89,7 @@ class _ProcessWorkerState:
             self._close_reader = multiprocessing.util.Finalize(
                 reader, reader.close, exitpriority=10
             )
-        read_is_ours = callable(getattr(reader, "read_batch", None))
-        self.task = ReadTask(
-            read_fn_for(reader, collate_fn),
-            collate_fn,
-            read_many=read_many_fn_for(reader, collate_fn),
-            read_is_ours=read_is_ours,
-            seeding="globals",
-        )
+        self.task = ReadTask.of_reader(reader, collate_fn, seeding="globals")
 
     def run(self, batches: list[Ids], seeds: list[int] | None) -> list[Any]:
         if not self.info_set and self.setup is not None:

@@ -14,12 +14,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from guideloom_pipes.batch import Batch, LazyRows, accepts_batch_arrays, batch_arrays
-from guideloom_pipes.datasets import (
-    DatasetReaderBase,
-    WindowBuffers,
-    batch_read_fn,
+from guideloom_pipes.batch import (
+    Batch,
+    LazyRows,
+    accepts_batch_arrays,
+    batch_arrays,
+    one_column_collate,
 )
+from guideloom_pipes.datasets import BatchReads, WindowBuffers, batch_reads
 from guideloom_pipes.pipes.seeding import Seeding, seeded
 
 Ids = npt.NDArray[np.int64]
@@ -65,28 +67,20 @@ def keep_batch_arrays(samples: Any) -> Any:
     return samples
 
 
-def read_fn_for(
-    reader: Any, collate_fn: Callable[..., Any] | None, out: WindowBuffers | None = None
-) -> Callable[[Ids], Any]:
-    """``reader``'s batch read for ``collate_fn``: arrays (``read_arrays``) when it takes
-    a :class:`~guideloom_pipes.batch.Batch`, else the samples (``read_rows``: possibly
-    :class:`~guideloom_pipes.batch.LazyRows`, which :class:`ReadTask` slices per batch).
-    ``out``: where the arrays read their windows (a loader's pinned ring), for arrays only."""
-    return batch_read_fn(reader, arrays=accepts_batch_arrays(collate_fn), out=out, rows=True)
-
-
-def read_many_fn_for(
-    reader: Any, collate_fn: Callable[..., Any] | None, out: WindowBuffers | None = None
-) -> Callable[[list[Ids]], list[Any]] | None:
-    """One of our readers' ``read_arrays_many`` (a chunk of batches read and packed
-    together, each a :class:`~guideloom_pipes.batch.Batch` of its own) where ``collate_fn``
-    takes arrays and no ``out`` buffers are given, else None."""
-    if out is not None or not accepts_batch_arrays(collate_fn):
+def column_read(
+    reads: BatchReads, collate_fn: Callable[..., Any] | None
+) -> tuple[Callable[[Ids], np.ndarray | None], Callable[[np.ndarray], Any]] | None:
+    """``(read_column, collate_column)`` where a batch is read as its one column alone and
+    collated by the form ``collate_fn`` declares for one column (a one-field stream and
+    :func:`~guideloom_pipes.pipes.collate.default_collate`: the column's tensor, no
+    :class:`~guideloom_pipes.batch.Batch` in between); ``read_column`` gives None for a
+    batch it does not read (the general read takes it). None where that does not apply."""
+    column = reads.column
+    if column is None or collate_fn is None:
         return None
-    if not isinstance(reader, DatasetReaderBase):
-        return None
-    read_many = getattr(reader, "read_arrays_many", None)
-    return read_many if callable(read_many) else None
+    name, dtype, read_column = column
+    collate_column = one_column_collate(collate_fn, name, dtype)
+    return None if collate_column is None else (read_column, collate_column)
 
 
 class Deferred:
@@ -120,44 +114,66 @@ class ReadTask:
     ``collate_fn`` as it is when ``collate_fn`` takes arrays, else as its list of samples.
 
     With a seed per batch (``seeds`` of :meth:`run`, ``seed`` of a call) each batch is read
-    and collated under its seed (see :func:`seeded`, ``seeding`` says how). A reader with
-    ``read_batch`` (ours: it draws no random numbers) still reads a chunk with one call and
-    only the collates run under the seeds; any other reader (a user's ``__getitem__``) reads
-    each batch under its seed.
+    and collated under its seed (see :func:`seeded`, ``seeding`` says how). A reader whose
+    reads draw no random numbers (ours, see :class:`~guideloom_pipes.datasets.BatchReads`)
+    still reads a chunk with one call and only the collates run under the seeds; any other
+    reader (a user's ``__getitem__``) reads each batch under its seed.
+
+    ``reads``: how the reader's batches are read (what the reader chose for ``collate_fn``;
+    :meth:`of_reader` asks it). This is the one place where samples are collated.
     """
 
     __slots__ = (
         "_arrays",
         "_collate",
+        "_collate_column",
         "_columns",
+        "_draws_random",
         "_read",
-        "_read_collated",
-        "_read_is_ours",
+        "_read_column",
         "_read_many",
         "seeding",
     )
 
     def __init__(
         self,
-        read: Callable[[Ids], Any],
+        reads: BatchReads,
         collate_fn: Callable[..., Any] | None,
         *,
-        read_many: Callable[[list[Ids]], list[Any]] | None = None,
-        read_collated: Callable[[Ids], Any] | None = None,
-        read_is_ours: bool = True,
         seeding: Seeding = "local",
     ):
-        self._read = read
-        self._read_many = read_many
-        # read and collate in one step, where that applies (None for a batch it does not
-        # read: the read and collate above take it); see pipes.collate.collated_read_fn
-        self._read_collated = read_collated
+        self._read = reads.read
+        self._read_many = reads.read_many
+        # a batch read as its one column and collated by the collate's form for it, where
+        # that applies (read_column gives None for a batch it does not read: the read and
+        # collate above take it); see column_read
+        one = column_read(reads, collate_fn)
+        self._read_column: Callable[[Ids], np.ndarray | None] | None = None
+        self._collate_column: Callable[[np.ndarray], Any] | None = None
+        if one is not None:
+            self._read_column, self._collate_column = one
         self._collate = collate_fn
         self._arrays = accepts_batch_arrays(collate_fn)
         # whether the read gives batches of columns (None: not known before the first read)
         self._columns: bool | None = None if self._arrays else False
-        self._read_is_ours = read_is_ours
+        self._draws_random = reads.draws_random
         self.seeding: Seeding = seeding
+
+    @classmethod
+    def of_reader(
+        cls,
+        reader: Any,
+        collate_fn: Callable[..., Any] | None,
+        *,
+        out: WindowBuffers | None = None,
+        seeding: Seeding = "local",
+    ) -> ReadTask:
+        """The task reading ``reader``'s batches as it reads them for ``collate_fn``: as
+        arrays (a :class:`~guideloom_pipes.batch.Batch`) where ``collate_fn`` takes them,
+        else as samples (:func:`~guideloom_pipes.datasets.batch_reads`). ``out``: where the
+        arrays read their windows (a loader's pinned ring)."""
+        reads = batch_reads(reader, accepts_batch_arrays(collate_fn), out)
+        return cls(reads, collate_fn, seeding=seeding)
 
     def _input(self, samples: Any) -> Any:
         if type(samples) is Batch and not self._arrays:
@@ -176,11 +192,11 @@ class ReadTask:
         return self._plain(ids)
 
     def _plain(self, ids: Ids) -> Any:
-        read_collated = self._read_collated
-        if read_collated is not None:
-            batch = read_collated(ids)
-            if batch is not None:
-                return batch
+        read_column = self._read_column
+        if read_column is not None:
+            column = read_column(ids)
+            if column is not None:
+                return self._collate_column(column)  # type: ignore[misc]
         if not len(ids):
             samples: Any = []
         else:
@@ -238,12 +254,12 @@ class ReadTask:
         arrays and bytes, no objects that the garbage collector tracks).
         """
         batches, seeds = job if isinstance(job, tuple) else (job, None)
-        if len(batches) > 1 and self.reads_many and (seeds is None or self._read_is_ours):
+        if len(batches) > 1 and self.reads_many and (seeds is None or not self._draws_random):
             return self._run_many(batches, seeds)
         if (
             len(batches) == 1
             or self._columns is not False
-            or (seeds is not None and not self._read_is_ours)
+            or (seeds is not None and self._draws_random)
         ):
             return self._each_alone(batches, seeds)
         sizes = [len(ids) for ids in batches]
