@@ -211,7 +211,7 @@ class BufferPool:
         self._most = shelves
 
     def take(
-        self, shape: tuple[int, ...], dtype: np.dtype[Any], *, leased: bool = False
+        self, shape: tuple[int, ...], dtype: np.dtype[Any], leased: bool = False
     ) -> np.ndarray:
         """A C-contiguous array of ``shape`` and ``dtype`` (contents undefined) that nothing
         else uses: where references are counted, a view of a buffer the pool keeps; else,
