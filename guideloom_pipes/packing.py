@@ -150,29 +150,16 @@ _SLAB_BYTES = 32 << 20
 _GROUP_TOKENS = 1 << 17
 
 
-class _Lease(Lease):
-    """The owner of one batch's output slab (see :class:`~guideloom_pipes.storage.recycle.
-    Lease`): every array of the batch (columns, the rows of its samples, tensors made from
-    them) holds it through its base, so it dies with the last of them and hands the slab
-    back to the reader's pool. It also keeps the sequence bounds and sizes the read found,
-    for :func:`known_sequences` (``collate_packed`` then needs no pass over the positions)."""
-
-    __slots__ = ("_bounds", "_column", "_sizes")
-
-    def __init__(self, buffer: _I64, interface: dict[str, Any], shelf: Any) -> None:
-        super().__init__(buffer, interface, shelf)
-        self._column: Any = None
-        self._bounds: _I64 | None = None
-        self._sizes: _I64 | None = None
-
-
 def _remember_sequences(position_ids: _I64, bounds: _I64, sizes: _I64) -> None:
-    """Record on the lease of ``position_ids`` (a column of a slab) its batch's sequence
-    bounds and sizes."""
-    lease: Any = position_ids.base.base  # type: ignore[union-attr]
-    lease._column = weakref.ref(position_ids)
-    lease._bounds = bounds
-    lease._sizes = sizes
+    """Record its batch's sequence bounds and sizes on the lease of ``position_ids`` (a
+    column of a slab), for :func:`known_sequences` (``collate_packed`` then needs no pass
+    over the positions): ``(column, bounds, sizes)`` as the lease's note, ``column`` a weak
+    reference to ``position_ids``. Every array of the batch (columns, the rows of its
+    samples, tensors made from them) holds the lease through its base, so it dies with the
+    last of them and hands the slab back to the reader's pool (see
+    :class:`~guideloom_pipes.storage.recycle.Lease`)."""
+    lease: Lease = position_ids.base.base  # type: ignore[union-attr,assignment]
+    lease.note = (weakref.ref(position_ids), bounds, sizes)
 
 
 def known_sequences(position_ids: np.ndarray) -> tuple[_I64, _I64] | None:
@@ -184,9 +171,12 @@ def known_sequences(position_ids: np.ndarray) -> tuple[_I64, _I64] | None:
     if type(whole) is not np.ndarray:
         return None
     lease = whole.base
-    if type(lease) is not _Lease or lease._column is None or lease._column() is not position_ids:
+    if type(lease) is not Lease or type(note := lease.note) is not tuple:
         return None
-    return lease._bounds, lease._sizes
+    column, bounds, sizes = note
+    if column() is not position_ids:
+        return None
+    return bounds, sizes
 
 
 def pack_columns(
@@ -897,8 +887,9 @@ class PackedReader(DatasetReaderBase):
         return results
 
     def _slab(self, rows: int, length: int) -> _I64:
-        """A ``(4, rows, length)`` int64 slab that nothing else uses, owned by a lease."""
-        return self._slabs.take((len(FIELDS), rows, length), _INT64, _Lease)
+        """A ``(4, rows, length)`` int64 slab that nothing else uses, owned by a lease (whose
+        note :func:`_remember_sequences` sets)."""
+        return self._slabs.take((len(FIELDS), rows, length), _INT64, leased=True)
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset

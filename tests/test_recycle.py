@@ -21,7 +21,7 @@ U4 = np.dtype(np.uint32)
 @pytest.fixture(autouse=True, params=[True, False], ids=["counted", "leases"])
 def _both_ways(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Every test runs with buffers lent by counting references (CPython with a GIL) and
-    with a lease per buffer (the way elsewhere, and for a reader's own lease type)."""
+    with a lease per buffer (the way elsewhere, and for a reader that keeps a note on it)."""
     if request.param and not recycle._COUNTS:
         pytest.skip("this interpreter's references are not counted under a GIL")
     monkeypatch.setattr(recycle, "_COUNTS", request.param)
@@ -131,14 +131,11 @@ def test_a_batch_in_a_reference_cycle_comes_back_after_a_collection() -> None:
     assert _address(pool.take((3,), U4)) == address
 
 
-def test_a_lease_subclass_carries_what_a_reader_remembers() -> None:
-    class Noted(Lease):
-        __slots__ = ("note",)
-
+def test_a_lease_carries_what_a_reader_remembers() -> None:
     pool = BufferPool()
-    array = pool.take((2,), U4, Noted)
+    array = pool.take((2,), U4, leased=True)
     lease = array.base
-    assert type(lease) is Noted
+    assert type(lease) is Lease and lease.note is None
     lease.note = "starts"
     view = array[1:]
     assert view.base is array and array.base is lease
@@ -188,7 +185,8 @@ def test_the_plain_lease_lends_views_of_kept_buffers_where_references_count(
         assert type(lent.base) is np.ndarray and lent.base.flags.owndata
     else:
         assert type(lent.base) is Lease
-    assert type(pool.take((4,), U4, Lease).base) is type(lent.base)
+    assert type(pool.take((4,), U4, leased=False).base) is type(lent.base)
+    assert type(pool.take((4,), U4, leased=True).base) is Lease  # a lease of its own
 
 
 def test_threads_taking_and_dropping_at_once_never_share_a_buffer() -> None:
@@ -241,3 +239,25 @@ def test_a_second_burst_reuses_the_first_bursts_buffers() -> None:
     del first
     again = [pool.take((8, 16), U4) for _ in range(12)]
     assert {_address(array) for array in again} == addresses
+
+
+def test_a_lease_calls_its_way_back_once_when_its_last_view_is_gone() -> None:
+    """The one lease type of the package (pools, the pinned ring, the result ring): the
+    lender's ``back`` is called with the lease, once, when nothing refers to it any more."""
+    backs: list[tuple[object, np.ndarray]] = []
+    buffer = np.arange(4, dtype=U4)
+    array = np.asarray(
+        Lease(
+            buffer,
+            buffer.__array_interface__,
+            lambda lease: backs.append((lease.place, lease.buffer)),
+            7,
+        )
+    )
+    view = array[1:]
+    assert view.base is array and type(array.base) is Lease
+    assert np.shares_memory(view, buffer)
+    del array
+    assert backs == []
+    del view
+    assert len(backs) == 1 and backs[0][0] == 7 and backs[0][1] is buffer

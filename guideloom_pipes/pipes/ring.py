@@ -8,11 +8,12 @@ and records an event after the copy, and the buffer goes back to the ring.
 
 When a buffer is free again is decided by two things, never by a guess about timing:
 
-- *Nothing refers to it.* A buffer is handed out as an array whose base is a small lease
-  object; numpy views, ``torch.from_numpy`` tensors and views of those all keep the lease
-  alive, so the lease dies (and a weak reference tells the ring) only once no array or
-  tensor over the buffer is left anywhere, user code included. A batch that failed, or a
-  host tensor someone kept, simply keeps its buffer out of the ring.
+- *Nothing refers to it.* A buffer is handed out as an array whose base is a
+  :class:`~guideloom_pipes.storage.recycle.Lease`; numpy views, ``torch.from_numpy`` tensors
+  and views of those all keep the lease alive, so the lease dies (and gives the buffer back
+  to the ring) only once no array or tensor over the buffer is left anywhere, user code
+  included. A batch that failed, or a host tensor someone kept, simply keeps its buffer out
+  of the ring.
 - *Its device copy has completed.* The event recorded after the copy must report completion
   (``query()``) before the buffer is handed out again; where every free buffer's copy is
   still running and the ring has its full size, the oldest one is waited for
@@ -34,13 +35,13 @@ import collections
 import contextlib
 import math
 import threading
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
 
 from guideloom_pipes.checks import check_int
+from guideloom_pipes.storage.recycle import Lease
 
 __all__ = ["CopyEvent", "PinnedRing", "cuda_event", "pinned_allocate"]
 
@@ -72,20 +73,10 @@ def cuda_event() -> CopyEvent:
     return torch.cuda.Event()
 
 
-class _Lease:
-    """One handing-out of a buffer: arrays made from it have it as their base."""
-
-    __slots__ = ("__array_interface__", "__weakref__", "buffer")
-
-    def __init__(self, buffer: np.ndarray, interface: dict[str, Any]) -> None:
-        self.buffer = buffer  # the memory stays alive while any array over it does
-        self.__array_interface__ = interface  # (read by numpy, never changed)
-
-
 class _Slot:
     """One buffer of the ring and what the ring knows of it."""
 
-    __slots__ = ("buffer", "end", "event", "index", "interfaces", "lease", "release", "start")
+    __slots__ = ("buffer", "end", "event", "index", "interfaces", "release", "start")
 
     def __init__(self, index: int, buffer: np.ndarray, returned: collections.deque[_Slot]) -> None:
         self.index = index
@@ -93,12 +84,10 @@ class _Slot:
         self.start = int(buffer.ctypes.data)
         self.end = self.start + buffer.nbytes
         self.event: CopyEvent | None = None  # recorded after its last device copy
-        self.lease: weakref.ref[_Lease] | None = None  # set while handed out
         # numpy's __array_interface__ of each (shape, dtype) lent so far
         self.interfaces: dict[tuple[tuple[int, ...], np.dtype[Any]], dict[str, Any]] = {}
 
-        def release(_: Any) -> None:  # the lease's weak-reference callback
-            self.lease = None
+        def release(_: Lease) -> None:  # the lease's way back
             returned.append(self)
 
         #: Called when the lease dies: the buffer goes back to the ring (any thread).
@@ -193,8 +182,7 @@ class PinnedRing:
                     if len(self._slots) >= self.size:
                         self.counts["grown"] += 1  # all held: more in flight than planned
                     slot = self._new_slot()
-            lease = _Lease(slot.buffer, slot.interface(shape, dtype))
-            slot.lease = weakref.ref(lease, slot.release)
+            lease = Lease(slot.buffer, slot.interface(shape, dtype), slot.release)
         if wait is not None:
             wait.synchronize()
         slot.event = None

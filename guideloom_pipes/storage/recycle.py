@@ -11,18 +11,24 @@ every view of the array (a batch's columns, its samples, tensors made with
 them, and only then does its buffer go back to the pool, for the next batch of that shape.
 Nothing handed out is ever written again while anything refers to it.
 
-Where CPython counts references under its GIL (not a free-threaded build), buffers lent with
-the plain :class:`Lease` are not given leases at all: the pool keeps each buffer and hands
-out a view of it, and a buffer is lent again once only the pool refers to it (every view of
-it, and every tensor or array made from one, refers to it). The same rule, read from the
-reference count when a buffer is wanted instead of acted on when it dies: no lease object,
-no ``__array_interface__`` to parse and no ``__del__`` per batch (1.3 -> 0.3 us a batch).
+Where CPython counts references under its GIL (not a free-threaded build), buffers that
+need no lease of their own (see ``leased``) are not given leases at all: the pool keeps each
+buffer and hands out a view of it, and a buffer is lent again once only the pool refers to
+it (every view of it, and every tensor or array made from one, refers to it). The same
+rule, read from the reference count when a buffer is wanted instead of acted on when it
+dies: no lease object, no ``__array_interface__`` to parse and no ``__del__`` per batch
+(1.3 -> 0.3 us a batch).
+
+:class:`Lease` is the package's one owner of lent memory: the pinned ring of CUDA copies
+(``pipes/ring.py``) and the result ring of process workers (``pipes/workers/transport.py``)
+lend theirs under it too, each with its own way back.
 """
 
 from __future__ import annotations
 
 import sys
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,22 +39,44 @@ POOL_BYTES = 32 << 20
 
 
 class Lease:
-    """The owner of one buffer lent by a :class:`BufferPool`; hands it back when it dies.
+    """The owner of a block of memory lent to the arrays of a batch, and its way back.
 
-    Subclasses may add slots for what a reader wants to remember of the batch.
+    Arrays made with ``np.asarray(lease)`` have the lease as their base, and so does every
+    view of them and every tensor made from one (``torch.from_numpy``): numpy stops
+    collapsing bases at an object that is not an array. The lease therefore dies with the
+    last of them, and then calls ``back(lease)``, in whichever thread drops that last view
+    (the garbage collector's included). What the lenders differ in is data, not code:
+
+    - ``buffer``: the memory (kept alive by the lease: a buffer of a pool's shelf, a
+      pinned ring's buffer, a slice of a worker's shared-memory result ring);
+    - ``__array_interface__``: what ``np.asarray`` makes of it (its address, shape and
+      dtype; read by numpy, never changed);
+    - ``back``: what gives the memory back (a :class:`BufferPool` shelf keeps the buffer for
+      the next batch of its shape, a :class:`~guideloom_pipes.pipes.PinnedRing` queues its
+      buffer, a result ring frees its space);
+    - ``place``: where the buffer lies in its lender, for ``back`` (a result ring's
+      position; None elsewhere);
+    - ``note``: what the borrower remembers of the batch, in its own form (a packed read's
+      sequence bounds); None until it sets one.
     """
 
-    __slots__ = ("__array_interface__", "_buffer", "_shelf")
+    __slots__ = ("__array_interface__", "back", "buffer", "note", "place")
 
-    def __init__(self, buffer: np.ndarray, interface: dict[str, Any], shelf: _Shelf) -> None:
-        self._buffer = buffer
+    def __init__(
+        self,
+        buffer: np.ndarray,
+        interface: dict[str, Any],
+        back: Callable[[Lease], object],
+        place: Any = None,
+    ) -> None:
+        self.buffer = buffer
         self.__array_interface__ = interface
-        self._shelf = shelf
+        self.back = back
+        self.place = place
+        self.note: Any = None
 
     def __del__(self) -> None:
-        shelf = self._shelf
-        if shelf.open and len(shelf) < shelf.keep:
-            shelf.append((self._buffer, self.__array_interface__))
+        self.back(self)
 
 
 class _Shelf(deque[tuple[np.ndarray, Any]]):
@@ -59,6 +87,11 @@ class _Shelf(deque[tuple[np.ndarray, Any]]):
         super().__init__()
         self.keep = keep
         self.open = True
+
+    def back(self, lease: Lease) -> None:
+        """A lease of this shelf's is gone: keep its buffer, unless closed or full."""
+        if self.open and len(self) < self.keep:
+            self.append((lease.buffer, lease.__array_interface__))
 
 
 def _count(arrays: list[np.ndarray], index: int) -> int:
@@ -178,14 +211,15 @@ class BufferPool:
         self._most = shelves
 
     def take(
-        self, shape: tuple[int, ...], dtype: np.dtype[Any], lease: type[Lease] = Lease
+        self, shape: tuple[int, ...], dtype: np.dtype[Any], leased: bool = False
     ) -> np.ndarray:
         """A C-contiguous array of ``shape`` and ``dtype`` (contents undefined) that nothing
-        else uses, owned by a new ``lease`` (or, for the plain :class:`Lease` where
-        references are counted, a view of a buffer the pool keeps)."""
-        shelf = self._shelves.get((shape, dtype, lease))
+        else uses: where references are counted, a view of a buffer the pool keeps; else,
+        or with ``leased`` (a reader that keeps a :attr:`Lease.note` of the batch), owned by
+        a new :class:`Lease` (its base)."""
+        shelf = self._shelves.get((shape, dtype, leased))
         if shelf is None:
-            shelf = self._new_shelf(shape, dtype, lease)
+            shelf = self._new_shelf(shape, dtype, leased)
         if isinstance(shelf, _Stock):
             return shelf.take()
         try:
@@ -193,10 +227,10 @@ class BufferPool:
         except IndexError:
             buffer = np.empty(shape, dtype=dtype)
             interface = buffer.__array_interface__
-        return np.asarray(lease(buffer, interface, shelf))
+        return np.asarray(Lease(buffer, interface, shelf.back))
 
     def _new_shelf(
-        self, shape: tuple[int, ...], dtype: np.dtype[Any], lease: type[Lease]
+        self, shape: tuple[int, ...], dtype: np.dtype[Any], leased: bool
     ) -> _Shelf | _Stock:
         shelves = self._shelves
         while len(shelves) >= self._most:
@@ -206,8 +240,8 @@ class BufferPool:
                 _close(closed)
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         keep = max(1, self._limit // self._most // max(size, 1))
-        shelf = _Stock(shape, dtype, keep) if lease is Lease and _COUNTS else _Shelf(keep)
-        return shelves.setdefault((shape, dtype, lease), shelf)
+        shelf = _Stock(shape, dtype, keep) if _COUNTS and not leased else _Shelf(keep)
+        return shelves.setdefault((shape, dtype, leased), shelf)
 
     def clear(self) -> None:
         """Drop the released buffers; buffers lent before are freed when they die."""

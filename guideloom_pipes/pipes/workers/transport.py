@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.recycle import BufferPool
+from guideloom_pipes.storage.recycle import BufferPool, Lease
 
 _ALIGN = 64
 #: Bytes before each buffer in the ring: its in-use word (1: in use, 0: free), aligned.
@@ -136,6 +136,9 @@ class ResultRing:
         self._returned: collections.deque[int] = collections.deque()
         self._fork = _forks[0]
         self._pool = BufferPool(limit=TAKE_POOL_BYTES)
+        # what the leases of views call as they die (made once: a bound method a batch cost
+        # ~50 ns; the cycle it makes is broken by close)
+        self._back: Any = self._gone
         # Worker side: the pickler of the results placed here (see dump_result).
         self._dumper: _ResultDumper | None = None
 
@@ -175,6 +178,7 @@ class ResultRing:
     def close(self) -> None:
         """Unmap and close (the memory is freed once every process has closed it)."""
         self._pool.clear()
+        self._back = None  # (leases still alive hold their own)
         # (views alive keep the mapping; nothing is freed in it any more)
         self._words = self._data = None  # type: ignore[assignment]
         if not self._map.closed:
@@ -236,17 +240,20 @@ class ResultRing:
 
     def take(self, position: int, size: int) -> np.ndarray:
         """The buffer at ``position``, as a view of the ring whose space is freed when the
-        view is gone (see the module docstring); a copy in memory of the parent's own (its
-        space freed at once) where views of more than ``VIEW_BYTES`` would be held. Copies
-        come from a :class:`~guideloom_pipes.storage.recycle.BufferPool` of sizes rounded up
-        to ``_TAKE_ROUNDING`` (batches of padded documents differ a little in size), rather
-        than fresh pages faulted in for each batch."""
+        view is gone (see the module docstring: its base is a
+        :class:`~guideloom_pipes.storage.recycle.Lease` that holds the slice of the ring,
+        which holds the mapping, and calls :meth:`_gone` as it dies); a copy in memory of
+        the parent's own (its space freed at once) where views of more than ``VIEW_BYTES``
+        would be held. Copies come from a :class:`~guideloom_pipes.storage.recycle.
+        BufferPool` of sizes rounded up to ``_TAKE_ROUNDING`` (batches of padded documents
+        differ a little in size), rather than fresh pages faulted in for each batch."""
         returned = self._returned
         while returned:
             self._back_bytes += returned.popleft()
         if self._lent_bytes - self._back_bytes + size <= VIEW_BYTES:
             self._lent_bytes += size
-            return np.asarray(_Lent(self, position, self._data[position : position + size]))
+            buffer = self._data[position : position + size]
+            return np.asarray(Lease(buffer, buffer.__array_interface__, self._back, position))
         rounded = -(-size // _TAKE_ROUNDING) * _TAKE_ROUNDING
         out = self._pool.take((rounded,), _BYTES)
         if rounded != size:
@@ -262,34 +269,15 @@ class ResultRing:
         if words is not None and self._fork == _forks[0]:
             words[(position - _SLOT) >> 3] = 0
 
-    def _gone(self, position: int, size: int) -> None:
-        """The last view of the ``size`` bytes at ``position`` is gone (called in whichever
-        thread drops it, the garbage collector's included)."""
-        self._free(position)
-        self._returned.append(size)  # (atomic; take sums them)
+    def _gone(self, lease: Lease) -> None:
+        """The last view of a buffer lent by :meth:`take` is gone (called by its lease, in
+        whichever thread drops that view, the garbage collector's included)."""
+        self._free(lease.place)
+        self._returned.append(lease.buffer.nbytes)  # (atomic; take sums them)
 
 
 def _slot_of(entry: tuple[int, int, int]) -> int:
     return entry[1]
-
-
-class _Lent:
-    """A buffer of a ring lent as a view: the base of the array :meth:`ResultRing.take`
-    returns, so every array and tensor made of it refers to it (numpy stops collapsing
-    bases at an object that is not an array), and it dies with the last of them; its space
-    is then free (:meth:`ResultRing._gone`). It holds the slice of the ring, which holds the
-    mapping."""
-
-    __slots__ = ("__array_interface__", "_buffer", "_position", "_ring")
-
-    def __init__(self, ring: ResultRing, position: int, buffer: np.ndarray) -> None:
-        self._ring = ring
-        self._position = position
-        self._buffer = buffer
-        self.__array_interface__ = buffer.__array_interface__
-
-    def __del__(self) -> None:
-        self._ring._gone(self._position, self._buffer.nbytes)
 
 
 # -- pickling ---------------------------------------------------------------------------------
