@@ -1,6 +1,8 @@
 """The loader's checkpoint, in one place: what :meth:`StatefulDataLoader.state_dict` holds,
 how :meth:`~StatefulDataLoader.load_state_dict` checks and resumes it, and the dataset
-fingerprints and mixture schedules a state is compared against.
+fingerprints and mixture schedules a state is compared against (the words of a fingerprint
+diff are :func:`guideloom_pipes.pipes.fingerprints.fingerprint_changes`, shared with the
+shard listing's stage).
 
 A state is GuideLoom's five keys (``epoch``, ``observation_offset``, ``shuffle``,
 ``shuffle_seed``, ``drop_last``) plus keys of ours: ``num_samples``, ``global_batch_size``,
@@ -22,6 +24,7 @@ from guideloom_pipes.loader.iterator import refuse_active
 from guideloom_pipes.loader.orders import GLOBAL_BATCH_KEY, ORDER_KEY
 from guideloom_pipes.loader.settings import SEED_WORD_LIMIT, _int_arg
 from guideloom_pipes.mixture import MixtureDataset
+from guideloom_pipes.pipes.fingerprints import fingerprint_changes
 
 if TYPE_CHECKING:
     from guideloom_pipes.loader.stateful import StatefulDataLoader
@@ -324,29 +327,3 @@ def schedule_changes(saved: Any, now: Mapping[str, Any], prefix: str = "") -> st
         elif not same_schedule(before[name], after[name]):
             parts.append(schedule_changes(before[name], after[name], f"{prefix}{name!r}: "))
     return "; ".join(parts)
-
-
-def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
-    """What differs between two dataset fingerprints, in words."""
-    if "components" in saved or "components" in now:
-        before, after = saved.get("components") or {}, now.get("components") or {}
-        parts = []
-        for name in sorted(set(before) | set(after)):
-            if name not in before:
-                parts.append(f"component {name!r} is new")
-            elif name not in after:
-                parts.append(f"component {name!r} is gone")
-            elif before[name] != after[name]:
-                change = fingerprint_changes(before[name], after[name])
-                parts.append(f"component {name!r}: {change}")
-        return "; ".join(parts) or "its components differ"
-    if saved.get("shards") != now.get("shards"):
-        return f"it had {saved.get('shards')} shard(s), it has {now.get('shards')} now"
-    if saved.get("sizes") != now.get("sizes"):
-        return "it has as many shards, but shard files changed size"
-    if saved.get("checksums") != now.get("checksums"):
-        return (
-            "it has the same shards and sizes, but their contents changed (the commit "
-            "records' checksums differ)"
-        )
-    return f"fingerprint {dict(saved)} is now {dict(now)}"

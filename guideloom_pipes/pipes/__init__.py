@@ -34,14 +34,9 @@ if TYPE_CHECKING:
     from guideloom_pipes.pipes.read import ReadSamples
     from guideloom_pipes.pipes.ring import PinnedRing
     from guideloom_pipes.pipes.seeding import BatchRandom, batch_rng
-    from guideloom_pipes.pipes.shards import (
-        BatchSamples,
-        ListShards,
-        RankShards,
-        ReadShards,
-        ShardPlan,
-        ShuffleBuffer,
-    )
+    from guideloom_pipes.pipes.shard_batches import BatchSamples, ShuffleBuffer
+    from guideloom_pipes.pipes.shard_plan import ShardPlan
+    from guideloom_pipes.pipes.shard_reads import ListShards, RankShards, ReadShards
     from guideloom_pipes.pipes.shuffle import Shuffle, draw_seed
     from guideloom_pipes.pipes.worker_info import get_worker_info
 
@@ -65,12 +60,12 @@ _STAGES = {
     "num_steps": "positions",
     "ReadSamples": "read",
     "PinnedRing": "ring",
-    "BatchSamples": "shards",
-    "ListShards": "shards",
-    "RankShards": "shards",
-    "ReadShards": "shards",
-    "ShardPlan": "shards",
-    "ShuffleBuffer": "shards",
+    "BatchSamples": "shard_batches",
+    "ListShards": "shard_reads",
+    "RankShards": "shard_reads",
+    "ReadShards": "shard_reads",
+    "ShardPlan": "shard_plan",
+    "ShuffleBuffer": "shard_batches",
     "Shuffle": "shuffle",
     "draw_seed": "shuffle",
     "get_worker_info": "worker_info",
