@@ -376,7 +376,7 @@ def test_verify_while_another_process_recommits_a_shard_never_fails_a_sound_data
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
 
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     data, stop = tmp_path / "data", tmp_path / "stop"
     # 16 MB in shard 0, so that each verify checksums for a while before it reaches shard 1,
     # which the other process recommits (same size, new bytes) as fast as it can

@@ -16,7 +16,7 @@ import pytest
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
 from guideloom_pipes.io import MmapIO, PosixPreadIO, SeekIO
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 

@@ -72,7 +72,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         text=True,
         timeout=280,
         env=env,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode == 0, result.stderr[-5000:]
     assert "| scenario" in result.stdout and "n/a (--quick)" in result.stdout

@@ -46,7 +46,7 @@ FAST = RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.01, timeout=10)
 SHARDS = 4
 PER_SHARD = 1000
 WINDOW = 16  # 1000 // 16 = 62 windows in a shard: 250 samples in 4 shards
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write(directory: Path) -> np.ndarray:

@@ -23,7 +23,7 @@ from guideloom_pipes import (
     StreamStorage,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "data" / "guideloom-1.1"
 DTYPE = np.dtype([("tokens", "<i4")])
 

@@ -21,7 +21,7 @@ from guideloom_pipes import (
     StreamStorage,
 )
 
-FIXTURES = Path(__file__).parent / "data" / "guideloom-1.1"
+FIXTURES = Path(__file__).parents[1] / "data" / "guideloom-1.1"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 L = 4

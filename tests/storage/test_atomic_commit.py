@@ -29,7 +29,7 @@ from shard_kinds import KINDS, SUFFIXES, append, expected, leftovers, read, stor
 
 from guideloom_pipes.storage import StaleWriteWarning, UncommittedShardError
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 OLD = {0: [1, 2, 3]}
 NEW = {0: [10, 11, 12, 13, 14], 1: [20, 21]}

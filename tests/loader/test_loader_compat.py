@@ -18,7 +18,7 @@ from guideloom_pipes import StatefulDataLoader, StreamNumpyFormat, StreamStorage
 from guideloom_pipes.pipes import ReadSamples
 from guideloom_pipes.pipes.workers.threads import ThreadPool
 
-DATA = Path(__file__).parent / "data" / "guideloom-1.1"
+DATA = Path(__file__).parents[1] / "data" / "guideloom-1.1"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
 ORDERS = EXPECTED["loader_orders"]
 RUNS = ORDERS["runs"]

@@ -1,6 +1,6 @@
 """While the caller waits for the batches, batches that compute are read by the calling
 thread, not handed to a worker thread (``ReadSamples``' schedule, see
-``ReadSchedule.reads_inline``; tests/test_schedule.py drives the policy alone).
+``ReadSchedule.reads_inline``; tests/pipes/test_schedule.py drives the policy alone).
 
 The policy follows measured figures (a batch's read time and CPU share, the caller's time
 between batches); these tests replace the clock the stage measures with, advance it by a

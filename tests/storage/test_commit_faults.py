@@ -31,7 +31,7 @@ from guideloom_pipes.storage import StaleWriteWarning, commit
 
 pytestmark = pytest.mark.fault
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 OLD = {0: [1, 2, 3], 1: [4, 5]}
 #: shard 0 is replaced, shard 2 is fresh, shard 1 is not touched

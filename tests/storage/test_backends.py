@@ -30,7 +30,7 @@ from guideloom_pipes import (
 )
 from guideloom_pipes.io import MmapIO, PosixPreadIO, SeekIO
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOKENS = np.dtype([("tokens", "<i4"), ("loss_mask", "u1")])
 LOCAL_BACKENDS = {
     "default": None,

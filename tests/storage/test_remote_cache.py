@@ -338,7 +338,7 @@ with StreamDataset(storage, 100).sync_reader() as reader:
     sys.stdin.readline()
     reader[0]
 """
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         child = subprocess.Popen(
             [sys.executable, "-c", code],
             stdin=subprocess.PIPE,
@@ -609,7 +609,7 @@ def _read_in_child(url: str, cache_dir: Path, file_limit: int = 0, read_only: bo
     limit; or held to permission bits, also as root): its tokens, or its ``OSError``."""
     import json
 
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.update(CHILD=_CHILD, PYTHONDONTWRITEBYTECODE="1")
     drop = "1" if read_only and os.geteuid() == 0 else "0"
     done = subprocess.run(
@@ -795,7 +795,7 @@ def test_open_storage_of_a_url_with_no_dataset_is_not_found(http: HttpServer, s3
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return subprocess.run(
         [sys.executable, "-m", "guideloom_pipes", *args],
         capture_output=True,

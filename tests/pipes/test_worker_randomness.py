@@ -41,7 +41,7 @@ pytestmark = [
     pytest.mark.timeout(180),
 ]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROCESSES = {"num_workers": 2, "parallel_method": "process"}
 MODES = {
     "inline": {},

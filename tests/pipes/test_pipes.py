@@ -1163,6 +1163,6 @@ def test_process_workers_import_no_torch_unless_the_dataset_or_collate_fn_does()
         "import sys, guideloom_pipes, guideloom_pipes.pipes.workers.process_main, loader_helpers; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
-    tests = Path(__file__).parent
+    tests = Path(__file__).parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)

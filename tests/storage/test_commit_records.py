@@ -31,7 +31,7 @@ from guideloom_pipes import (
 )
 from guideloom_pipes.storage import CorruptShardError, StorageError, UncommittedShardError
 
-FIXTURES = Path(__file__).resolve().parent / "data" / "guideloom-1.1"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "guideloom-1.1"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 FIXTURE_DTYPE = np.dtype([tuple(field) for field in EXPECTED["stream"]["dtype"]])
 SHARDS = {0: [1, 2, 3, 4], 1: [5, 6], 2: [7, 8, 9]}

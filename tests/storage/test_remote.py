@@ -56,7 +56,7 @@ from guideloom_pipes.storage.remote import (
 #: These tests run against servers on loopback (nginx, moto, the fault proxy).
 pytestmark = pytest.mark.remote
 
-FIXTURES = Path(__file__).parent / "data" / "guideloom-1.1"
+FIXTURES = Path(__file__).parents[1] / "data" / "guideloom-1.1"
 EXPECTED: dict[str, Any] = json.loads((FIXTURES / "expected.json").read_text())
 STREAM_DTYPE = np.dtype([tuple(field) for field in EXPECTED["stream"]["dtype"]])
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
@@ -202,7 +202,7 @@ def test_a_writer_to_a_url_stages_in_the_temporary_directory_and_removes_it(
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from shard_kinds import KINDS, append, expected, leftovers, read, storage, write
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 OLD = {0: [1, 2, 3]}
 

@@ -93,7 +93,7 @@ def _documented_state(page: Path) -> dict[str, Any]:
 
 
 def test_the_state_dict_docs_loader_md_prints_has_the_real_keys(tmp_path) -> None:
-    documented = _documented_state(Path(__file__).parent.parent / "docs" / "loader.md")
+    documented = _documented_state(Path(__file__).parents[2] / "docs" / "loader.md")
     # the page's dataset and loader (docs/loader.md, quick start and checkpoints)
     storage = StreamStorage(tmp_path / "tokens", StreamNumpyFormat(np.dtype([("tokens", "<i4")])))
     with storage.sync_writer() as writer:

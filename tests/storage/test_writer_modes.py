@@ -33,7 +33,7 @@ from guideloom_pipes import write_parallel
 from guideloom_pipes.storage import StaleWriteWarning, StorageError, commit
 from guideloom_pipes.storage.names import CREATE_LOCK
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 EIGHT = {k: [k * 10, k * 10 + 1] for k in range(8)}
 FOUR = {k: [100 + k] * (k + 1) for k in range(4)}

@@ -20,7 +20,7 @@ from shard_kinds import KINDS, append, expected, leftovers, read, storage, write
 
 from guideloom_pipes.storage import ShardLockedError, StaleWriteWarning
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent
 
 HOLDER = """
