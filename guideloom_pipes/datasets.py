@@ -137,13 +137,6 @@ def batch_reads(reader: Any, arrays: bool = False, out: WindowBuffers | None = N
     )
 
 
-def reader_code(reader: Any) -> list[Any]:
-    """The objects whose code a read of ``reader`` runs: what our readers' ``code_parts``
-    name (a format, the readers they read through), else ``reader`` alone."""
-    parts = getattr(reader, "code_parts", None)
-    return list(parts()) if callable(parts) else [reader]
-
-
 def reader_fingerprint(reader: Any) -> dict[str, Any] | None:
     """``reader.fingerprint()`` of an open reader that has one (ours), else ``None``: what a
     loader's checkpoint records so that it is not resumed on another version of the data."""
@@ -185,14 +178,6 @@ class DatasetReaderBase(DatasetSyncReaderAbstract[Any]):
 
     def _compute_length(self) -> int:
         raise NotImplementedError
-
-    def code_parts(self) -> list[Any]:
-        """The objects whose code this reader's reads run: itself and its storage's format
-        (a loader reads batches in the training thread only where all of them are this
-        library's, see ``ReadSamples``)."""
-        storage = getattr(self._storage_reader, "storage", None)
-        format = getattr(storage, "format", None)
-        return [self] if format is None else [self, format]
 
     def _check_open(self) -> None:
         if self._length < 0:

@@ -16,7 +16,6 @@ from guideloom_pipes.datasets import (
     DatasetReaderBase,
     batch_read_fn,
     open_reader,
-    reader_code,
     reader_fingerprint,
 )
 from guideloom_pipes.mixture_schedule import _PassPermutations
@@ -72,10 +71,6 @@ class MixtureReader(DatasetReaderBase):
         self._reads = [batch_read_fn(reader) for reader, _ in opened]
         self._array_reads = [batch_read_fn(reader, arrays=True) for reader, _ in opened]
         self._length = dataset.num_samples
-
-    def code_parts(self) -> list[Any]:
-        """Itself and what its components' readers run."""
-        return [self] + [part for reader, _ in self._readers for part in reader_code(reader)]
 
     def fingerprint(self) -> dict[str, Any] | None:
         """Each component's fingerprint by name (``None`` if one cannot tell)."""

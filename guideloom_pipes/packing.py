@@ -54,7 +54,6 @@ from guideloom_pipes.datasets import (
     _AsyncDatasetReader,
     batch_read_fn,
     open_reader,
-    reader_code,
     reader_fingerprint,
 )
 from guideloom_pipes.shuffle import FeistelPermutation
@@ -643,10 +642,6 @@ class PackedReader(DatasetReaderBase):
         """The source's fingerprint (``None`` if it cannot tell)."""
         self._check_open()
         return reader_fingerprint(self._source)
-
-    def code_parts(self) -> list[Any]:
-        """Itself and what its source's reader runs."""
-        return [self] + (reader_code(self._source) if self._source is not None else [])
 
     def open(self) -> None:
         """Open the source; for documents, load (or build) the prefix sums."""
