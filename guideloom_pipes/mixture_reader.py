@@ -12,13 +12,13 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch
-from guideloom_pipes.datasets import (
+from guideloom_pipes.mixture_schedule import _PassPermutations
+from guideloom_pipes.reader_base import (
     DatasetReaderBase,
     batch_read_fn,
     open_reader,
     reader_fingerprint,
 )
-from guideloom_pipes.mixture_schedule import _PassPermutations
 
 if TYPE_CHECKING:
     from guideloom_pipes.mixture import MixtureDataset

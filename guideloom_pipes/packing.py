@@ -44,11 +44,10 @@ import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch, token_array
 from guideloom_pipes.checks import check_int
-from guideloom_pipes.datasets import (
+from guideloom_pipes.datasets import DocumentDataset, StreamDataset
+from guideloom_pipes.reader_base import (
     BatchReads,
     DatasetReaderBase,
-    DocumentDataset,
-    StreamDataset,
     WindowBuffers,
     _as_ids,
     _AsyncDatasetReader,

@@ -27,6 +27,8 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.formats": 2,
     "guideloom_pipes.batch": 2,
     "guideloom_pipes.datasets": 3,
+    "guideloom_pipes.dataset_readers": 3,
+    "guideloom_pipes.reader_base": 3,
     "guideloom_pipes.mixture": 3,
     "guideloom_pipes.mixture_schedule": 3,
     "guideloom_pipes.mixture_reader": 3,
