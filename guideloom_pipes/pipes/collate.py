@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -135,7 +135,7 @@ def _pad(
     return torch.from_numpy(out)
 
 
-def _rows_of(samples: Sequence[Any]) -> list[Mapping[str, Any]]:
+def _rows_of(samples: Iterable[Any]) -> list[Mapping[str, Any]]:
     """:func:`pad_collate`'s samples as dicts (a bare array is ``{"tokens": array}``), all
     with the fields of sample 0, in its order."""
     rows = [s if isinstance(s, Mapping) else {"tokens": s} for s in samples]
