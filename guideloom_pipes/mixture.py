@@ -21,7 +21,6 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom_pipes.checks import check_int
-from guideloom_pipes.datasets import _as_ids, _AsyncDatasetReader, batch_read_fn, open_reader
 from guideloom_pipes.mixture_reader import _SAMPLE, MixtureReader, _array_dtypes
 from guideloom_pipes.mixture_schedule import (
     _integer_weights,
@@ -29,6 +28,7 @@ from guideloom_pipes.mixture_schedule import (
     _PassPermutations,
     _Schedule,
 )
+from guideloom_pipes.reader_base import _as_ids, _AsyncDatasetReader, batch_read_fn, open_reader
 
 __all__ = ["MixtureDataset"]
 

@@ -12,14 +12,13 @@ import numpy as np
 import numpy.typing as npt
 
 from guideloom_pipes.batch import Batch
-from guideloom_pipes.datasets import (
+from guideloom_pipes.mixture_schedule import _PassPermutations
+from guideloom_pipes.reader_base import (
     DatasetReaderBase,
     batch_read_fn,
     open_reader,
-    reader_code,
     reader_fingerprint,
 )
-from guideloom_pipes.mixture_schedule import _PassPermutations
 
 if TYPE_CHECKING:
     from guideloom_pipes.mixture import MixtureDataset
@@ -72,10 +71,6 @@ class MixtureReader(DatasetReaderBase):
         self._reads = [batch_read_fn(reader) for reader, _ in opened]
         self._array_reads = [batch_read_fn(reader, arrays=True) for reader, _ in opened]
         self._length = dataset.num_samples
-
-    def code_parts(self) -> list[Any]:
-        """Itself and what its components' readers run."""
-        return [self] + [part for reader, _ in self._readers for part in reader_code(reader)]
 
     def fingerprint(self) -> dict[str, Any] | None:
         """Each component's fingerprint by name (``None`` if one cannot tell)."""

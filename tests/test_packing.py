@@ -29,9 +29,11 @@ from guideloom_pipes import (
     StreamNumpyFormat,
     StreamStorage,
     StreamWithMetaStorage,
+    packing_index,
 )
 from guideloom_pipes import packing as packing_module
-from guideloom_pipes.packing import IGNORE_INDEX, _order_key
+from guideloom_pipes.packing import IGNORE_INDEX
+from guideloom_pipes.packing_index import _order_key
 from guideloom_pipes.shuffle import FeistelPermutation
 
 EOS = 99
@@ -367,7 +369,7 @@ def test_a_sidecar_that_contradicts_its_documents_is_rebuilt_with_a_warning(docu
     header, sums = _sums_of(documents_dir / name)
     fingerprint = json.loads(header)["fingerprint"]
     sums[1:] += 1
-    assert packing_module._write_sidecar(documents_dir / name, fingerprint, sums)
+    assert packing_index._write_sidecar(documents_dir / name, fingerprint, sums)
     with pytest.warns(UserWarning, match=r"document 0 has \d+ tokens, but the sums count"):
         assert read_all(PackedDataset(_storage(documents_dir), 4, eos_token=EOS)) == expected
     assert _sums_of(documents_dir / name)[1][1] == sums[1] - 1  # rebuilt in place
@@ -386,7 +388,7 @@ def test_a_sidecar_that_contradicts_a_document_outside_the_sample_fails_one_read
     (name,) = sidecars(documents_dir)
     header, sums = _sums_of(documents_dir / name)
     sums[2] += 1
-    assert packing_module._write_sidecar(
+    assert packing_index._write_sidecar(
         documents_dir / name, json.loads(header)["fingerprint"], sums
     )
     with pytest.raises(RuntimeError, match=r"document 1 has .*removed: .*next open rebuilds"):
@@ -432,14 +434,14 @@ def test_a_sidecar_has_the_permissions_of_the_shard_files(tmp_path, umask):
 def test_a_read_only_dataset_directory_puts_the_sidecar_under_cache_dir(
     documents_dir, tmp_path, monkeypatch
 ):
-    real = packing_module._create_temporary
+    real = packing_index._create_temporary
 
     def read_only(path: Path) -> Any:
         if path.parent == documents_dir:
             raise PermissionError(13, "Read-only file system")
         return real(path)
 
-    monkeypatch.setattr(packing_module, "_create_temporary", read_only)
+    monkeypatch.setattr(packing_index, "_create_temporary", read_only)
     cache = tmp_path / "cache"
     expected = read_all(PackedDataset(_storage(documents_dir), 4, cache_dir=cache))
     assert sidecars(documents_dir) == []

@@ -31,7 +31,8 @@ from guideloom_pipes import (
     StreamStorage,
     collate_packed,
 )
-from guideloom_pipes.packing import FIELDS, _order_key
+from guideloom_pipes.packing import FIELDS
+from guideloom_pipes.packing_index import _order_key
 from guideloom_pipes.shuffle import FeistelPermutation
 
 

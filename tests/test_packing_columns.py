@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_packing import EOS, reference_stream
 
-from guideloom_pipes import Batch, PackedDataset
-from guideloom_pipes import packing as packing_module
+from guideloom_pipes import Batch, PackedDataset, packing_columns, packing_reader
 from guideloom_pipes.packing import FIELDS, known_sequences, pack_columns
 
 
@@ -90,7 +89,7 @@ def test_windows_at_their_edges():
 def test_batches_of_varying_sizes_share_the_ramps():
     rng = np.random.default_rng(4)
     length = 7
-    packing_module._RAMPS.clear()
+    packing_columns._RAMPS.clear()
     tokens = _stream(rng.integers(1, 12, 200).tolist(), rng)
     expected = reference_stream(tokens, length, EOS)
     start = 0
@@ -98,22 +97,22 @@ def test_batches_of_varying_sizes_share_the_ramps():
         windows = np.array(tokens[start * length : (start + rows) * length]).reshape(rows, -1)
         _check(*pack_columns(windows, eos_token=EOS), expected[start : start + rows])
         start += rows
-    ramps = packing_module._RAMPS
+    ramps = packing_columns._RAMPS
     assert len(ramps) == 1 and len(next(iter(ramps.values()))) >= 64 * length
 
 
 def test_a_read_larger_than_the_kept_ramps_is_right_and_not_kept(monkeypatch):
     rng = np.random.default_rng(8)
     length = 5
-    monkeypatch.setattr(packing_module, "_RAMP_KEPT", 40)
-    packing_module._RAMPS.clear()
+    monkeypatch.setattr(packing_columns, "_RAMP_KEPT", 40)
+    packing_columns._RAMPS.clear()
     tokens = _stream(rng.integers(1, 9, 40).tolist(), rng)
     expected = reference_stream(tokens, length, EOS)
     for rows in (4, 12, 3):  # 20 values kept, then 60 (built, not kept), then a slice
         windows = np.array(tokens[: rows * length]).reshape(rows, length)
         _check(*pack_columns(windows, eos_token=EOS), expected[:rows])
-        assert all(len(kept) <= 40 for kept in packing_module._RAMPS.values())
-    assert len(next(iter(packing_module._RAMPS.values()))) == 4 * length
+        assert all(len(kept) <= 40 for kept in packing_columns._RAMPS.values())
+    assert len(next(iter(packing_columns._RAMPS.values()))) == 4 * length
 
 
 def test_windows_longer_than_int16_holds():
@@ -211,8 +210,8 @@ def test_batches_read_together_are_the_batches_read_alone(
             writer.append(0, {"tokens": np.array(tokens[:200], dtype="<i4")})
             writer.append(1, {"tokens": np.array(tokens[200:], dtype="<i4")})
         dataset = PackedDataset(storage, length, eos_token=EOS)
-    original = packing_module._GROUP_TOKENS
-    packing_module._GROUP_TOKENS = group_tokens
+    original = packing_reader._GROUP_TOKENS
+    packing_reader._GROUP_TOKENS = group_tokens
     try:
         with dataset.sync_reader() as reader:
             batches = [rng.integers(0, len(reader), size) for size in sizes]
@@ -224,7 +223,7 @@ def test_batches_read_together_are_the_batches_read_alone(
                 blocks.add(id(got.columns["tokens"].base))
             assert len(blocks) == len(batches)  # one block per batch
     finally:
-        packing_module._GROUP_TOKENS = original
+        packing_reader._GROUP_TOKENS = original
 
 
 def test_an_id_out_of_range_in_a_chunk_is_refused_naming_it():

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -135,6 +135,66 @@ def _pad(
     return torch.from_numpy(out)
 
 
+def _rows_of(samples: Iterable[Any]) -> list[Mapping[str, Any]]:
+    """:func:`pad_collate`'s samples as dicts (a bare array is ``{"tokens": array}``), all
+    with the fields of sample 0, in its order."""
+    rows = [s if isinstance(s, Mapping) else {"tokens": s} for s in samples]
+    names = list(rows[0])
+    for index, row in enumerate(rows):
+        if list(row) != names:
+            raise ValueError(
+                f"pad_collate: sample {index} has fields {list(row)}, sample 0 has {names}"
+            )
+    return rows
+
+
+def _fields_of(
+    rows: list[Mapping[str, Any]],
+) -> tuple[dict[str, list[np.ndarray]], dict[str, list[Any]]]:
+    """The fields of ``rows`` split into the sequence fields (a 1-D numeric array in every
+    row: the arrays, padded) and the others (their values)."""
+    names = list(rows[0])
+    sequences: dict[str, list[np.ndarray]] = {}
+    others: dict[str, list[Any]] = {}
+    for name in names:
+        found = [_as_sequence(row[name]) for row in rows]
+        arrays = [array for array in found if array is not None]
+        if len(arrays) == len(rows):
+            sequences[name] = arrays
+        else:
+            others[name] = [row[name] for row in rows]
+    if not sequences:
+        raise ValueError(
+            f"pad_collate needs token arrays: no field of the samples is a 1-D numeric array "
+            f"(fields: {names})"
+        )
+    return sequences, others
+
+
+def _lengths_of(sequences: dict[str, list[np.ndarray]]) -> np.ndarray:
+    """Each sample's length (int64), which all its sequence fields must share."""
+    lengths = np.array([len(c) for c in next(iter(sequences.values()))], dtype=np.int64)
+    for name, columns in sequences.items():
+        sizes = np.array([len(c) for c in columns])
+        if (sizes != lengths).any():
+            bad = int(np.flatnonzero(sizes != lengths)[0])
+            raise ValueError(
+                f"pad_collate: sample {bad}'s field {name!r} has {sizes[bad]} elements but its "
+                f"other sequence fields have {lengths[bad]}; fields padded together need one length"
+            )
+    return lengths
+
+
+def _other_field(column: list[Any]) -> Any:
+    """A field that is not a sequence: numbers as a ``(B,)`` tensor, else the list."""
+    if all(
+        isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+        for v in column
+    ):
+        return torch.as_tensor(np.asarray(column))
+    return column
+
+
 @batch_arrays
 def pad_collate(
     samples: Sequence[Any] | Batch,
@@ -178,36 +238,8 @@ def pad_collate(
         return []
     if type(samples) is Batch:
         samples = samples.samples()
-    rows = [s if isinstance(s, Mapping) else {"tokens": s} for s in samples]
-    names = list(rows[0])
-    for index, row in enumerate(rows):
-        if list(row) != names:
-            raise ValueError(
-                f"pad_collate: sample {index} has fields {list(row)}, sample 0 has {names}"
-            )
-    sequences: dict[str, list[np.ndarray]] = {}
-    others: dict[str, list[Any]] = {}
-    for name in names:
-        found = [_as_sequence(row[name]) for row in rows]
-        arrays = [array for array in found if array is not None]
-        if len(arrays) == len(rows):
-            sequences[name] = arrays
-        else:
-            others[name] = [row[name] for row in rows]
-    if not sequences:
-        raise ValueError(
-            f"pad_collate needs token arrays: no field of the samples is a 1-D numeric array "
-            f"(fields: {names})"
-        )
-    lengths = np.array([len(c) for c in next(iter(sequences.values()))], dtype=np.int64)
-    for name, columns in sequences.items():
-        sizes = np.array([len(c) for c in columns])
-        if (sizes != lengths).any():
-            bad = int(np.flatnonzero(sizes != lengths)[0])
-            raise ValueError(
-                f"pad_collate: sample {bad}'s field {name!r} has {sizes[bad]} elements but its "
-                f"other sequence fields have {lengths[bad]}; fields padded together need one length"
-            )
+    sequences, others = _fields_of(_rows_of(samples))
+    lengths = _lengths_of(sequences)
     if max_length is not None:
         lengths = np.minimum(lengths, max_length)
     width = int(lengths.max()) if len(lengths) else 0
@@ -222,13 +254,7 @@ def pad_collate(
     out["attention_mask"] = torch.from_numpy(_mask(lengths, width, left))
     out["lengths"] = torch.from_numpy(lengths)
     for name, column in others.items():
-        if all(
-            isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-            for v in column
-        ):
-            out[name] = torch.as_tensor(np.asarray(column))
-        else:
-            out[name] = column
+        out[name] = _other_field(column)
     return out
 
 
