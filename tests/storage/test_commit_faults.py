@@ -32,6 +32,8 @@ from guideloom_pipes.storage import StaleWriteWarning, commit
 pytestmark = pytest.mark.fault
 
 TESTS = Path(__file__).resolve().parents[1]
+#: This file's folder: its subprocesses import this module (and its neighbours) by name.
+HERE = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 OLD = {0: [1, 2, 3], 1: [4, 5]}
 #: shard 0 is replaced, shard 2 is fresh, shard 1 is not touched
@@ -195,7 +197,7 @@ def test_sigkill_at_any_step_leaves_every_shard_old_or_new_and_recoverable(
     points = fault_points(kind, tmp_path)
     root = tmp_path / "killed"
     root.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), str(HERE)]))
     child = subprocess.run(
         [
             sys.executable,
@@ -275,7 +277,7 @@ KILL_RECOVERY_AT_EVERY_STEP = """
 def test_sigkill_at_any_step_of_recovery_leaves_the_new_version_and_recovers_again(
     kind: str, tmp_path: Path
 ) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), str(HERE)]))
     script = textwrap.dedent(KILL_RECOVERY_AT_EVERY_STEP)
     child = subprocess.run(
         [sys.executable, "-c", script, kind, str(tmp_path)],

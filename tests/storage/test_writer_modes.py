@@ -34,6 +34,8 @@ from guideloom_pipes.storage import StaleWriteWarning, StorageError, commit
 from guideloom_pipes.storage.names import CREATE_LOCK
 
 TESTS = Path(__file__).resolve().parents[1]
+#: This file's folder: its subprocesses import this module (and its neighbours) by name.
+HERE = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 EIGHT = {k: [k * 10, k * 10 + 1] for k in range(8)}
 FOUR = {k: [100 + k] * (k + 1) for k in range(4)}
@@ -244,7 +246,7 @@ def test_sigkill_at_any_step_of_an_overwrite_leaves_a_consistent_dataset(tmp_pat
     count = overwrite_points(kind, tmp_path)
     root = tmp_path / "killed"
     root.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(TESTS), str(HERE)]))
     script = textwrap.dedent(KILL_OVERWRITE_AT_EVERY_STEP)
     child = subprocess.run(
         [sys.executable, "-c", script, kind, str(root), str(count)],
