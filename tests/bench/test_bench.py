@@ -209,6 +209,7 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         assert math.isfinite(target["measured"])
 
 
+@pytest.mark.slow  # (the quick benchmark it reads takes ~30 s)
 @pytest.mark.timeout(300)
 def test_parallel_write_rows_are_positive_and_dask_is_measured_when_installed(
     report: dict[str, Any],
