@@ -74,6 +74,7 @@ def test_parameters_that_always_raised_value_error_for_a_non_int_still_do() -> N
     # since they were written: the shared check keeps their exception type.
     with pytest.raises(ValueError, match=r"^block_size must be an int, got 1\.5 \(float\)$"):
         check_int("block_size", 1.5, minimum=1, not_int=ValueError)
+    pytest.importorskip("torch")  # (the stages below need torch; the check above does not)
     from guideloom_pipes.pipes import Shuffle
     from guideloom_pipes.pipes.shards import ShuffleBuffer
 
