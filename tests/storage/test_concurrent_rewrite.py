@@ -321,14 +321,21 @@ def test_verify_that_cannot_list_while_a_writer_commits_says_so_and_does_not_fai
     real = listing._read_local
     versions = [NEW, OLD]
 
+    held: list[Any] = []  # the replaced files stay open: their inode numbers are not reused
+
     def read_local(path: str) -> bytes:
         versions.reverse()
+        held.extend(open(f, "rb") for f in tmp_path.iterdir() if f.is_file())  # noqa: SIM115
         write("stream", tmp_path, {1: versions[0][1]})  # a commit in every listing
         return real(path)
 
     monkeypatch.setattr(listing, "_read_local", read_local)
     monkeypatch.setattr(listing.time, "sleep", lambda seconds: None)
-    assert main(["verify", str(tmp_path)]) == 0
+    try:
+        assert main(["verify", str(tmp_path)]) == 0
+    finally:
+        for file in held:
+            file.close()
     out = capsys.readouterr().out
     assert "problem:" not in out
     assert "a writer is committing to this dataset right now" in out
