@@ -289,6 +289,7 @@ def test_the_parallel_ceiling_counts_batches_its_processes_collate_and_stops_the
     assert len(processes) == 2 and not any(process.is_alive() for process in processes)
 
 
+@pytest.mark.slow  # (its fixture runs the quick benchmark: ~30 s alone)
 def test_the_documents_scenario_measures_the_parallel_ceiling(report: dict[str, Any]) -> None:
     rows = report["scenarios"]["documents"]["rows"]
     assert bench.CEILING_2P in [row["contender"] for row in rows]

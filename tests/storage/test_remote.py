@@ -402,6 +402,7 @@ def test_an_s3_dataset_rewritten_with_more_shards_is_listed_again(
         assert reader.num_shards == 3
 
 
+@pytest.mark.slow  # (~11 s alone: every fault kind, retried against moto)
 def test_faults_on_s3_are_retried_and_reads_return_exactly_the_bytes(
     s3: S3Server, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
