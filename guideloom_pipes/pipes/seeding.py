@@ -20,7 +20,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["BatchRandom", "Seeding", "batch_rng", "batch_seed", "seed_globals", "seeded"]
+__all__ = [
+    "BatchRandom",
+    "Seeding",
+    "batch_rng",
+    "batch_seed",
+    "seed_globals",
+    "seed_globals_as_torch",
+    "seeded",
+]
 
 
 _MASK64 = (1 << 64) - 1
@@ -102,6 +110,19 @@ def seed_globals(seed: int) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.default_generator.manual_seed(seed)
+
+
+def seed_globals_as_torch(base_seed: int, worker_id: int) -> None:
+    """Seed the global generators as torch's ``DataLoader`` seeds its worker ``worker_id``:
+    ``random`` and torch from ``base_seed + worker_id``, numpy's legacy generator from the
+    four 32-bit words of ``SeedSequence([worker_id, low, high, 0])`` (``low`` and ``high``
+    the halves of ``base_seed``), so a dataset's draws in a worker equal those it makes
+    under torch's loader. Imports torch (the loader that asks for this runs on it)."""
+    seed = base_seed + worker_id
+    random.seed(seed)
+    importlib.import_module("torch").manual_seed(seed)
+    words = np.random.SeedSequence([worker_id, base_seed & 0xFFFFFFFF, base_seed >> 32, 0])
+    np.random.seed(words.generate_state(4))
 
 
 class seeded:  # (lowercase, as contextlib.suppress: used like a function)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from guideloom_pipes.datasets import open_reader
-from guideloom_pipes.pipes.seeding import seed_globals
+from guideloom_pipes.pipes.seeding import seed_globals, seed_globals_as_torch
 from guideloom_pipes.pipes.workers.tasks import Failed, Ids, ReadTask
 from guideloom_pipes.pipes.workers.transport import ResultRing, dump_result
 
@@ -34,6 +34,9 @@ class WorkerSetup(NamedTuple):
     #: The loader's base seed: the worker's seed is ``base_seed + worker_id``, as in torch.
     base_seed: int
     worker_init_fn: Callable[[int], Any] | None = None
+    #: Seed the global generators exactly as torch's workers are seeded
+    #: (:func:`seed_globals_as_torch`), not from independent keys of the seed.
+    torch_seeding: bool = False
 
 
 def _set_torch_worker_info(setup: WorkerSetup, dataset: Any) -> bool:
@@ -80,7 +83,10 @@ class _ProcessWorkerState:
         if setup is not None:
             if setup.worker_init_fn is not None:
                 importlib.import_module("torch")  # the function may ask get_worker_info()
-            seed_globals(setup.base_seed + setup.worker_id)  # as torch seeds a worker
+            if setup.torch_seeding:
+                seed_globals_as_torch(setup.base_seed, setup.worker_id)
+            else:
+                seed_globals(setup.base_seed + setup.worker_id)  # as torch seeds a worker
             self.info_set = _set_torch_worker_info(setup, dataset)
             if setup.worker_init_fn is not None:
                 setup.worker_init_fn(setup.worker_id)

@@ -1,5 +1,6 @@
 """Worker processes of :class:`~guideloom_pipes.pipes.ReadSamples`, the parent side: a
-pipe and a result ring per worker, jobs sent to the least busy one, answers read in order."""
+pipe and a result ring per worker, jobs sent to the least busy one (or round robin), answers
+read in order."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any
+from typing import Any, Literal
 
 from guideloom_pipes.pipes.workers.process_main import WorkerSetup, _process_worker, pack_ids
 from guideloom_pipes.pipes.workers.tasks import Failed, RemoteTraceback
@@ -24,6 +25,8 @@ from guideloom_pipes.pipes.workers.threads import WAKE_SECONDS, timed_out
 from guideloom_pipes.pipes.workers.transport import ResultRing, load_result
 
 _START_METHODS = ("spawn", "forkserver", "fork")
+#: How :meth:`ProcessPool.submit` picks a job's worker.
+_DEALS = ("least_busy", "round_robin")
 
 
 def _default_start_method() -> str:
@@ -201,6 +204,11 @@ class ProcessPool:
     With ``base_seed`` each worker knows itself (torch's ``get_worker_info()``, which
     ``guideloom_pipes.get_worker_info()`` answers with there, seed ``base_seed +
     worker_id``) and runs ``worker_init_fn(worker_id)`` first.
+
+    ``deal="round_robin"`` sends the ``k``-th job of an epoch to worker ``k % num_workers``
+    whatever their load, as torch's ``DataLoader`` deals batches (so a batch's random draws
+    come from its worker's stream as there); ``torch_seeding`` seeds the workers exactly as
+    torch does (:func:`~guideloom_pipes.pipes.seeding.seed_globals_as_torch`).
     """
 
     def __init__(
@@ -213,7 +221,14 @@ class ProcessPool:
         base_seed: int | None = None,
         worker_init_fn: Callable[[int], Any] | None = None,
         persistent: bool = True,
+        deal: Literal["least_busy", "round_robin"] = "least_busy",
+        torch_seeding: bool = False,
     ) -> None:
+        if deal not in _DEALS:
+            raise ValueError(f"deal must be one of {_DEALS}, got {deal!r}")
+        self._round_robin = deal == "round_robin"
+        self._turn = 0  # jobs dealt this epoch (round robin)
+        self._torch_seeding = bool(torch_seeding)
         self._workers: list[_Worker] = []
         self._next_id = 0
         self._epochs = 0  # begin() calls so far
@@ -246,7 +261,13 @@ class ProcessPool:
         setup = (
             None
             if self._base_seed is None
-            else WorkerSetup(index, self._num_workers, self._base_seed, self._worker_init_fn)
+            else WorkerSetup(
+                index,
+                self._num_workers,
+                self._base_seed,
+                self._worker_init_fn,
+                self._torch_seeding,
+            )
         )
         handle = None if ring is None else ring.handle()
         dataset, collate_fn = self._payload
@@ -297,6 +318,7 @@ class ProcessPool:
         ``persistent``, send every other worker a new copy of ``dataset`` and
         ``collate_fn`` (pickled once), ahead of the epoch's jobs."""
         self._epochs += 1
+        self._turn = 0
         fresh = self._epochs > 1 and not self._persistent
         if fresh:
             self._payload = (dataset, collate_fn)
@@ -329,7 +351,12 @@ class ProcessPool:
     def submit(self, arg: Any) -> _ProcessJob:
         """Send a job: a list of id arrays, or ``(batches, seeds)`` with a seed per batch."""
         batches, seeds = arg if isinstance(arg, tuple) else (arg, None)
-        worker = min(self._workers, key=lambda w: len(w.jobs))
+        workers = self._workers
+        if self._round_robin:
+            worker = workers[self._turn % len(workers)]
+            self._turn += 1
+        else:
+            worker = min(workers, key=lambda w: len(w.jobs))
         job = _ProcessJob(self._next_id, worker, len(batches))
         self._next_id += 1
         self._send(worker, (job.id, pack_ids(batches), seeds))
