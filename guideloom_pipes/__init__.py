@@ -26,7 +26,7 @@ GUIDELOOM_VERSION = "1.1.0"
 
 if TYPE_CHECKING:
     from guideloom_pipes import pipes
-    from guideloom_pipes.loader import StatefulDataLoader
+    from guideloom_pipes.loader import DataLoader, StatefulDataLoader
     from guideloom_pipes.pipes.collate import pad_collate
     from guideloom_pipes.pipes.errors import DataLoaderTimeoutError
     from guideloom_pipes.pipes.packed import collate_packed
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "StatefulDataLoader": ("guideloom_pipes.loader", "StatefulDataLoader"),
+    "DataLoader": ("guideloom_pipes.loader", "DataLoader"),
     "DataLoaderTimeoutError": ("guideloom_pipes.pipes", "DataLoaderTimeoutError"),
     "pipes": ("guideloom_pipes.pipes", None),
     "collate_packed": ("guideloom_pipes.pipes.packed", "collate_packed"),
@@ -60,6 +61,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "DataLoader",
     "DataLoaderTimeoutError",
     "Batch",
     "DocumentDataset",

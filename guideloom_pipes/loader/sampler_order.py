@@ -1,0 +1,209 @@
+"""The sampler order of :class:`~guideloom_pipes.DataLoader`: torch's, drawn from the
+loader's index sampler (its ``batch_sampler``, or its ``sampler`` with ``batch_size=None``)
+in the main process, as torch draws it.
+
+A step is one item of the index sampler (a batch of indices, or one index unbatched), so an
+epoch's position counts the items delivered. What an epoch's start draws is kept
+(:class:`EpochStart`): the states of the generators the sampler may draw from, captured
+before it starts, so a state taken mid-epoch resumes by drawing the same indices again and
+skipping those delivered (or, for a sampler with ``state_dict()``, torchdata's protocol, by
+loading the sampler's own state as of the last batch delivered).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+if TYPE_CHECKING:
+    from guideloom_pipes.loader.torch_loader import DataLoader
+
+#: What identifies a state of this order (``state_dict()['kind']``), and its version.
+KIND = "guideloom_pipes.DataLoader/sampler"
+VERSION = 1
+
+
+def is_stateful(sampler: Any) -> bool:
+    """Whether ``sampler`` keeps its own position (torchdata's protocol)."""
+    return callable(getattr(sampler, "state_dict", None)) and callable(
+        getattr(sampler, "load_state_dict", None)
+    )
+
+
+def sampler_generators(loader: DataLoader[Any]) -> list[torch.Generator]:
+    """The generators the loader's samplers draw from besides torch's global one: the
+    loader's ``generator`` and each ``generator`` of the index sampler and the samplers it
+    wraps (``BatchSampler.sampler``), once each, in that order."""
+    found: list[torch.Generator] = []
+    if isinstance(loader.generator, torch.Generator):
+        found.append(loader.generator)
+    sampler: Any = loader._index_sampler
+    for _ in range(8):  # (a chain of wrappers; a cycle would stop here)
+        generator = getattr(sampler, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+        sampler = getattr(sampler, "sampler", None)
+        if sampler is None:
+            break
+    return found
+
+
+class EpochStart:
+    """The generator states an epoch's draws start from: torch's global CPU generator's and
+    those of :func:`sampler_generators`, taken before the epoch's first draw."""
+
+    def __init__(self, default: torch.Tensor, others: list[torch.Tensor]) -> None:
+        self.default = default
+        self.others = others
+
+    @classmethod
+    def now(cls, loader: DataLoader[Any]) -> EpochStart:
+        return cls(
+            torch.default_generator.get_state(),
+            [g.get_state() for g in sampler_generators(loader)],
+        )
+
+    def state(self) -> dict[str, Any]:
+        return {"default": self.default, "others": list(self.others)}
+
+    @classmethod
+    def of_state(cls, saved: Any, loader: DataLoader[Any]) -> EpochStart:
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("default"), torch.Tensor):
+            raise ValueError(
+                f"state_dict['generators'] = {saved!r} is not the generator states of a "
+                "guideloom_pipes.DataLoader state: pass a dict from its state_dict()"
+            )
+        others = list(saved.get("others", []))
+        now = sampler_generators(loader)
+        if len(others) != len(now):
+            raise ValueError(
+                f"the state holds {len(others)} sampler generator state(s), this loader's "
+                f"samplers draw from {len(now)} generator(s) besides torch's global one: "
+                "build the loader with the same generator= and sampler as the saved run"
+            )
+        return cls(saved["default"], others)
+
+    def restore(self, loader: DataLoader[Any], *, default: bool) -> None:
+        """Put the loader's sampler generators (and, with ``default``, torch's global one)
+        back to these states."""
+        if default:
+            torch.default_generator.set_state(self.default)
+        for generator, state in zip(sampler_generators(loader), self.others, strict=True):
+            generator.set_state(state)
+
+
+class SamplerBatches(BaseNode[np.ndarray]):
+    """The index sampler's items of one epoch as int64 id arrays, from an iterator already
+    started (the loader starts it before drawing the epoch's base seed, as torch does).
+
+    With ``keep_states`` the sampler's ``state_dict()`` after each item is kept, to be taken
+    (:meth:`sampler_state`) as of the last batch delivered."""
+
+    def __init__(
+        self, items: Iterator[Any], sampler: Any, *, batched: bool, keep_states: bool
+    ) -> None:
+        super().__init__()
+        self._items = items
+        self._sampler = sampler
+        self._batched = batched
+        self._keep = keep_states
+        self.drawn = 0
+        #: ``(items drawn, sampler state after them)``, oldest first
+        self._states: collections.deque[tuple[int, Any]] = collections.deque()
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            raise ValueError("SamplerBatches resumes through its loader, not from a state")
+
+    def next(self) -> np.ndarray:
+        item = next(self._items)
+        self.drawn += 1
+        if self._keep:
+            self._states.append((self.drawn, self._sampler.state_dict()))
+        try:
+            ids = np.asarray(item if self._batched else [item], dtype=np.int64)
+        except (TypeError, ValueError, OverflowError) as error:
+            what = "batch of indices" if self._batched else "index"
+            raise TypeError(
+                f"the sampler gave the {what} {item!r}, which is not made of integers: "
+                "guideloom_pipes.DataLoader reads map-style datasets by integer index (as "
+                "torch's samplers give them); map other keys to integers in the dataset"
+            ) from error
+        if ids.ndim != 1:
+            raise TypeError(
+                f"the batch sampler gave {item!r}: each batch must be a flat sequence of "
+                "integer indices"
+            )
+        return ids
+
+    def get_state(self) -> dict[str, Any]:
+        return {"drawn": self.drawn}
+
+    def sampler_state(self, delivered: int) -> Any:
+        """The sampler's state after the ``delivered``-th item (None: not kept)."""
+        states = self._states
+        while len(states) > 1 and states[1][0] <= delivered:
+            states.popleft()
+        if states and states[0][0] == delivered:
+            return states[0][1]
+        return None
+
+
+class SamplerOrder:
+    """The order a :class:`~guideloom_pipes.DataLoader` reads a map-style dataset in: its
+    index sampler's, one step per item."""
+
+    name = "sampler"
+
+    def forget(self) -> None:
+        """(Nothing is kept from an open reader.)"""
+
+    def steps(self, loader: DataLoader[Any], epoch: int) -> int:
+        return len(loader._index_sampler)
+
+    def steps_left(self, loader: DataLoader[Any], epoch: int, offset: int) -> int:
+        """Items left after ``offset`` delivered; 1 for a sampler of unknown length (its
+        end is seen when it ends)."""
+        try:
+            return max(len(loader._index_sampler) - offset, 0)
+        except TypeError:
+            return 1
+
+    def check_state(self, loader: DataLoader[Any], state: Mapping[str, Any]) -> None:
+        """Refuse a state that is not of this order, or past the sampler's length."""
+        kind = state.get("kind")
+        if kind != KIND:
+            raise ValueError(
+                f"state_dict['kind'] = {kind!r}: this is not a state of a "
+                f"guideloom_pipes.DataLoader over a map-style dataset ({KIND!r}); pass a dict "
+                "from its state_dict() (a StatefulDataLoader's state loads into a "
+                "StatefulDataLoader)"
+            )
+        if state.get("version") != VERSION:
+            raise ValueError(
+                f"state_dict['version'] = {state.get('version')!r}: this release reads "
+                f"version {VERSION} of its DataLoader states"
+            )
+        for key in ("epoch", "batches"):
+            value = state.get(key)
+            if type(value) is not int or value < 0:
+                raise ValueError(
+                    f"state_dict[{key!r}] = {value!r} must be an int >= 0: the state was "
+                    "changed, or is not a DataLoader state"
+                )
+        try:
+            length = len(loader._index_sampler)
+        except TypeError:
+            return
+        if state["batches"] > length:
+            raise ValueError(
+                f"state_dict['batches'] = {state['batches']} is past the end of this "
+                f"loader's epoch ({length} batches): the state belongs to another dataset, "
+                "sampler or batch size"
+            )

@@ -1,0 +1,416 @@
+"""``guideloom_pipes.DataLoader``: torch's ``DataLoader``, its signature, defaults, attributes
+and order, read by our stages and worker processes, with ``state_dict()`` /
+``load_state_dict()`` besides.
+
+It is torch's class (a subclass: ``isinstance(loader, torch.utils.data.DataLoader)``), built
+by torch's own ``__init__`` (so its checks, errors and attributes are torch's), with its
+iteration replaced: indices come from the loader's index sampler in the main process
+(:mod:`.sampler_order`), batches are read by :class:`~guideloom_pipes.pipes.ReadSamples`
+inline (``num_workers=0``) or in worker processes that torch seeds alike (``base_seed +
+worker_id``, the batches dealt round robin), and an iterator is a
+:class:`~guideloom_pipes.loader.iterator.LoaderIterator`, which counts what was delivered.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+import torch.utils.data
+from torch.utils.data._utils.collate import default_collate as torch_default_collate
+from torchdata.nodes import BaseNode
+
+from guideloom_pipes.loader.checkpoint import Position
+from guideloom_pipes.loader.iterator import LoaderIterator
+from guideloom_pipes.loader.sampler_order import (
+    KIND,
+    VERSION,
+    EpochStart,
+    SamplerBatches,
+    SamplerOrder,
+    is_stateful,
+)
+from guideloom_pipes.loader.settings import LoaderSettings
+from guideloom_pipes.pipes import PinMemory, ReadSamples, default_collate
+from guideloom_pipes.pipes.workers.processes import ProcessPool
+
+__all__ = ["DataLoader"]
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Unbatched:
+    """``batch_size=None``'s collate: each step reads one sample, given to ``collate_fn``
+    alone (torch's ``default_convert`` by default), as torch does."""
+
+    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        return self.collate_fn(samples[0])
+
+
+class _Iterator(LoaderIterator):
+    """An epoch of a :class:`DataLoader`: a :class:`LoaderIterator` that also stops the
+    epoch's own worker processes when it ends (``persistent_workers=False``)."""
+
+    def __init__(
+        self,
+        loader: Any,
+        root: BaseNode[Any],
+        epoch: int,
+        offset: int,
+        source: SamplerBatches,
+        pool: ProcessPool | None,
+    ) -> None:
+        self.source = source
+        self._own_pool = pool
+        try:
+            super().__init__(loader, root, epoch, offset)
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
+
+    def _finish(self, epoch: int, offset: int) -> None:
+        pool, self._own_pool = self._own_pool, None
+        try:
+            super()._finish(epoch, offset)
+        finally:
+            if pool is not None:
+                pool.close()
+
+
+class DataLoader(torch.utils.data.DataLoader[T_co]):
+    """torch's ``DataLoader``, checkpointable: change the import, keep the call.
+
+    Same signature, defaults, attributes, errors and batches as
+    ``torch.utils.data.DataLoader`` (the same ``generator`` or global seed gives the same
+    order and the same draws in ``__getitem__``: worker ``k`` is seeded ``base_seed + k`` and
+    takes batches ``k, k + num_workers, ...``). Batches are read by this package's stages;
+    ``state_dict()`` says what was delivered and ``load_state_dict()`` resumes at the next
+    batch, with any ``num_workers`` (see ``docs/torch-dataloader.md``).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], Any] | None = None,
+        multiprocessing_context: Any = None,
+        generator: torch.Generator | None = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        self._order = SamplerOrder()
+        self._position = Position(batch=1)
+        #: The base seed of the epoch being read (or last read); None before the first.
+        self.base_seed: int | None = None
+        self._drew_base_seed = False
+        #: The generator states the current position's epoch started from.
+        self._epoch_start: EpochStart | None = None
+        #: A loaded state, applied by the next ``iter()``.
+        self._resume: Mapping[str, Any] | None = None
+        self._live: weakref.ref[_Iterator] | None = None
+        self._pool: ProcessPool | None = None  # persistent_workers' processes
+        self._pool_finalizer: weakref.finalize[Any, Any] | None = None
+
+    # -- what the loader's iterator reads of it ------------------------------------------
+
+    @property
+    def settings(self) -> LoaderSettings:
+        """The keywords as the shared iterator reads them (a step is one sampler item)."""
+        return LoaderSettings(
+            local_batch_size=1,
+            rank=0,
+            world_size=1,
+            num_workers=self.num_workers,
+            parallel_method="process",
+            multiprocessing_context=self.multiprocessing_context,
+            timeout=float(self.timeout),
+            shuffle=isinstance(self.sampler, torch.utils.data.RandomSampler),
+            shuffle_seed=None,
+            seed_given=False,
+            base_seed=self.base_seed or 0,
+            worker_init_fn=self.worker_init_fn,
+            persistent_workers=self.persistent_workers,
+            drop_last=self.drop_last,
+            prefetch=0,
+            pin_memory=self.pin_memory,
+            device=torch.device("cpu"),
+            collate_fn=self.collate_fn,
+            order=SamplerOrder.name,
+            generator=self.generator,
+            prefetch_factor=self.prefetch_factor,
+            in_order=self.in_order,
+            pin_memory_device=self.pin_memory_device,
+        )
+
+    @property
+    def global_batch_size(self) -> int:
+        """Positions per step: 1 (a step is one item of the index sampler)."""
+        return 1
+
+    def _active_iterator(self) -> _Iterator | None:
+        iterator = self._live() if self._live is not None else None
+        return iterator if iterator is not None and iterator._active else None
+
+    # -- iteration ------------------------------------------------------------------------
+
+    def _get_iterator(self) -> Iterator[Any]:  # type: ignore[override]
+        """torch's hook for a new iterator (code that extends torch's loader calls it):
+        ours, never torch's."""
+        return self.__iter__()
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        old = self._active_iterator()
+        if old is not None:
+            old.close()  # as torch: a new iter() starts a new pass
+        if self._dataset_kind == torch.utils.data.dataloader._DatasetKind.Iterable:
+            raise TypeError(
+                "guideloom_pipes.DataLoader reads map-style datasets (len and [i]) in this "
+                f"release; {type(self.dataset).__name__} is an IterableDataset: use "
+                "torch.utils.data.DataLoader for it"
+            )
+        if self.num_workers > 0:
+            self.check_worker_number_rationality()
+        if self.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, then "
+                "device pinned memory won't be used.",
+                stacklevel=2,
+            )
+        here = self._position
+        resume, self._resume = self._resume, None
+        epoch, offset = here.epoch, here.offset
+        items, source_states = self._start_epoch(resume, offset)
+        source = SamplerBatches(
+            items,
+            self._index_sampler,
+            batched=self._auto_collation,
+            keep_states=source_states,
+        )
+        pool = self._processes()
+        root: BaseNode[Any] = self._read(source, pool)
+        own = pool if pool is not None and not self.persistent_workers else None
+        iterator = _Iterator(self, root, epoch, offset, source, own)
+        self._live = weakref.ref(iterator)
+        return iterator
+
+    def _start_epoch(self, resume: Mapping[str, Any] | None, offset: int) -> tuple[Any, bool]:
+        """Start the index sampler's pass (resumed where ``resume`` says), drawing the
+        epoch's base seed as torch does; its iterator, and whether to keep its states."""
+        sampler = self._index_sampler
+        stateful = is_stateful(sampler)
+        persistent_drawn = self.persistent_workers and self._pool is not None
+        if resume is not None and offset and stateful and resume.get("sampler_state") is not None:
+            sampler.load_state_dict(resume["sampler_state"])
+            self.base_seed, self._drew_base_seed = resume["base_seed"], False
+            return iter(sampler), True
+        if resume is not None and offset:
+            # draw what the saved epoch drew from its start, then skip what was delivered;
+            # torch's global generator goes back to the caller's state afterwards
+            start = EpochStart.of_state(resume["generators"], self)
+            caller = torch.default_generator.get_state()
+            start.restore(self, default=True)
+            try:
+                items = iter(sampler)
+                if resume.get("drew_base_seed"):
+                    self._draw_base_seed()
+                self.base_seed = resume["base_seed"]
+                self._drew_base_seed = bool(resume.get("drew_base_seed"))
+                for skipped in range(offset):
+                    try:
+                        next(items)
+                    except StopIteration:
+                        raise ValueError(
+                            f"the state's position ({offset} batches into epoch "
+                            f"{resume['epoch']}) is past the end of this sampler's pass "
+                            f"({skipped} batches): the state belongs to another dataset, "
+                            "sampler or batch size"
+                        ) from None
+            finally:
+                torch.default_generator.set_state(caller)
+            self._epoch_start = start
+            return items, stateful
+        if resume is not None and resume.get("generators") is not None:
+            # the epoch's start as the saved run stood at it: its sampler generators
+            EpochStart.of_state(resume["generators"], self).restore(self, default=False)
+        self._epoch_start = EpochStart.now(self)
+        items = iter(sampler)
+        if not persistent_drawn:
+            self.base_seed = self._draw_base_seed()
+            self._drew_base_seed = True
+        else:
+            self._drew_base_seed = False
+        return items, stateful
+
+    def _draw_base_seed(self) -> int:
+        """torch's draw of an iterator's base seed (from ``generator``, else the global one)."""
+        seed = torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        return int(seed.item())
+
+    def _collate(self) -> Callable[[Any], Any]:
+        """What each batch goes through: ``collate_fn``, with torch's ``default_collate``
+        taken by ours (the same tensors, read straight from our datasets' columns)."""
+        collate: Callable[[Any], Any] = self.collate_fn
+        if collate is torch_default_collate:
+            collate = default_collate
+        return collate if self._auto_collation else Unbatched(collate)
+
+    def _context(self) -> multiprocessing.context.BaseContext:
+        """``multiprocessing_context``: None is the platform's default start method, as in
+        torch."""
+        context = self.multiprocessing_context
+        if context is None:
+            return multiprocessing.get_context()
+        if isinstance(context, str):
+            return multiprocessing.get_context(context)
+        return context
+
+    def _processes(self) -> ProcessPool | None:
+        """This epoch's worker processes: the persistent ones (started once), else new ones
+        seeded from this epoch's base seed; None without workers."""
+        if self.num_workers == 0:
+            return None
+        if self.persistent_workers and self._pool is not None and not self._pool.closed:
+            return self._pool
+        pool = ProcessPool(
+            self.dataset,
+            self._collate(),
+            self.num_workers,
+            self._context(),
+            base_seed=self.base_seed,
+            worker_init_fn=self.worker_init_fn,
+            persistent=True,
+            deal="round_robin",
+            torch_seeding=True,
+        )
+        if self.persistent_workers:
+            self._stop_processes()
+            self._pool = pool
+            self._pool_finalizer = weakref.finalize(self, pool.close)
+        return pool
+
+    def _stop_processes(self) -> None:
+        finalizer, self._pool_finalizer = self._pool_finalizer, None
+        self._pool = None
+        if finalizer is not None:
+            finalizer()
+
+    def _read(self, source: SamplerBatches, pool: ProcessPool | None) -> BaseNode[Any]:
+        workers = self.num_workers
+        node: BaseNode[Any]
+        if workers == 0:
+            node = ReadSamples(source, self.dataset, collate_fn=self._collate())
+        else:
+            node = ReadSamples(
+                source,
+                self.dataset,
+                num_workers=workers,
+                method="process",
+                collate_fn=self._collate(),
+                max_in_flight=(self.prefetch_factor or 2) * workers,
+                timeout=float(self.timeout) or None,
+                chunk_seconds=0,
+                base_seed=self.base_seed,
+                worker_init_fn=self.worker_init_fn,
+                process_pool=pool,
+            )
+        if self.pin_memory and torch.cuda.is_available():
+            node = PinMemory(node)
+        return node
+
+    def close(self) -> None:
+        """Stop the active iterator and the persistent worker processes."""
+        iterator = self._active_iterator()
+        if iterator is not None:
+            iterator.close()
+        self._stop_processes()
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What was delivered: the epoch, the batches delivered in it, and what the epoch's
+        draws started from (``docs/torch-dataloader.md``, "Checkpoints")."""
+        iterator = self._active_iterator()
+        sampler_state = None
+        if iterator is not None:
+            epoch, offset = iterator._epoch, iterator._position()
+            if iterator._delivered:
+                sampler_state = iterator.source.sampler_state(iterator._delivered)
+            elif self._resume is None and iterator._offset0:
+                sampler_state = self._loaded_sampler_state
+        else:
+            epoch, offset = self._position.epoch, self._position.offset
+            if self._resume is not None:
+                sampler_state = self._resume.get("sampler_state")
+        start = self._epoch_start
+        if offset == 0 or start is None:
+            start = EpochStart.now(self)
+        return {
+            "kind": KIND,
+            "version": VERSION,
+            "epoch": epoch,
+            "batches": offset,
+            "base_seed": self.base_seed,
+            "drew_base_seed": self._drew_base_seed,
+            "generators": start.state(),
+            "sampler_state": sampler_state,
+        }
+
+    _loaded_sampler_state: Any = None
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume at the next ``iter()`` from ``state_dict`` (from :meth:`state_dict`, on
+        any ``num_workers``); an active iterator is closed first."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"load_state_dict() takes the dict of state_dict(), got {type(state_dict)!r}"
+            )
+        self._order.check_state(self, state_dict)
+        iterator = self._active_iterator()
+        if iterator is not None:
+            iterator.close()
+        state = dict(state_dict)
+        self._position.move(state["epoch"], state["batches"], 1)
+        self._resume = state
+        self._loaded_sampler_state = state.get("sampler_state")
+        self.base_seed = state.get("base_seed")
+        self._drew_base_seed = bool(state.get("drew_base_seed"))
+        if state["batches"]:
+            self._epoch_start = EpochStart.of_state(state["generators"], self)

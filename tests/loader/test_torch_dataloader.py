@@ -1,0 +1,211 @@
+"""``guideloom_pipes.DataLoader``: torch's ``DataLoader`` (its class, signature, order and
+draws, checked against torch's own with the same arguments), read by our stages, with
+``state_dict()`` / ``load_state_dict()`` resuming at the next batch."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+import torch
+import torch.utils.data as tud
+from random_helpers import Draws
+
+from guideloom_pipes import DataLoader
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:This DataLoader will create"),
+]
+
+WORKERS = [0, 2]
+
+
+def _plain(batch: Any) -> Any:
+    """A batch as nested Python lists (tensors and tuples compared by value)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.tolist()
+    if isinstance(batch, (list, tuple)):
+        return [_plain(item) for item in batch]
+    return batch
+
+
+def _seed_all(seed: int = 7) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed + 1)
+    np.random.seed(seed + 2)
+
+
+def _run(cls: type, epochs: int = 2, make: Any = None, **kw: Any) -> list[Any]:
+    """Every batch of ``epochs`` epochs, then one draw of torch's global generator (so the
+    loader's own draws from it are compared too)."""
+    _seed_all()
+    loader = cls(**(make() if make else {}), **kw)
+    out: list[Any] = []
+    for _ in range(epochs):
+        out += [_plain(batch) for batch in loader]
+    out.append(float(torch.rand(())))
+    return out
+
+
+def _draws(n: int = 11) -> dict[str, Any]:
+    return {"dataset": Draws(n)}
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"batch_size": 3, "shuffle": True},
+        {"batch_size": 3, "shuffle": True, "drop_last": True},
+        {"batch_size": 4},
+        {"batch_size": None, "shuffle": True},
+        {"batch_size": 3, "shuffle": True, "generator": "seeded"},
+    ],
+    ids=["shuffle", "drop_last", "sequential", "unbatched", "generator"],
+)
+def test_batches_and_draws_equal_torchs_with_the_same_arguments(
+    workers: int, options: dict[str, Any]
+) -> None:
+    def run(cls: type) -> list[Any]:
+        kw = dict(options)
+        if kw.get("generator") == "seeded":
+            kw["generator"] = torch.Generator().manual_seed(3)
+        return _run(cls, make=_draws, num_workers=workers, **kw)
+
+    assert run(DataLoader) == run(tud.DataLoader)
+
+
+def test_persistent_workers_give_torchs_batches_and_draws() -> None:
+    kw = {"batch_size": 3, "shuffle": True, "num_workers": 2, "persistent_workers": True}
+    assert _run(DataLoader, 3, _draws, **kw) == _run(tud.DataLoader, 3, _draws, **kw)
+
+
+def _samplers() -> dict[str, Any]:
+    n = 13
+    return {
+        "distributed": lambda: {
+            "sampler": tud.DistributedSampler(range(n), num_replicas=2, rank=1, seed=5)
+        },
+        "weighted": lambda: {
+            "sampler": tud.WeightedRandomSampler([1.0] * 10 + [5.0] * 3, 9, replacement=True)
+        },
+        "subset": lambda: {"sampler": tud.SubsetRandomSampler([1, 3, 5, 7, 9, 11])},
+        "batch_sampler": lambda: {
+            "batch_sampler": tud.BatchSampler(tud.RandomSampler(range(n)), 4, False),
+            "batch_size": 1,
+        },
+    }
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("name", sorted(_samplers()))
+def test_samplers_give_torchs_batches(workers: int, name: str) -> None:
+    def make() -> dict[str, Any]:
+        kw = _samplers()[name]()
+        if "batch_sampler" in kw:
+            kw.pop("batch_size")
+            return {"dataset": Draws(13), **kw}
+        return {"dataset": Draws(13), "batch_size": 2, **kw}
+
+    ours = _run(DataLoader, make=make, num_workers=workers)
+    assert ours == _run(tud.DataLoader, make=make, num_workers=workers)
+
+
+def test_it_is_torchs_class_with_torchs_attributes() -> None:
+    loader = DataLoader(Draws(5), batch_size=2, shuffle=True)
+    assert isinstance(loader, tud.DataLoader)
+    assert isinstance(loader.sampler, tud.RandomSampler)
+    assert isinstance(loader.batch_sampler, tud.BatchSampler)
+    assert (loader.batch_size, loader.drop_last, loader.num_workers) == (2, False, 0)
+    assert len(loader) == 3
+    with pytest.raises(ValueError, match="sampler option is mutually exclusive with shuffle"):
+        DataLoader(Draws(5), shuffle=True, sampler=tud.SequentialSampler(range(5)))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_torchs_iterator_is_never_built(workers: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self: Any) -> Any:
+        raise AssertionError("torch's _get_iterator was called")
+
+    monkeypatch.setattr(tud.DataLoader, "_get_iterator", refuse)
+    loader = DataLoader(Draws(6), batch_size=2, num_workers=workers)
+    assert [_plain(batch)[0] for batch in loader] == [[0, 1], [2, 3], [4, 5]]
+
+
+def _stop_and_resume(
+    k: int, make: Any, epochs: int, saved: dict[str, Any], resumed: dict[str, Any]
+) -> list[Any]:
+    """Batches of a run stopped after its ``k``-th batch, its state (with torch's global
+    RNG state, as a checkpoint keeps it) loaded into a new loader, which goes on."""
+    _seed_all()
+    loader = DataLoader(**make(), **saved)
+    got: list[Any] = []
+    state = None
+    for _ in range(epochs):
+        for batch in loader:
+            got.append(_plain(batch))
+            if len(got) == k:
+                state = loader.state_dict()
+                break
+        if state is not None:
+            break
+    if state is None:
+        state = loader.state_dict()
+    rng = torch.get_rng_state()
+    del loader
+    _seed_all(99)  # a new process's own start
+    loader = DataLoader(**make(), **resumed)
+    loader.load_state_dict(state)
+    torch.set_rng_state(rng)
+    for _ in range(state["epoch"], epochs):
+        got += [_plain(batch) for batch in loader]
+    return got
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [({}, {}), ({"num_workers": 2}, {"num_workers": 2}), ({"num_workers": 2}, {})],
+    ids=["inline", "2-workers", "2-workers-into-inline"],
+)
+@pytest.mark.parametrize("kind", ["shuffle", "generator", "distributed"])
+def test_a_stop_at_every_step_resumes_with_the_rest_of_the_run(
+    kind: str, saved: dict[str, Any], resumed: dict[str, Any]
+) -> None:
+    # (a dataset that draws nothing: read inline, __getitem__'s draws would move torch's
+    # global generator, which the next epoch's order comes from, as in torch)
+    def make() -> dict[str, Any]:
+        if kind == "shuffle":
+            return {"dataset": list(range(10)), "batch_size": 3, "shuffle": True}
+        if kind == "generator":
+            generator = torch.Generator().manual_seed(4)
+            return {
+                "dataset": list(range(10)),
+                "batch_size": 3,
+                "shuffle": True,
+                "generator": generator,
+            }
+        sampler = tud.DistributedSampler(range(10), num_replicas=2, rank=0, seed=1)
+        return {"dataset": list(range(10)), "batch_size": 2, "sampler": sampler}
+
+    epochs = 2
+    _seed_all()
+    loader = DataLoader(**make(), **saved)
+    whole = [_plain(batch) for _ in range(epochs) for batch in loader]
+    for k in range(len(whole) + 1):
+        assert _stop_and_resume(k, make, epochs, saved, resumed) == whole, k
+
+
+def test_a_state_of_another_kind_is_refused_by_name() -> None:
+    loader = DataLoader(Draws(5), batch_size=2)
+    with pytest.raises(ValueError, match="state_dict\\['kind'\\] = 'x'"):
+        loader.load_state_dict({"kind": "x"})
+    state = loader.state_dict()
+    state["batches"] = 7
+    with pytest.raises(ValueError, match="past the end of this loader's epoch \\(3 batches\\)"):
+        loader.load_state_dict(state)
