@@ -209,3 +209,27 @@ def test_a_state_of_another_kind_is_refused_by_name() -> None:
     state["batches"] = 7
     with pytest.raises(ValueError, match="past the end of this loader's epoch \\(3 batches\\)"):
         loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_sampler_with_its_own_state_resumes_from_that_state(workers: int) -> None:
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    def make(num_workers: int = 0) -> DataLoader[Any]:
+        sampler = StatefulDistributedSampler(range(12), num_replicas=2, rank=1, seed=3)
+        return DataLoader(list(range(12)), None, sampler=sampler, num_workers=num_workers)
+
+    whole = [int(sample) for sample in make()]
+    for k in range(1, len(whole) + 1):
+        loader = make(workers)
+        got: list[int] = []
+        for sample in loader:
+            got.append(int(sample))
+            if len(got) == k:
+                state = loader.state_dict()
+                break
+        # the sampler's own state as of the k-th sample delivered (torchdata's protocol)
+        assert state["sampler_state"] == make().sampler.state_dict() | {"yielded": k}
+        resumed = make()
+        resumed.load_state_dict(state)
+        assert got + [int(sample) for sample in resumed] == whole, k
