@@ -19,7 +19,7 @@ import guideloom_pipes
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_DIR = REPO / "guideloom_pipes"
-LAZY_NAMES = {"StatefulDataLoader", "collate_packed", "pad_collate", "pipes"}  # need torch
+LAZY_NAMES = {"DataLoader", "StatefulDataLoader", "collate_packed", "pad_collate", "pipes"}  # torch
 TORCH_MODULES = ("torch", "torchdata")
 
 
@@ -71,6 +71,12 @@ def _assert_ran(result: subprocess.CompletedProcess[str]) -> None:
     "name", sorted(set(guideloom_pipes.__all__) - LAZY_NAMES - {"__version__"})
 )
 def test_public_name_is_the_same_object(name: str) -> None:
+    assert getattr(guideloom, name) is getattr(guideloom_pipes, name)
+
+
+@pytest.mark.parametrize("name", sorted(LAZY_NAMES))
+def test_torch_backed_name_is_the_same_object(name: str) -> None:
+    pytest.importorskip("torch")
     assert getattr(guideloom, name) is getattr(guideloom_pipes, name)
 
 
