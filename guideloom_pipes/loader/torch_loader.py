@@ -25,6 +25,7 @@ from torch.utils.data._utils.collate import default_collate as torch_default_col
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.loader.checkpoint import Position
+from guideloom_pipes.loader.iterable_order import IterableOrder
 from guideloom_pipes.loader.iterator import LoaderIterator
 from guideloom_pipes.loader.sampler_order import (
     KIND,
@@ -36,6 +37,7 @@ from guideloom_pipes.loader.sampler_order import (
 )
 from guideloom_pipes.loader.settings import LoaderSettings
 from guideloom_pipes.pipes import PinMemory, ReadSamples, default_collate
+from guideloom_pipes.pipes.iterable import IterableReads
 from guideloom_pipes.pipes.workers.processes import ProcessPool
 
 __all__ = ["DataLoader"]
@@ -64,7 +66,7 @@ class _Iterator(LoaderIterator):
         root: BaseNode[Any],
         epoch: int,
         offset: int,
-        source: SamplerBatches,
+        source: SamplerBatches | IterableReads,
         pool: ProcessPool | None,
     ) -> None:
         self.source = source
@@ -76,13 +78,42 @@ class _Iterator(LoaderIterator):
                 pool.close()
             raise
 
+    def __next__(self) -> Any:
+        batch = super().__next__()
+        loader: Any = self._loader
+        promised = loader._IterableDataset_len_called
+        if promised is not None and loader._iterable:
+            yielded = self._position()
+            if yielded > promised:
+                message = (
+                    f"Length of IterableDataset {loader.dataset} was reported to be "
+                    f"{promised}(when accessing len(dataloader)), but {yielded} samples have "
+                    "been fetched. "
+                )
+                if loader.num_workers > 0:
+                    message += (
+                        "For multiprocessing data-loading, this could be caused by not "
+                        "properly configuring the IterableDataset replica at each worker. "
+                        "Please see https://pytorch.org/docs/stable/data.html#torch.utils."
+                        "data.IterableDataset for examples."
+                    )
+                warnings.warn(message, stacklevel=2)
+        return batch
+
     def _finish(self, epoch: int, offset: int) -> None:
         pool, self._own_pool = self._own_pool, None
+        loader: Any = self._loader
+        # Left mid-epoch (an error that is not a batch's own, a timeout): the next iter()
+        # resumes where this one stood, from its state as of the last batch delivered.
+        stays = offset and offset == self._position() and loader._iterable
+        state = loader.state_dict() if stays else None
         try:
             super()._finish(epoch, offset)
         finally:
             if pool is not None:
                 pool.close()
+        if state is not None:
+            loader._resume = state
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co]):
@@ -136,7 +167,11 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        self._order = SamplerOrder()
+        #: An IterableDataset: each worker's own pass, not indices from a sampler.
+        self._iterable = self._dataset_kind == torch.utils.data.dataloader._DatasetKind.Iterable
+        self._order: SamplerOrder | IterableOrder = (
+            IterableOrder() if self._iterable else SamplerOrder()
+        )
         self._position = Position(batch=1)
         #: The base seed of the epoch being read (or last read); None before the first.
         self.base_seed: int | None = None
@@ -200,12 +235,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         old = self._active_iterator()
         if old is not None:
             old.close()  # as torch: a new iter() starts a new pass
-        if self._dataset_kind == torch.utils.data.dataloader._DatasetKind.Iterable:
-            raise TypeError(
-                "guideloom_pipes.DataLoader reads map-style datasets (len and [i]) in this "
-                f"release; {type(self.dataset).__name__} is an IterableDataset: use "
-                "torch.utils.data.DataLoader for it"
-            )
         if self.num_workers > 0:
             self.check_worker_number_rationality()
         if self.pin_memory and not torch.accelerator.is_available():
@@ -217,6 +246,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         here = self._position
         resume, self._resume = self._resume, None
         epoch, offset = here.epoch, here.offset
+        if self._iterable:
+            return self._iter_iterable(resume, epoch, offset)
         items, source_states = self._start_epoch(resume, offset)
         source = SamplerBatches(
             items,
@@ -231,9 +262,43 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._live = weakref.ref(iterator)
         return iterator
 
-    def _start_epoch(self, resume: Mapping[str, Any] | None, offset: int) -> tuple[Any, bool]:
+    def _iter_iterable(
+        self, resume: Mapping[str, Any] | None, epoch: int, offset: int
+    ) -> Iterator[Any]:
+        """An epoch of an IterableDataset: each worker's pass (resumed where ``resume``
+        says), interleaved as torch interleaves them."""
+        self._start_epoch(resume, offset, replay=False)
+        order = self._order
+        assert isinstance(order, IterableOrder)
+        records = order.records(self, resume) if resume is not None and offset else None
+        turn = resume["turn"] if resume is not None and offset else 0
+        pool = self._processes()
+        reads = IterableReads(
+            self.dataset,
+            self._collate(unbatched=False),
+            self.batch_size if self._auto_collation else None,
+            self.drop_last,
+            pool=pool,
+            max_in_flight=(self.prefetch_factor or 2) * max(self.num_workers, 1),
+            timeout=float(self.timeout) or None,
+            records=records,
+            turn=turn,
+        )
+        root: BaseNode[Any] = reads
+        if self.pin_memory and torch.cuda.is_available():
+            root = PinMemory(root)
+        own = pool if pool is not None and not self.persistent_workers else None
+        iterator = _Iterator(self, root, epoch, offset, reads, own)
+        self._live = weakref.ref(iterator)
+        return iterator
+
+    def _start_epoch(
+        self, resume: Mapping[str, Any] | None, offset: int, *, replay: bool = True
+    ) -> tuple[Any, bool]:
         """Start the index sampler's pass (resumed where ``resume`` says), drawing the
-        epoch's base seed as torch does; its iterator, and whether to keep its states."""
+        epoch's base seed as torch does; its iterator, and whether to keep its states.
+        Without ``replay`` a resumed pass does not skip what was delivered (an
+        IterableDataset's workers skip it themselves)."""
         sampler = self._index_sampler
         stateful = is_stateful(sampler)
         persistent_drawn = self.persistent_workers and self._pool is not None
@@ -253,7 +318,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                     self._draw_base_seed()
                 self.base_seed = resume["base_seed"]
                 self._drew_base_seed = bool(resume.get("drew_base_seed"))
-                for skipped in range(offset):
+                for skipped in range(offset if replay else 0):
                     try:
                         next(items)
                     except StopIteration:
@@ -284,13 +349,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         seed = torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         return int(seed.item())
 
-    def _collate(self) -> Callable[[Any], Any]:
+    def _collate(self, *, unbatched: bool = True) -> Callable[[Any], Any]:
         """What each batch goes through: ``collate_fn``, with torch's ``default_collate``
-        taken by ours (the same tensors, read straight from our datasets' columns)."""
+        taken by ours (the same tensors, read straight from our datasets' columns); with
+        ``batch_size=None`` (and ``unbatched``) given each one-sample read's sample."""
         collate: Callable[[Any], Any] = self.collate_fn
         if collate is torch_default_collate:
             collate = default_collate
-        return collate if self._auto_collation else Unbatched(collate)
+        return collate if self._auto_collation or not unbatched else Unbatched(collate)
 
     def _context(self) -> multiprocessing.context.BaseContext:
         """``multiprocessing_context``: None is the platform's default start method, as in
@@ -311,7 +377,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return self._pool
         pool = ProcessPool(
             self.dataset,
-            self._collate(),
+            self._collate(unbatched=not self._iterable),
             self.num_workers,
             self._context(),
             base_seed=self.base_seed,
@@ -368,6 +434,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """What was delivered: the epoch, the batches delivered in it, and what the epoch's
         draws started from (``docs/torch-dataloader.md``, "Checkpoints")."""
         iterator = self._active_iterator()
+        if self._iterable:
+            return self._iterable_state(iterator)
         sampler_state = None
         if iterator is not None:
             epoch, offset = iterator._epoch, iterator._position()
@@ -392,6 +460,35 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             "generators": start.state(),
             "sampler_state": sampler_state,
         }
+
+    def _draws(self, offset: int) -> dict[str, Any]:
+        """The state's keys of what the epoch's draws started from."""
+        start = self._epoch_start
+        if offset == 0 or start is None:
+            start = EpochStart.now(self)
+        return {
+            "base_seed": self.base_seed,
+            "drew_base_seed": self._drew_base_seed,
+            "generators": start.state(),
+        }
+
+    def _iterable_state(self, iterator: _Iterator | None) -> dict[str, Any]:
+        """An IterableDataset's state: each worker's record as of its last batch
+        delivered, and whose turn is next."""
+        order = self._order
+        assert isinstance(order, IterableOrder)
+        if iterator is None and self._resume is not None:
+            return dict(self._resume)  # (what the next iter() resumes from)
+        if iterator is None:
+            epoch, offset = self._position.epoch, self._position.offset
+            state = order.state(self, epoch, offset, None, 0)
+        else:
+            reads = iterator.source
+            assert isinstance(reads, IterableReads)
+            epoch, offset = iterator._epoch, iterator._position()
+            state = order.state(self, epoch, offset, reads.records, reads.turn)
+        state.update(self._draws(offset))
+        return state
 
     _loaded_sampler_state: Any = None
 

@@ -23,12 +23,12 @@ from guideloom_pipes.pipes.workers.schedule import INLINE_SAMPLE, ReadSchedule
 from guideloom_pipes.pipes.workers.tasks import Deferred, Failed, ReadTask, RemoteTraceback
 from guideloom_pipes.pipes.workers.threads import seconds_text, together_text
 
-__all__ = ["Delivery", "SourceBatches"]
+__all__ = ["Delivery", "SourceBatches", "failed_batch_error"]
 
 _I64 = npt.NDArray[np.int64]
 
 
-def _failed_error(failed: Failed) -> BaseException:
+def failed_batch_error(failed: Failed) -> BaseException:
     """A failed batch's error, marked as its batch's own, to raise. The caller drops its
     references to it and to ``failed`` as it raises it (``try: raise error finally: del
     error``): a frame of the stage that still held it would make a cycle (error ->
@@ -268,7 +268,7 @@ class Delivery:
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
         if type(result) is Failed:
-            error = _failed_error(result)
+            error = failed_batch_error(result)
             del result, got
             try:
                 raise error
@@ -285,7 +285,7 @@ class Delivery:
             try:
                 raise error
             finally:
-                del error  # (see _failed_error)
+                del error  # (see failed_batch_error)
         if source.end_state is not None:
             self._snapshot = source.end_state
             self._drained = True
@@ -347,7 +347,7 @@ class Delivery:
             source.end_state = self.source.state_dict()
             return self._next_from_workers()  # delivers the end
         source.error = error
-        del error  # (see _failed_error)
+        del error  # (see failed_batch_error)
         return self._next_from_workers()  # raises it
 
     def _read_inline(self, task: ReadTask, ids: _I64, snapshot: Any) -> Any:
@@ -409,7 +409,7 @@ class Delivery:
         self._previous, self._snapshot = self._snapshot, snapshot
         self._delivered += 1
         if type(result) is Failed:
-            raised = _failed_error(result)
+            raised = failed_batch_error(result)
             del result
             try:
                 raise raised

@@ -4,10 +4,8 @@ draws, checked against torch's own with the same arguments), read by our stages,
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -15,6 +13,8 @@ pytest.importorskip("torch")
 import torch
 import torch.utils.data as tud
 from random_helpers import Draws
+from torch_loader_helpers import plain as _plain
+from torch_loader_helpers import seed_all as _seed_all
 
 from guideloom_pipes import DataLoader
 
@@ -24,21 +24,6 @@ pytestmark = [
 ]
 
 WORKERS = [0, 2]
-
-
-def _plain(batch: Any) -> Any:
-    """A batch as nested Python lists (tensors and tuples compared by value)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.tolist()
-    if isinstance(batch, (list, tuple)):
-        return [_plain(item) for item in batch]
-    return batch
-
-
-def _seed_all(seed: int = 7) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed + 1)
-    np.random.seed(seed + 2)
 
 
 def _run(cls: type, epochs: int = 2, make: Any = None, **kw: Any) -> list[Any]:

@@ -21,6 +21,7 @@ import numpy as np
 
 from guideloom_pipes.datasets import open_reader
 from guideloom_pipes.pipes.seeding import seed_globals, seed_globals_as_torch
+from guideloom_pipes.pipes.workers.iteration import DatasetIteration, WorkerRecord
 from guideloom_pipes.pipes.workers.tasks import Failed, Ids, ReadTask
 from guideloom_pipes.pipes.workers.transport import ResultRing, dump_result
 
@@ -63,7 +64,11 @@ class _ProcessWorkerState:
     def __init__(self, setup: WorkerSetup | None) -> None:
         self.setup = setup
         self.dataset: Any = None
+        self.collate_fn: Callable[..., Any] | None = None
         self.task: ReadTask | None = None
+        #: The pass over an iterable dataset being read, and the token of its epoch.
+        self.iteration: DatasetIteration | None = None
+        self.iteration_token: Any = None
         self.info_set = False
         self._close_reader: Callable[[], Any] | None = None
 
@@ -80,6 +85,8 @@ class _ProcessWorkerState:
             torch.set_num_threads(1)
         setup = self.setup
         self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.iteration = self.iteration_token = None
         if setup is not None:
             if setup.worker_init_fn is not None:
                 importlib.import_module("torch")  # the function may ask get_worker_info()
@@ -103,6 +110,49 @@ class _ProcessWorkerState:
             self.info_set = _set_torch_worker_info(self.setup, self.dataset)
         assert self.task is not None
         return self.task.run((batches, seeds))
+
+    def iterate(self, request: IterateRequest) -> list[Any]:
+        """The next batch of this worker's pass over its (iterable) dataset copy: a new pass
+        where the request's token is a new one (it then holds where to start).
+
+        Answers ``[IterationStep]``; ``[Failed, record]`` where reading or collating the batch
+        raised (a failure of that batch alone); a failure to start the pass is raised."""
+        if not self.info_set and self.setup is not None:
+            self.info_set = _set_torch_worker_info(self.setup, self.dataset)
+        if self.iteration is None or self.iteration_token != request.token:
+            if request.start is None:
+                raise RuntimeError(
+                    f"a worker was asked for a batch of pass {request.token!r} without its "
+                    "start (a job of an earlier pass was lost)"
+                )
+            self.iteration_token = request.token
+            self.iteration = DatasetIteration(
+                self.dataset,
+                self.collate_fn,
+                request.batch_size,
+                request.drop_last,
+                request.start,
+            )
+        iteration = self.iteration
+        try:
+            return [iteration.step()]
+        except BaseException as error:  # this batch's: the pass goes on after it
+            return [Failed(error), iteration.record]
+
+
+#: A job's second field that makes it an :class:`IterateRequest` (a batch of ids otherwise).
+ITERATE = "iterate"
+
+
+class IterateRequest(NamedTuple):
+    """A job asking a worker for the next batch of its pass over an iterable dataset."""
+
+    #: Which pass (one per epoch): a new token starts a new ``iter(dataset)``.
+    token: int
+    #: Where the pass starts: sent with its first job only (None after).
+    start: WorkerRecord | None
+    batch_size: int | None
+    drop_last: bool
 
 
 # -- a worker process's small-object memory -------------------------------------------------
@@ -230,7 +280,9 @@ def _process_worker(
     ``None``); its answer ``(job_id, seconds, places, pickle)``, the chunk's outcomes pickled by
     :func:`dump_result` (large buffers in the result ring). ``(job_id, None, payload)`` hands
     the worker a new copy of the dataset (``payload`` pickles ``(dataset, collate_fn)``: a new
-    epoch without persistent workers); it is answered with no outcomes. A failure to start
+    epoch without persistent workers); it is answered with no outcomes. ``(job_id, ITERATE,
+    IterateRequest)`` asks for the next batch of the worker's pass over an iterable dataset,
+    answered with one outcome, an :class:`~.iteration.IterationStep`. A failure to start
     (or to take a new dataset) is answered once with job id -1 and the error, and the worker
     exits. A thread of the worker reads the jobs (see :func:`_receive_jobs`). The worker ends
     when the parent closes its end of ``conn`` (or terminates it).
@@ -258,6 +310,17 @@ def _process_worker(
             if message is None:
                 return
             job_id, packed, extra = pickle.loads(message)
+            if packed == ITERATE:
+                started = time.perf_counter()
+                try:
+                    outcomes = state.iterate(extra)
+                except BaseException as error:  # (as below)
+                    outcomes = [Failed(error)]
+                data, places = _dump_outcomes(outcomes, ring)
+                elapsed = time.perf_counter() - started
+                conn.send_bytes(pickle.dumps((job_id, elapsed, places, data), protocol=5))
+                del outcomes, data
+                continue
             if packed is None:  # a new copy of the dataset
                 try:
                     state.start(*pickle.loads(extra))

@@ -19,7 +19,13 @@ from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Literal
 
-from guideloom_pipes.pipes.workers.process_main import WorkerSetup, _process_worker, pack_ids
+from guideloom_pipes.pipes.workers.process_main import (
+    ITERATE,
+    IterateRequest,
+    WorkerSetup,
+    _process_worker,
+    pack_ids,
+)
 from guideloom_pipes.pipes.workers.tasks import Failed, RemoteTraceback
 from guideloom_pipes.pipes.workers.threads import WAKE_SECONDS, timed_out
 from guideloom_pipes.pipes.workers.transport import ResultRing, load_result
@@ -360,6 +366,20 @@ class ProcessPool:
         job = _ProcessJob(self._next_id, worker, len(batches))
         self._next_id += 1
         self._send(worker, (job.id, pack_ids(batches), seeds))
+        worker.jobs.append(job)
+        return job
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    def submit_iteration(self, index: int, request: IterateRequest) -> _ProcessJob:
+        """Ask worker ``index`` for the next batch of its pass over an iterable dataset
+        (its answer: one :class:`~.iteration.IterationStep`)."""
+        worker = self._workers[index]
+        job = _ProcessJob(self._next_id, worker, 1)
+        self._next_id += 1
+        self._send(worker, (job.id, ITERATE, request))
         worker.jobs.append(job)
         return job
 

@@ -1,0 +1,120 @@
+"""The order of :class:`~guideloom_pipes.DataLoader` over an ``IterableDataset``: each
+worker's own pass over its copy, interleaved round robin as torch interleaves them
+(:class:`~guideloom_pipes.pipes.iterable.IterableReads`), one step per batch delivered.
+
+Its state holds, for each worker, its :class:`~guideloom_pipes.pipes.workers.iteration.
+WorkerRecord` as of its last batch delivered (the dataset's ``state_dict()`` and its
+iterator's where they have one, else the number of samples the worker's pass gave, skipped
+again on resume), and whose turn is next. Those are the passes of ``num_workers`` workers
+(``max(num_workers, 1)`` records): such a state resumes on the same ``num_workers`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from guideloom_pipes.pipes.workers.iteration import WorkerRecord
+
+if TYPE_CHECKING:
+    from guideloom_pipes.loader.torch_loader import DataLoader
+
+#: What identifies a state of this order (``state_dict()['kind']``), and its version.
+KIND = "guideloom_pipes.DataLoader/iterable"
+VERSION = 1
+
+
+def passes(loader: DataLoader[Any]) -> int:
+    """How many passes over the dataset an epoch makes: one per worker (one without)."""
+    return max(loader.num_workers, 1)
+
+
+class IterableOrder:
+    """The order a :class:`~guideloom_pipes.DataLoader` reads an ``IterableDataset`` in."""
+
+    name = "iterable"
+
+    def forget(self) -> None:
+        """(Nothing is kept from an open reader.)"""
+
+    def steps(self, loader: DataLoader[Any], epoch: int) -> int:
+        return len(loader)
+
+    def steps_left(self, loader: DataLoader[Any], epoch: int, offset: int) -> int:
+        """Batches left after ``offset`` by the dataset's ``len()`` (what torch's
+        ``len(loader)`` says); 1 without one (the end is seen when it comes)."""
+        try:
+            return max(len(loader) - offset, 0)
+        except TypeError:
+            return 1
+
+    def records(self, loader: DataLoader[Any], state: Mapping[str, Any]) -> list[WorkerRecord]:
+        """The workers' records of a state :meth:`check_state` passed."""
+        return [
+            WorkerRecord.of_dict(saved, f"state_dict['workers'][{index}]")
+            for index, saved in enumerate(state["workers"])
+        ]
+
+    def state(
+        self,
+        loader: DataLoader[Any],
+        epoch: int,
+        batches: int,
+        records: list[WorkerRecord] | None,
+        turn: int,
+    ) -> dict[str, Any]:
+        if records is None:
+            records = [WorkerRecord()] * passes(loader)
+        return {
+            "kind": KIND,
+            "version": VERSION,
+            "epoch": epoch,
+            "batches": batches,
+            "num_workers": loader.num_workers,
+            "workers": [record.as_dict() for record in records],
+            "turn": turn,
+        }
+
+    def check_state(self, loader: DataLoader[Any], state: Mapping[str, Any]) -> None:
+        """Refuse a state that is not of this order, or of another number of workers."""
+        kind = state.get("kind")
+        if kind != KIND:
+            raise ValueError(
+                f"state_dict['kind'] = {kind!r}: this is not a state of a "
+                f"guideloom_pipes.DataLoader over an IterableDataset ({KIND!r}); pass a dict "
+                "from its state_dict() (a map-style dataset's state loads into a loader of "
+                "that dataset)"
+            )
+        if state.get("version") != VERSION:
+            raise ValueError(
+                f"state_dict['version'] = {state.get('version')!r}: this release reads "
+                f"version {VERSION} of its IterableDataset states"
+            )
+        for key in ("epoch", "batches", "turn", "num_workers"):
+            value = state.get(key)
+            if type(value) is not int or value < 0:
+                raise ValueError(
+                    f"state_dict[{key!r}] = {value!r} must be an int >= 0: the state was "
+                    "changed, or is not a DataLoader state"
+                )
+        saved = state["num_workers"]
+        workers = state.get("workers")
+        if not isinstance(workers, list) or len(workers) != max(saved, 1):
+            raise ValueError(
+                f"state_dict['workers'] = {workers!r} must be a list of {max(saved, 1)} "
+                "worker records: the state was changed, or is not a DataLoader state"
+            )
+        if state["batches"] and max(saved, 1) != passes(loader):
+            raise ValueError(
+                f"this state was taken with num_workers={saved} and this loader has "
+                f"num_workers={loader.num_workers}: an IterableDataset's state holds where "
+                f"each worker's own pass over its copy stood ({max(saved, 1)} passes), which "
+                "cannot be split or merged into another number of workers. Resume with "
+                f"num_workers={saved} (a map-style dataset's state resumes on any number)"
+            )
+        if state["turn"] >= max(saved, 1):
+            raise ValueError(
+                f"state_dict['turn'] = {state['turn']} names no worker of "
+                f"{max(saved, 1)}: the state was changed"
+            )
+        self.records(loader, state)  # (each record checked)

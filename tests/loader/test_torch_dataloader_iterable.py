@@ -1,0 +1,261 @@
+"""``guideloom_pipes.DataLoader`` over an ``IterableDataset``: each worker's own pass,
+interleaved as torch interleaves them (checked against torch's ``DataLoader`` with the same
+arguments: batches and random draws), and ``state_dict()`` / ``load_state_dict()`` resuming
+at the next batch from each worker's dataset state, its iterator's, or a replay."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+import torch
+import torch.utils.data as tud
+from torch_loader_helpers import Counted, FailsAt, IteratorState, Uneven, plain, seed_all
+
+from guideloom_pipes import DataLoader
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.filterwarnings("ignore:This DataLoader will create"),
+]
+
+WORKERS = [0, 2]
+
+
+def _run(cls: type, dataset: Any, epochs: int = 2, **kw: Any) -> list[Any]:
+    """Every batch of ``epochs`` epochs, then one draw of torch's global generator (the
+    loader's own draws from it, the base seeds, are compared too)."""
+    seed_all()
+    loader = cls(dataset, **kw)
+    out: list[Any] = []
+    for _ in range(epochs):
+        out += [plain(batch) for batch in loader]
+    out.append(float(torch.rand(())))
+    return out
+
+
+_OPTIONS = {
+    "batched": {"batch_size": 3},
+    "drop_last": {"batch_size": 3, "drop_last": True},
+    "unbatched": {"batch_size": None},
+    "generator": {"batch_size": 2, "generator": "seeded"},
+}
+#: (torch refuses these keywords without workers)
+_WORKER_OPTIONS = {
+    "persistent": {"batch_size": 3, "persistent_workers": True},
+    "prefetch-1": {"batch_size": 3, "prefetch_factor": 1},
+}
+_CASES = [(w, name, o) for w in WORKERS for name, o in _OPTIONS.items()] + [
+    (2, name, o) for name, o in _WORKER_OPTIONS.items()
+]
+
+
+@pytest.mark.parametrize(
+    ("workers", "options"),
+    [(w, o) for w, _, o in _CASES],
+    ids=[f"{name}-{w}" for w, name, _ in _CASES],
+)
+def test_batches_and_draws_equal_torchs_with_the_same_arguments(
+    workers: int, options: dict[str, Any]
+) -> None:
+    def run(cls: type) -> list[Any]:
+        kw = dict(options)
+        if kw.get("generator") == "seeded":
+            kw["generator"] = torch.Generator().manual_seed(3)
+        return _run(cls, Uneven(17), num_workers=workers, **kw)
+
+    ours = run(DataLoader)
+    assert ours == run(tud.DataLoader)
+    assert len(ours) > 5
+
+
+def test_three_workers_that_end_at_different_batches_interleave_as_torchs() -> None:
+    # worker 1 ends first, halfway through its share; workers 0 and 2 go on in turn
+    dataset = Uneven(29, draws=False)
+    ours = _run(DataLoader, dataset, epochs=1, batch_size=2, num_workers=3)
+    assert ours == _run(tud.DataLoader, dataset, epochs=1, batch_size=2, num_workers=3)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_read_error_fails_its_batch_and_the_next_one_follows_as_in_torch(workers: int) -> None:
+    def run(cls: type) -> list[Any]:
+        loader = cls(FailsAt(12, bad=4), batch_size=2, num_workers=workers)
+        out: list[Any] = []
+        iterator = iter(loader)
+        while True:
+            try:
+                out.append(plain(next(iterator)))
+            except StopIteration:
+                return out
+            except ValueError as error:
+                assert "sample 4 is bad" in str(error)
+                out.append("error")
+
+    ours = run(DataLoader)
+    assert "error" in ours
+    assert ours == run(tud.DataLoader)
+
+
+class _Longer(Uneven):
+    def __len__(self) -> int:
+        return 2  # (it gives 6)
+
+
+def test_a_length_it_overruns_is_warned_of_as_torch_warns() -> None:
+    dataset = _Longer(6, draws=False)
+
+    def warned(cls: type) -> list[str]:
+        loader = cls(dataset, batch_size=1)
+        assert len(loader) == 2
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert len(list(loader)) == 6
+        return [str(w.message) for w in caught]
+
+    ours = warned(DataLoader)
+    assert len(ours) == 4 and "was reported to be 2" in ours[0], ours  # (batches 3 to 6)
+    assert ours == warned(tud.DataLoader)
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+
+def _stop_and_resume(
+    k: int, make: Any, epochs: int, options: dict[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """Batches of a run stopped after its ``k``-th batch, its state loaded into a new
+    loader of a new dataset, which goes on to the end of ``epochs``; and the state."""
+    seed_all()
+    loader = DataLoader(make(), **options)
+    got: list[Any] = []
+    state = None
+    for _ in range(epochs):
+        for batch in loader:
+            got.append(plain(batch))
+            if len(got) == k:
+                state = loader.state_dict()
+                break
+        if state is not None:
+            break
+    if state is None:
+        state = loader.state_dict()
+    del loader
+    seed_all(99)  # a new process's own start
+    loader = DataLoader(make(), **options)
+    loader.load_state_dict(state)
+    for _ in range(state["epoch"], epochs):
+        got += [plain(batch) for batch in loader]
+    return got, state
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize(
+    "kind",
+    ["replayed", "dataset-state", "iterator-state", "unbatched", "drop_last"],
+)
+def test_a_stop_at_every_step_resumes_with_the_rest_of_the_run(kind: str, workers: int) -> None:
+    n = 6 if kind == "unbatched" else 9  # (worker 1 of 2 ends first, a partial batch last)
+
+    def make() -> Any:
+        if kind == "dataset-state":
+            return Counted(n)
+        if kind == "iterator-state":
+            return IteratorState(n)
+        return Uneven(n, draws=False)
+
+    options: dict[str, Any] = {"batch_size": None if kind == "unbatched" else 2}
+    options.update(num_workers=workers, drop_last=kind == "drop_last")
+    epochs = 2
+    seed_all()
+    loader = DataLoader(make(), **options)
+    whole = [plain(batch) for _ in range(epochs) for batch in loader]
+    assert len(whole) >= 6
+    for k in range(len(whole) + 1):
+        got, state = _stop_and_resume(k, make, epochs, options)
+        assert got == whole, k
+        records = state["workers"]
+        assert len(records) == max(workers, 1)
+        if kind == "dataset-state" and 0 < k < len(whole) // 2:
+            assert any(r["dataset_state"] is not None for r in records), state
+        if kind == "iterator-state" and 0 < k < len(whole) // 2:
+            assert any(r["iterator_state"] is not None for r in records), state
+
+
+def test_the_state_names_each_workers_samples_given_and_whose_turn_is_next() -> None:
+    loader = DataLoader(Uneven(20, draws=False), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    assert plain(next(iterator)) == [0, 2]  # worker 0
+    assert plain(next(iterator)) == [1, 3]  # worker 1
+    assert plain(next(iterator)) == [4, 6]  # worker 0
+    state = loader.state_dict()
+    assert (state["epoch"], state["batches"], state["turn"]) == (0, 3, 1)
+    assert [r["yielded"] for r in state["workers"]] == [4, 2]
+    assert not any(r["ended"] for r in state["workers"])
+    iterator.close()
+
+
+def test_a_resume_with_another_number_of_workers_is_refused_with_the_fix() -> None:
+    loader = DataLoader(Uneven(12, draws=False), batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    iterator.close()
+    for workers in (0, 1, 3):
+        other = DataLoader(Uneven(12, draws=False), batch_size=2, num_workers=workers)
+        with pytest.raises(
+            ValueError, match=r"taken with num_workers=2.*Resume with num_workers=2"
+        ):
+            other.load_state_dict(state)
+    # at an epoch's start there is no pass to go on with: any number of workers takes it
+    fresh = DataLoader(Uneven(12, draws=False), batch_size=2, num_workers=2).state_dict()
+    inline = DataLoader(Uneven(12, draws=False), batch_size=2)
+    inline.load_state_dict(fresh)
+    assert plain(next(iter(inline))) == [0, 1]
+
+
+def test_states_of_the_other_order_or_changed_are_refused_by_name() -> None:
+    mapped = DataLoader(list(range(6)), batch_size=2)
+    iterable = DataLoader(Uneven(6, draws=False), batch_size=2)
+    with pytest.raises(ValueError, match="over an IterableDataset"):
+        iterable.load_state_dict(mapped.state_dict())
+    with pytest.raises(ValueError, match="over a map-style dataset"):
+        mapped.load_state_dict(iterable.state_dict())
+    state = iterable.state_dict()
+    state["workers"] = [{"yielded": -1}]
+    with pytest.raises(ValueError, match=r"state_dict\['workers'\]\[0\]"):
+        iterable.load_state_dict(state)
+    state = iterable.state_dict()
+    state["turn"] = 1
+    with pytest.raises(ValueError, match=r"state_dict\['turn'\] = 1 names no worker of 1"):
+        iterable.load_state_dict(state)
+
+
+def test_a_replay_past_the_datasets_end_says_the_state_is_of_another_dataset() -> None:
+    loader = DataLoader(Uneven(12, draws=False), batch_size=2)
+    iterator = iter(loader)
+    next(iterator), next(iterator)
+    state = loader.state_dict()
+    iterator.close()
+    shorter = DataLoader(Uneven(3, draws=False), batch_size=2)
+    shorter.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"had given 4 samples.*ended after 3"):
+        next(iter(shorter))
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_state_after_the_last_batch_resumes_at_the_next_epoch(workers: int) -> None:
+    loader = DataLoader(Uneven(9, draws=False), batch_size=2, num_workers=workers)
+    whole = [plain(batch) for batch in loader]
+    iterator = iter(loader)
+    for _ in whole:
+        next(iterator)
+    state = loader.state_dict()
+    iterator.close()
+    resumed = DataLoader(Uneven(9, draws=False), batch_size=2, num_workers=workers)
+    resumed.load_state_dict(state)
+    assert [plain(batch) for batch in resumed] == []  # (the rest of that epoch: nothing)
+    assert [plain(batch) for batch in resumed] == whole

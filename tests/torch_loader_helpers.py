@@ -1,0 +1,148 @@
+"""Helpers of the ``guideloom_pipes.DataLoader`` tests: batches as plain values, the global
+generators seeded, and iterable datasets (module level, so worker processes can unpickle
+them), each worker reading its own share, found with ``torch.utils.data.get_worker_info()``
+as torch's documentation shows."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+
+def plain(batch: Any) -> Any:
+    """A batch as nested Python lists (tensors and tuples compared by value)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.tolist()
+    if isinstance(batch, (list, tuple)):
+        return [plain(item) for item in batch]
+    if isinstance(batch, dict):
+        return {key: plain(value) for key, value in batch.items()}
+    return batch
+
+
+def seed_all(seed: int = 7) -> None:
+    """Seed torch's, numpy's and ``random``'s global generators."""
+    torch.manual_seed(seed)
+    random.seed(seed + 1)
+    np.random.seed(seed + 2)
+
+
+def _share() -> tuple[int, int]:
+    """``(this worker's id, the number of workers)``: ``(0, 1)`` outside workers."""
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class Uneven(IterableDataset):  # type: ignore[type-arg]
+    """Samples ``0 .. n-1``, worker ``w`` of ``k`` taking ``w, w + k, ...``, except that
+    worker 1 stops halfway through its share (so the workers end at different batches).
+    With ``draws`` each sample is ``(i, a torch draw, a numpy draw, a random draw)`` from
+    the worker's global generators; without, ``i``. No state: a resume replays."""
+
+    def __init__(self, n: int, draws: bool = True) -> None:
+        self.n = n
+        self.draws = draws
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[Any]:
+        worker, workers = _share()
+        mine = list(range(worker, self.n, workers))
+        if worker == 1:
+            mine = mine[: len(mine) // 2]
+        for i in mine:
+            if self.draws:
+                yield (i, float(torch.rand(())), float(np.random.rand()), random.random())
+            else:
+                yield i
+
+
+class Counted(IterableDataset):  # type: ignore[type-arg]
+    """Samples ``0 .. n-1`` shared as :class:`Uneven` shares them (no halving), with a
+    state of its own (``state_dict`` / ``load_state_dict``: the index of the next sample of
+    its share). ``iter()`` starts where a loaded state says; a replay on top of the state
+    would skip samples, so an exact resume shows the state was used alone."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.next = 0
+
+    def __iter__(self) -> Iterator[int]:
+        worker, workers = _share()
+        for j in range(self.next, len(range(worker, self.n, workers))):
+            self.next = j + 1
+            yield worker + j * workers
+        self.next = 0  # (the next pass starts over)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next": self.next}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next = state["next"]
+
+
+class _StatefulIterator:
+    def __init__(self, items: list[int]) -> None:
+        self.items = items
+        self.at = 0
+
+    def __iter__(self) -> _StatefulIterator:
+        return self
+
+    def __next__(self) -> int:
+        if self.at >= len(self.items):
+            raise StopIteration
+        self.at += 1
+        return self.items[self.at - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]
+
+
+class IteratorState(IterableDataset):  # type: ignore[type-arg]
+    """Samples ``0 .. n-1`` shared as :class:`Counted`; the state is its iterator's
+    (``iter(dataset)`` returns an object with ``state_dict`` / ``load_state_dict``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> _StatefulIterator:
+        worker, workers = _share()
+        return _StatefulIterator(list(range(worker, self.n, workers)))
+
+
+class _FailingIterator:
+    def __init__(self, items: list[int], bad: int) -> None:
+        self.items = iter(items)
+        self.bad = bad
+
+    def __iter__(self) -> _FailingIterator:
+        return self
+
+    def __next__(self) -> int:
+        item = next(self.items)
+        if item == self.bad:
+            raise ValueError(f"sample {item} is bad")
+        return item
+
+
+class FailsAt(IterableDataset):  # type: ignore[type-arg]
+    """Samples ``0 .. n-1`` shared as :class:`Counted`; sample ``bad`` raises ``ValueError``
+    when drawn, and the iterator goes on after it (it is not a generator)."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n = n
+        self.bad = bad
+
+    def __iter__(self) -> _FailingIterator:
+        worker, workers = _share()
+        return _FailingIterator(list(range(worker, self.n, workers)), self.bad)
