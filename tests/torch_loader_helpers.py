@@ -5,6 +5,7 @@ as torch's documentation shows."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -146,3 +147,40 @@ class FailsAt(IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> _FailingIterator:
         worker, workers = _share()
         return _FailingIterator(list(range(worker, self.n, workers)), self.bad)
+
+
+def _dies_once(marker: str) -> None:
+    """End this worker process abruptly the first time (``marker`` is then made)."""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(3)
+
+
+class DiesOnce(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Samples ``0 .. n-1``; the worker process reading sample ``bad`` exits abruptly, the
+    first time only (a marker file remembers), as a worker killed by a signal would."""
+
+    def __init__(self, n: int, bad: int, marker: str) -> None:
+        self.n, self.bad, self.marker = n, bad, marker
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        if index == self.bad:
+            _dies_once(self.marker)
+        return index
+
+
+class IterableDiesOnce(IterableDataset):  # type: ignore[type-arg]
+    """:class:`DiesOnce` as an iterable dataset, shared as :class:`Counted` shares it."""
+
+    def __init__(self, n: int, bad: int, marker: str) -> None:
+        self.n, self.bad, self.marker = n, bad, marker
+
+    def __iter__(self) -> Iterator[int]:
+        worker, workers = _share()
+        for index in range(worker, self.n, workers):
+            if index == self.bad:
+                _dies_once(self.marker)
+            yield index

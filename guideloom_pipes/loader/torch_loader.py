@@ -105,7 +105,7 @@ class _Iterator(LoaderIterator):
         loader: Any = self._loader
         # Left mid-epoch (an error that is not a batch's own, a timeout): the next iter()
         # resumes where this one stood, from its state as of the last batch delivered.
-        stays = offset and offset == self._position() and loader._iterable
+        stays = offset and offset == self._position()
         state = loader.state_dict() if stays else None
         try:
             super()._finish(epoch, offset)

@@ -6,6 +6,7 @@ at the next batch from each worker's dataset state, its iterator's, or a replay.
 from __future__ import annotations
 
 import warnings
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import pytest
@@ -14,7 +15,16 @@ pytest.importorskip("torch")
 
 import torch
 import torch.utils.data as tud
-from torch_loader_helpers import Counted, FailsAt, IteratorState, Uneven, plain, seed_all
+from torch_loader_helpers import (
+    Counted,
+    DiesOnce,
+    FailsAt,
+    IterableDiesOnce,
+    IteratorState,
+    Uneven,
+    plain,
+    seed_all,
+)
 
 from guideloom_pipes import DataLoader
 
@@ -259,3 +269,27 @@ def test_a_state_after_the_last_batch_resumes_at_the_next_epoch(workers: int) ->
     resumed.load_state_dict(state)
     assert [plain(batch) for batch in resumed] == []  # (the rest of that epoch: nothing)
     assert [plain(batch) for batch in resumed] == whole
+
+
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+def test_after_a_worker_dies_the_next_iter_goes_on_with_the_batch_it_lost(
+    kind: str, tmp_path: Any
+) -> None:
+    # (an error that is not a batch's own ends the iterator; the loader stands after the
+    # last batch delivered, so the state and the next iter() agree)
+    marker = str(tmp_path / "died")
+    make = DiesOnce if kind == "map-style" else IterableDiesOnce
+    loader = DataLoader(make(12, 6, marker), batch_size=2, num_workers=2)
+    open(marker + "-never", "w").close()
+    never = make(12, 6, marker + "-never")
+    whole = [plain(b) for b in DataLoader(never, batch_size=2, num_workers=2)]
+    got = []
+    with pytest.raises(BrokenProcessPool, match="exited unexpectedly"):
+        for batch in loader:
+            got.append(plain(batch))
+    assert 0 < len(got) < len(whole)
+    assert loader.state_dict()["batches"] == len(got)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # (a new worker replaces the dead)
+        got += [plain(batch) for batch in loader]
+    assert got == whole  # (an iterable's worker passes go on from their records)
