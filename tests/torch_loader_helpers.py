@@ -184,3 +184,8 @@ class IterableDiesOnce(IterableDataset):  # type: ignore[type-arg]
             if index == self.bad:
                 _dies_once(self.marker)
             yield index
+
+
+def seed_random_by_worker(worker_id: int) -> None:
+    """A ``worker_init_fn``: reseed ``random`` from the worker's id (its draws show it ran)."""
+    random.seed(1000 + worker_id)

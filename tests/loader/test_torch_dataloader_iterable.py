@@ -24,6 +24,7 @@ from torch_loader_helpers import (
     Uneven,
     plain,
     seed_all,
+    seed_random_by_worker,
 )
 
 from guideloom_pipes import DataLoader
@@ -81,6 +82,26 @@ def test_batches_and_draws_equal_torchs_with_the_same_arguments(
     ours = run(DataLoader)
     assert ours == run(tud.DataLoader)
     assert len(ours) > 5
+
+
+def test_spawned_persistent_workers_and_worker_init_fn_give_torchs_batches_and_draws() -> None:
+    options = {
+        "batch_size": 3,
+        "num_workers": 2,
+        "multiprocessing_context": "spawn",
+        "persistent_workers": True,
+        "worker_init_fn": seed_random_by_worker,
+    }
+    ours = _run(DataLoader, Uneven(11), **options)
+    assert ours == _run(tud.DataLoader, Uneven(11), **options)
+
+
+def test_in_order_false_delivers_every_batch_of_torchs() -> None:
+    def run(cls: type) -> list[str]:
+        batches = _run(cls, Uneven(13), epochs=1, batch_size=2, num_workers=2, in_order=False)
+        return sorted(map(str, batches))
+
+    assert run(DataLoader) == run(tud.DataLoader)
 
 
 def test_three_workers_that_end_at_different_batches_interleave_as_torchs() -> None:
@@ -193,6 +214,19 @@ def test_a_stop_at_every_step_resumes_with_the_rest_of_the_run(kind: str, worker
             assert any(r["dataset_state"] is not None for r in records), state
         if kind == "iterator-state" and 0 < k < len(whole) // 2:
             assert any(r["iterator_state"] is not None for r in records), state
+
+
+def test_persistent_workers_resume_from_a_stop_at_every_step_of_three_epochs() -> None:
+    options = {"batch_size": 2, "num_workers": 2, "persistent_workers": True}
+
+    def make() -> Any:
+        return Uneven(9, draws=False)
+
+    seed_all()
+    loader = DataLoader(make(), **options)
+    whole = [plain(batch) for _ in range(3) for batch in loader]
+    for k in range(len(whole) + 1):
+        assert _stop_and_resume(k, make, 3, options)[0] == whole, k
 
 
 def test_the_state_names_each_workers_samples_given_and_whose_turn_is_next() -> None:
