@@ -189,3 +189,15 @@ class IterableDiesOnce(IterableDataset):  # type: ignore[type-arg]
 def seed_random_by_worker(worker_id: int) -> None:
     """A ``worker_init_fn``: reseed ``random`` from the worker's id (its draws show it ran)."""
     random.seed(1000 + worker_id)
+
+
+class NoteSigterm:
+    """A SIGTERM handler that notes the signal in a file and goes on, as a trainer's does
+    (Lightning's): a process that inherits it outlives a ``terminate()``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        with open(self.path, "a") as file:
+            file.write(f"{os.getpid()}\n")

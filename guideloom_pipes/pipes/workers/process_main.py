@@ -11,6 +11,7 @@ import importlib
 import multiprocessing.util
 import pickle
 import queue
+import signal
 import sys
 import threading
 import time
@@ -287,6 +288,11 @@ def _process_worker(
     exits. A thread of the worker reads the jobs (see :func:`_receive_jobs`). The worker ends
     when the parent closes its end of ``conn`` (or terminates it).
     """
+    # A forked worker inherits the parent's Python signal handlers: a trainer's SIGTERM
+    # handler (Lightning's notes the signal and goes on) would keep it alive through the
+    # pool's terminate() until the SIGKILL after it. A worker ends at SIGTERM.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     ring = None
     state = _ProcessWorkerState(setup)
     # held for the worker's life: its batches' small objects reuse this memory (a worker
