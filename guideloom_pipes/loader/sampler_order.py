@@ -53,6 +53,20 @@ def sampler_generators(loader: DataLoader[Any]) -> list[torch.Generator]:
     return found
 
 
+def epoch_sampler(sampler: Any) -> Any:
+    """The sampler with ``set_epoch`` (a ``DistributedSampler``) in the chain of ``sampler``
+    and the samplers it wraps (``BatchSampler.sampler``), or None."""
+    for _ in range(8):  # (a chain of wrappers; a cycle would stop here)
+        if sampler is None:
+            return None
+        if callable(getattr(sampler, "set_epoch", None)) and isinstance(
+            getattr(sampler, "epoch", None), int
+        ):
+            return sampler
+        sampler = getattr(sampler, "sampler", None)
+    return None
+
+
 class EpochStart:
     """The generator states an epoch's draws start from: torch's global CPU generator's and
     those of :func:`sampler_generators`, taken before the epoch's first draw."""
@@ -113,6 +127,9 @@ class SamplerBatches(BaseNode[np.ndarray]):
         self._batched = batched
         self._keep = keep_states
         self.drawn = 0
+        #: The ``epoch`` of the sampler with ``set_epoch`` that the pass was drawn with
+        #: (read at its first item), or None.
+        self.pass_epoch: int | None = None
         #: ``(items drawn, sampler state after them)``, oldest first
         self._states: collections.deque[tuple[int, Any]] = collections.deque()
 
@@ -124,6 +141,9 @@ class SamplerBatches(BaseNode[np.ndarray]):
     def next(self) -> np.ndarray:
         item = next(self._items)
         self.drawn += 1
+        if self.drawn == 1:
+            epochs = epoch_sampler(self._sampler)
+            self.pass_epoch = None if epochs is None else epochs.epoch
         if self._keep:
             self._states.append((self.drawn, self._sampler.state_dict()))
         try:
@@ -197,6 +217,12 @@ class SamplerOrder:
                     f"state_dict[{key!r}] = {value!r} must be an int >= 0: the state was "
                     "changed, or is not a DataLoader state"
                 )
+        sampler_epoch = state.get("sampler_epoch")
+        if sampler_epoch is not None and type(sampler_epoch) is not int:
+            raise ValueError(
+                f"state_dict['sampler_epoch'] = {sampler_epoch!r} must be an int or None: "
+                "the state was changed, or is not a DataLoader state"
+            )
         try:
             length = len(loader._index_sampler)
         except TypeError:

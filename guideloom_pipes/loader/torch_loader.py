@@ -33,6 +33,7 @@ from guideloom_pipes.loader.sampler_order import (
     EpochStart,
     SamplerBatches,
     SamplerOrder,
+    epoch_sampler,
     is_stateful,
 )
 from guideloom_pipes.loader.settings import LoaderSettings
@@ -113,6 +114,7 @@ class _Iterator(LoaderIterator):
             if pool is not None:
                 pool.close()
         if state is not None:
+            loader._position.move(state["epoch"], state["batches"], 1)
             loader._resume = state
 
 
@@ -307,31 +309,20 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self.base_seed, self._drew_base_seed = resume["base_seed"], False
             return iter(sampler), True
         if resume is not None and offset:
-            # draw what the saved epoch drew from its start, then skip what was delivered;
-            # torch's global generator goes back to the caller's state afterwards
             start = EpochStart.of_state(resume["generators"], self)
+            self.base_seed = resume["base_seed"]
+            self._drew_base_seed = bool(resume.get("drew_base_seed"))
+            self._epoch_start = start
+            if replay:
+                return self._replay(sampler, start, resume, offset), stateful
             caller = torch.default_generator.get_state()
             start.restore(self, default=True)
             try:
-                items = iter(sampler)
                 if resume.get("drew_base_seed"):
-                    self._draw_base_seed()
-                self.base_seed = resume["base_seed"]
-                self._drew_base_seed = bool(resume.get("drew_base_seed"))
-                for skipped in range(offset if replay else 0):
-                    try:
-                        next(items)
-                    except StopIteration:
-                        raise ValueError(
-                            f"the state's position ({offset} batches into epoch "
-                            f"{resume['epoch']}) is past the end of this sampler's pass "
-                            f"({skipped} batches): the state belongs to another dataset, "
-                            "sampler or batch size"
-                        ) from None
+                    self._draw_base_seed()  # (what it drew from generator=)
             finally:
                 torch.default_generator.set_state(caller)
-            self._epoch_start = start
-            return items, stateful
+            return iter(()), stateful
         if resume is not None and resume.get("generators") is not None:
             # the epoch's start as the saved run stood at it: its sampler generators
             EpochStart.of_state(resume["generators"], self).restore(self, default=False)
@@ -343,6 +334,38 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         else:
             self._drew_base_seed = False
         return items, stateful
+
+    def _replay(
+        self, sampler: Any, start: EpochStart, resume: Mapping[str, Any], offset: int
+    ) -> Iterator[Any]:
+        """The rest of a saved epoch's pass: what it drew from its start drawn again, and
+        the ``offset`` items delivered skipped, at the first ``next()`` (where torch's
+        sampler starts its pass: a ``set_epoch()`` made after ``iter()``, as Lightning
+        makes it, counts); torch's global generator goes back to the caller's state."""
+        caller = torch.default_generator.get_state()
+        start.restore(self, default=True)
+        epochs, saved_epoch = epoch_sampler(sampler), resume.get("sampler_epoch")
+        if epochs is not None and isinstance(saved_epoch, int) and epochs.epoch != saved_epoch:
+            # the pass is drawn as it was, whenever the trainer calls set_epoch (Lightning
+            # asks for a resumed loader's first batch before it does)
+            epochs.set_epoch(saved_epoch)
+        try:
+            items = iter(sampler)
+            if resume.get("drew_base_seed"):
+                self._draw_base_seed()
+            for skipped in range(offset):
+                try:
+                    next(items)
+                except StopIteration:
+                    raise ValueError(
+                        f"the state's position ({offset} batches into epoch "
+                        f"{resume['epoch']}) is past the end of this sampler's pass "
+                        f"({skipped} batches): the state belongs to another dataset, "
+                        "sampler or batch size"
+                    ) from None
+        finally:
+            torch.default_generator.set_state(caller)
+        yield from items
 
     def _draw_base_seed(self) -> int:
         """torch's draw of an iterator's base seed (from ``generator``, else the global one)."""
@@ -437,9 +460,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self._iterable:
             return self._iterable_state(iterator)
         sampler_state = None
+        sampler_epoch = None
         if iterator is not None:
             epoch, offset = iterator._epoch, iterator._position()
-            if iterator._delivered:
+            source = iterator.source
+            assert isinstance(source, SamplerBatches)
+            sampler_epoch = source.pass_epoch if source.drawn else self._loaded_sampler_epoch
+            if offset and self._order.steps_left(self, epoch, offset) == 0:
+                # every batch of the epoch delivered: the state is the next epoch's start
+                # (as its iterator will stand once it ends), from the generators as now
+                epoch, offset = epoch + 1, 0
+            elif iterator._delivered:
                 sampler_state = iterator.source.sampler_state(iterator._delivered)
             elif self._resume is None and iterator._offset0:
                 sampler_state = self._loaded_sampler_state
@@ -447,6 +478,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             epoch, offset = self._position.epoch, self._position.offset
             if self._resume is not None:
                 sampler_state = self._resume.get("sampler_state")
+                sampler_epoch = self._resume.get("sampler_epoch")
         start = self._epoch_start
         if offset == 0 or start is None:
             start = EpochStart.now(self)
@@ -459,6 +491,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             "drew_base_seed": self._drew_base_seed,
             "generators": start.state(),
             "sampler_state": sampler_state,
+            "sampler_epoch": sampler_epoch if offset else None,
         }
 
     def _draws(self, offset: int) -> dict[str, Any]:
@@ -486,11 +519,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             reads = iterator.source
             assert isinstance(reads, IterableReads)
             epoch, offset = iterator._epoch, iterator._position()
-            state = order.state(self, epoch, offset, reads.records, reads.turn)
+            if offset and all(record.ended for record in reads.records):
+                # every pass has ended: the state is the next epoch's start
+                epoch, offset = epoch + 1, 0
+                state = order.state(self, epoch, offset, None, 0)
+            else:
+                state = order.state(self, epoch, offset, reads.records, reads.turn)
         state.update(self._draws(offset))
         return state
 
     _loaded_sampler_state: Any = None
+    _loaded_sampler_epoch: int | None = None
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Resume at the next ``iter()`` from ``state_dict`` (from :meth:`state_dict`, on
@@ -507,6 +546,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._position.move(state["epoch"], state["batches"], 1)
         self._resume = state
         self._loaded_sampler_state = state.get("sampler_state")
+        self._loaded_sampler_epoch = state.get("sampler_epoch")
         self.base_seed = state.get("base_seed")
         self._drew_base_seed = bool(state.get("drew_base_seed"))
         if state["batches"]:

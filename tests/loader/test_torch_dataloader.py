@@ -4,6 +4,7 @@ draws, checked against torch's own with the same arguments), read by our stages,
 
 from __future__ import annotations
 
+import signal
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ pytest.importorskip("torch")
 import torch
 import torch.utils.data as tud
 from random_helpers import Draws
+from torch_loader_helpers import NoteSigterm
 from torch_loader_helpers import plain as _plain
 from torch_loader_helpers import seed_all as _seed_all
 
@@ -213,8 +215,81 @@ def test_a_sampler_with_its_own_state_resumes_from_that_state(workers: int) -> N
             if len(got) == k:
                 state = loader.state_dict()
                 break
-        # the sampler's own state as of the k-th sample delivered (torchdata's protocol)
-        assert state["sampler_state"] == make().sampler.state_dict() | {"yielded": k}
         resumed = make()
         resumed.load_state_dict(state)
-        assert got + [int(sample) for sample in resumed] == whole, k
+        rest = [int(sample) for sample in resumed]
+        if k == len(whole):  # the next epoch's start (the same order: no set_epoch)
+            assert (state["epoch"], state["batches"], state["sampler_state"]) == (1, 0, None)
+            assert rest == whole
+            continue
+        # the sampler's own state as of the k-th sample delivered (torchdata's protocol)
+        assert state["sampler_state"] == make().sampler.state_dict() | {"yielded": k}
+        assert got + rest == whole, k
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_set_epoch_between_iter_and_the_first_batch_counts_as_in_torch(workers: int) -> None:
+    # (torch's sampler starts its pass at the first next(): Lightning calls set_epoch()
+    # after iter(), also on a loader it has just resumed)
+    def make(cls: type = DataLoader) -> Any:
+        sampler = tud.DistributedSampler(range(12), num_replicas=2, rank=0, seed=1)
+        return cls(list(range(12)), batch_size=2, sampler=sampler, num_workers=workers)
+
+    def epoch_one(loader: Any) -> list[Any]:
+        iterator = iter(loader)
+        loader.sampler.set_epoch(1)
+        return [_plain(batch) for batch in iterator]
+
+    whole = epoch_one(make(tud.DataLoader))
+    assert epoch_one(make()) == whole
+    loader = make()
+    iterator = iter(loader)
+    loader.sampler.set_epoch(1)
+    first = _plain(next(iterator))
+    state = loader.state_dict()
+    iterator.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [first, *epoch_one(resumed)] == whole
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_resumed_pass_is_drawn_with_its_saved_epoch_whenever_set_epoch_comes(
+    workers: int,
+) -> None:
+    # (Lightning asks a resumed loader for its first batch before it calls set_epoch)
+    def make() -> Any:
+        sampler = tud.DistributedSampler(range(12), num_replicas=2, rank=1, seed=2)
+        return DataLoader(list(range(12)), batch_size=2, sampler=sampler, num_workers=workers)
+
+    loader = make()
+    loader.sampler.set_epoch(3)
+    whole = [_plain(batch) for batch in loader]
+    iterator = iter(loader)
+    first = _plain(next(iterator))
+    state = loader.state_dict()
+    iterator.close()
+    assert state["sampler_epoch"] == 3
+    resumed = make()  # (its sampler at epoch 0)
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    second = _plain(next(iterator))
+    resumed.sampler.set_epoch(3)  # (late: the pass was drawn already)
+    assert [first, second, *map(_plain, iterator)] == whole
+    state = resumed.state_dict()
+    assert (state["epoch"], state["batches"]) == (2, 0)  # (the loader's second epoch ended)
+
+
+def test_worker_processes_end_at_sigterm_whatever_handler_the_trainer_set(
+    tmp_path: Any,
+) -> None:
+    noted = tmp_path / "sigterm"
+    before = signal.signal(signal.SIGTERM, NoteSigterm(str(noted)))
+    try:
+        loader = DataLoader(
+            list(range(8)), batch_size=2, num_workers=2, multiprocessing_context="fork"
+        )
+        assert len(list(loader)) == 4  # (its workers are stopped with SIGTERM at the end)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not noted.exists(), noted.read_text()
