@@ -135,3 +135,17 @@ def test_tokenize_corpus_writes_one_shard_per_file_with_eos_after_each_document(
         tokens = np.fromfile(out / f"{shard:07d}.in_band.bin", dtype="<i4")
         assert tokens[-1] == 256
         assert bytes(tokens[:-1].astype(np.uint8)) == path.read_bytes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_train_lightning_resumes_mid_epoch_with_the_batches_after_the_last_trained(shards):
+    pytest.importorskip("lightning", reason="needs lightning (pip install guideloom_pipes[test])")
+    out = _run([sys.executable, str(EXAMPLES / "train_lightning.py")], shards)
+    steps = [
+        (int(match[1]), ast.literal_eval(match[2]))
+        for match in re.finditer(r"^step=(\d+): (\[\[.*\]\])$", out, re.MULTILINE)
+    ]
+    assert [step for step, _ in steps] == list(range(1, 17))  # stopped after 5, resumed at 6
+    for epoch in (steps[:8], steps[8:]):  # each sample once an epoch: the resume went on
+        assert sorted(sample for _, batch in epoch for sample in batch) == _all_samples()
