@@ -201,3 +201,34 @@ class NoteSigterm:
     def __call__(self, signum: int, frame: Any) -> None:
         with open(self.path, "a") as file:
             file.write(f"{os.getpid()}\n")
+
+
+def stop_and_resume(
+    k: int, build: Any, epochs: int, rebuild: Any = None
+) -> tuple[list[Any], dict[str, Any]]:
+    """Batches of a run of ``build()``'s loader stopped after its ``k``-th batch, its state
+    (with torch's global RNG state, as a checkpoint keeps it) loaded into a new loader
+    (``rebuild()``, else ``build()``), which goes on to the end of ``epochs``; and the state."""
+    seed_all()
+    loader = build()
+    got: list[Any] = []
+    state = None
+    for _ in range(epochs):
+        for batch in loader:
+            got.append(plain(batch))
+            if len(got) == k:
+                state = loader.state_dict()
+                break
+        if state is not None:
+            break
+    if state is None:
+        state = loader.state_dict()
+    rng = torch.get_rng_state()
+    del loader
+    seed_all(99)  # a new process's own start
+    loader = (rebuild or build)()
+    loader.load_state_dict(state)
+    torch.set_rng_state(rng)
+    for _ in range(state["epoch"], epochs):
+        got += [plain(batch) for batch in loader]
+    return got, state

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from guideloom_pipes.loader.sampler_order import check_header
 from guideloom_pipes.pipes.workers.iteration import WorkerRecord
 
 if TYPE_CHECKING:
@@ -77,26 +78,14 @@ class IterableOrder:
 
     def check_state(self, loader: DataLoader[Any], state: Mapping[str, Any]) -> None:
         """Refuse a state that is not of this order, or of another number of workers."""
-        kind = state.get("kind")
-        if kind != KIND:
-            raise ValueError(
-                f"state_dict['kind'] = {kind!r}: this is not a state of a "
-                f"guideloom_pipes.DataLoader over an IterableDataset ({KIND!r}); pass a dict "
-                "from its state_dict() (a map-style dataset's state loads into a loader of "
-                "that dataset)"
-            )
-        if state.get("version") != VERSION:
-            raise ValueError(
-                f"state_dict['version'] = {state.get('version')!r}: this release reads "
-                f"version {VERSION} of its IterableDataset states"
-            )
-        for key in ("epoch", "batches", "turn", "num_workers"):
-            value = state.get(key)
-            if type(value) is not int or value < 0:
-                raise ValueError(
-                    f"state_dict[{key!r}] = {value!r} must be an int >= 0: the state was "
-                    "changed, or is not a DataLoader state"
-                )
+        check_header(
+            state,
+            kind=KIND,
+            version=VERSION,
+            over="an IterableDataset",
+            instead="a map-style dataset's state loads into a loader of that dataset",
+            counts=("epoch", "batches", "turn", "num_workers"),
+        )
         saved = state["num_workers"]
         workers = state.get("workers")
         if not isinstance(workers, list) or len(workers) != max(saved, 1):

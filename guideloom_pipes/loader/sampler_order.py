@@ -28,13 +28,6 @@ KIND = "guideloom_pipes.DataLoader/sampler"
 VERSION = 1
 
 
-def is_stateful(sampler: Any) -> bool:
-    """Whether ``sampler`` keeps its own position (torchdata's protocol)."""
-    return callable(getattr(sampler, "state_dict", None)) and callable(
-        getattr(sampler, "load_state_dict", None)
-    )
-
-
 def sampler_generators(loader: DataLoader[Any]) -> list[torch.Generator]:
     """The generators the loader's samplers draw from besides torch's global one: the
     loader's ``generator`` and each ``generator`` of the index sampler and the samplers it
@@ -175,6 +168,39 @@ class SamplerBatches(BaseNode[np.ndarray]):
         return None
 
 
+def check_header(
+    state: Mapping[str, Any],
+    *,
+    kind: str,
+    version: int,
+    over: str,
+    instead: str,
+    counts: tuple[str, ...],
+) -> None:
+    """Refuse a state that is not of the order ``kind`` (a loader ``over`` what it reads;
+    ``instead``: where such a state does load), of another version, or whose ``counts``
+    are not ints >= 0."""
+    found = state.get("kind")
+    if found != kind:
+        raise ValueError(
+            f"state_dict['kind'] = {found!r}: this is not a state of a "
+            f"guideloom_pipes.DataLoader over {over} ({kind!r}); pass a dict from its "
+            f"state_dict() ({instead})"
+        )
+    if state.get("version") != version:
+        raise ValueError(
+            f"state_dict['version'] = {state.get('version')!r}: this release reads "
+            f"version {version} of these DataLoader states"
+        )
+    for key in counts:
+        value = state.get(key)
+        if type(value) is not int or value < 0:
+            raise ValueError(
+                f"state_dict[{key!r}] = {value!r} must be an int >= 0: the state was "
+                "changed, or is not a DataLoader state"
+            )
+
+
 class SamplerOrder:
     """The order a :class:`~guideloom_pipes.DataLoader` reads a map-style dataset in: its
     index sampler's, one step per item."""
@@ -197,26 +223,14 @@ class SamplerOrder:
 
     def check_state(self, loader: DataLoader[Any], state: Mapping[str, Any]) -> None:
         """Refuse a state that is not of this order, or past the sampler's length."""
-        kind = state.get("kind")
-        if kind != KIND:
-            raise ValueError(
-                f"state_dict['kind'] = {kind!r}: this is not a state of a "
-                f"guideloom_pipes.DataLoader over a map-style dataset ({KIND!r}); pass a dict "
-                "from its state_dict() (a StatefulDataLoader's state loads into a "
-                "StatefulDataLoader)"
-            )
-        if state.get("version") != VERSION:
-            raise ValueError(
-                f"state_dict['version'] = {state.get('version')!r}: this release reads "
-                f"version {VERSION} of its DataLoader states"
-            )
-        for key in ("epoch", "batches"):
-            value = state.get(key)
-            if type(value) is not int or value < 0:
-                raise ValueError(
-                    f"state_dict[{key!r}] = {value!r} must be an int >= 0: the state was "
-                    "changed, or is not a DataLoader state"
-                )
+        check_header(
+            state,
+            kind=KIND,
+            version=VERSION,
+            over="a map-style dataset",
+            instead="a StatefulDataLoader's state loads into a StatefulDataLoader",
+            counts=("epoch", "batches"),
+        )
         sampler_epoch = state.get("sampler_epoch")
         if sampler_epoch is not None and type(sampler_epoch) is not int:
             raise ValueError(

@@ -34,11 +34,11 @@ from guideloom_pipes.loader.sampler_order import (
     SamplerBatches,
     SamplerOrder,
     epoch_sampler,
-    is_stateful,
 )
 from guideloom_pipes.loader.settings import LoaderSettings
 from guideloom_pipes.pipes import PinMemory, ReadSamples, default_collate
 from guideloom_pipes.pipes.iterable import IterableReads
+from guideloom_pipes.pipes.workers.iteration import is_stateful
 from guideloom_pipes.pipes.workers.processes import ProcessPool
 
 __all__ = ["DataLoader"]

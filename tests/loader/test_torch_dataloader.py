@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 import torch
 import torch.utils.data as tud
 from random_helpers import Draws
-from torch_loader_helpers import NoteSigterm
+from torch_loader_helpers import NoteSigterm, stop_and_resume
 from torch_loader_helpers import plain as _plain
 from torch_loader_helpers import seed_all as _seed_all
 
@@ -125,36 +125,6 @@ def test_torchs_iterator_is_never_built(workers: int, monkeypatch: pytest.Monkey
     assert [_plain(batch)[0] for batch in loader] == [[0, 1], [2, 3], [4, 5]]
 
 
-def _stop_and_resume(
-    k: int, make: Any, epochs: int, saved: dict[str, Any], resumed: dict[str, Any]
-) -> list[Any]:
-    """Batches of a run stopped after its ``k``-th batch, its state (with torch's global
-    RNG state, as a checkpoint keeps it) loaded into a new loader, which goes on."""
-    _seed_all()
-    loader = DataLoader(**make(), **saved)
-    got: list[Any] = []
-    state = None
-    for _ in range(epochs):
-        for batch in loader:
-            got.append(_plain(batch))
-            if len(got) == k:
-                state = loader.state_dict()
-                break
-        if state is not None:
-            break
-    if state is None:
-        state = loader.state_dict()
-    rng = torch.get_rng_state()
-    del loader
-    _seed_all(99)  # a new process's own start
-    loader = DataLoader(**make(), **resumed)
-    loader.load_state_dict(state)
-    torch.set_rng_state(rng)
-    for _ in range(state["epoch"], epochs):
-        got += [_plain(batch) for batch in loader]
-    return got
-
-
 @pytest.mark.parametrize(
     ("saved", "resumed"),
     [({}, {}), ({"num_workers": 2}, {"num_workers": 2}), ({"num_workers": 2}, {})],
@@ -185,7 +155,13 @@ def test_a_stop_at_every_step_resumes_with_the_rest_of_the_run(
     loader = DataLoader(**make(), **saved)
     whole = [_plain(batch) for _ in range(epochs) for batch in loader]
     for k in range(len(whole) + 1):
-        assert _stop_and_resume(k, make, epochs, saved, resumed) == whole, k
+        got, _ = stop_and_resume(
+            k,
+            lambda: DataLoader(**make(), **saved),
+            epochs,
+            lambda: DataLoader(**make(), **resumed),
+        )
+        assert got == whole, k
 
 
 def test_a_state_of_another_kind_is_refused_by_name() -> None:

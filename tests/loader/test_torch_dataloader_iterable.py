@@ -25,6 +25,7 @@ from torch_loader_helpers import (
     plain,
     seed_all,
     seed_random_by_worker,
+    stop_and_resume,
 )
 
 from guideloom_pipes import DataLoader
@@ -155,34 +156,6 @@ def test_a_length_it_overruns_is_warned_of_as_torch_warns() -> None:
 # -- checkpoints ---------------------------------------------------------------------------
 
 
-def _stop_and_resume(
-    k: int, make: Any, epochs: int, options: dict[str, Any]
-) -> tuple[list[Any], dict[str, Any]]:
-    """Batches of a run stopped after its ``k``-th batch, its state loaded into a new
-    loader of a new dataset, which goes on to the end of ``epochs``; and the state."""
-    seed_all()
-    loader = DataLoader(make(), **options)
-    got: list[Any] = []
-    state = None
-    for _ in range(epochs):
-        for batch in loader:
-            got.append(plain(batch))
-            if len(got) == k:
-                state = loader.state_dict()
-                break
-        if state is not None:
-            break
-    if state is None:
-        state = loader.state_dict()
-    del loader
-    seed_all(99)  # a new process's own start
-    loader = DataLoader(make(), **options)
-    loader.load_state_dict(state)
-    for _ in range(state["epoch"], epochs):
-        got += [plain(batch) for batch in loader]
-    return got, state
-
-
 @pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize(
     "kind",
@@ -206,7 +179,7 @@ def test_a_stop_at_every_step_resumes_with_the_rest_of_the_run(kind: str, worker
     whole = [plain(batch) for _ in range(epochs) for batch in loader]
     assert len(whole) >= 6
     for k in range(len(whole) + 1):
-        got, state = _stop_and_resume(k, make, epochs, options)
+        got, state = stop_and_resume(k, lambda: DataLoader(make(), **options), epochs)
         assert got == whole, k
         records = state["workers"]
         assert len(records) == max(workers, 1)
@@ -226,7 +199,7 @@ def test_persistent_workers_resume_from_a_stop_at_every_step_of_three_epochs() -
     loader = DataLoader(make(), **options)
     whole = [plain(batch) for _ in range(3) for batch in loader]
     for k in range(len(whole) + 1):
-        assert _stop_and_resume(k, make, 3, options)[0] == whole, k
+        assert stop_and_resume(k, lambda: DataLoader(make(), **options), 3)[0] == whole, k
 
 
 def test_the_state_names_each_workers_samples_given_and_whose_turn_is_next() -> None:

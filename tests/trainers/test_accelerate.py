@@ -12,33 +12,24 @@ processes, both ways of using it (``accelerate_script.py``):
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_helpers import run_script
 
 pytest.importorskip("torch")
 pytest.importorskip("accelerate", reason="needs accelerate (pip install guideloom_pipes[test])")
 
 SCRIPT = Path(__file__).with_name("accelerate_script.py")
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _torchrun(out: Path, tag: str, *args: str) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("GUIDELOOM_PIPES_TORCH_FREE", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node=2", str(SCRIPT), str(out), tag, *args]
-    result = subprocess.run(
-        command, capture_output=True, text=True, env=env, cwd=out, timeout=300, check=False
-    )
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    run_script([*command, "--nproc-per-node=2", str(SCRIPT), str(out), tag, *args], out)
 
 
 def _steps(out: Path, tag: str) -> list[list[list[object]]]:

@@ -8,36 +8,22 @@ continues with exactly the batches of the uninterrupted run, on one process and 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from script_helpers import run_script
 
 pytest.importorskip("torch")
 pytest.importorskip("lightning", reason="needs lightning (pip install guideloom_pipes[test])")
 
 SCRIPT = Path(__file__).with_name("lightning_script.py")
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _fit(out: Path, tag: str, *args: str) -> None:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.pop("GUIDELOOM_PIPES_TORCH_FREE", None)
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), tag, *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=out,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    run_script([sys.executable, str(SCRIPT), str(out), tag, *args], out)
 
 
 def _steps(out: Path, tag: str, rank: int) -> list[list[object]]:
