@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from guideloom_pipes.loader.sampler_order import check_header
+from guideloom_pipes.pipes.iterable import IterableReads
 from guideloom_pipes.pipes.workers.iteration import WorkerRecord
 
 if TYPE_CHECKING:
@@ -75,6 +76,27 @@ class IterableOrder:
             "workers": [record.as_dict() for record in records],
             "turn": turn,
         }
+
+    def state_of(self, loader: DataLoader[Any], iterator: Any) -> dict[str, Any]:
+        """The loader's state: each worker's record as of its last batch delivered by the
+        active ``iterator`` (None: none is), and whose turn is next."""
+        if iterator is None and loader._resume is not None:
+            return dict(loader._resume)  # (what the next iter() resumes from)
+        if iterator is None:
+            epoch, offset = loader._position.epoch, loader._position.offset
+            state = self.state(loader, epoch, offset, None, 0)
+        else:
+            reads = iterator.source
+            assert isinstance(reads, IterableReads)
+            epoch, offset = iterator._epoch, iterator._position()
+            if offset and all(record.ended for record in reads.records):
+                # every pass has ended: the state is the next epoch's start
+                epoch, offset = epoch + 1, 0
+                state = self.state(loader, epoch, offset, None, 0)
+            else:
+                state = self.state(loader, epoch, offset, reads.records, reads.turn)
+        state.update(loader._draws(offset))
+        return state
 
     def check_state(self, loader: DataLoader[Any], state: Mapping[str, Any]) -> None:
         """Refuse a state that is not of this order, or of another number of workers."""

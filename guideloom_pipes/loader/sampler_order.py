@@ -247,3 +247,40 @@ class SamplerOrder:
                 f"loader's epoch ({length} batches): the state belongs to another dataset, "
                 "sampler or batch size"
             )
+
+
+def replay_pass(
+    loader: DataLoader[Any],
+    sampler: Any,
+    start: EpochStart,
+    resume: Mapping[str, Any],
+    offset: int,
+) -> Iterator[Any]:
+    """The rest of a saved epoch's pass: what it drew from its start drawn again, and
+    the ``offset`` items delivered skipped, at the first ``next()`` (where torch's
+    sampler starts its pass: a ``set_epoch()`` made after ``iter()``, as Lightning
+    makes it, counts); torch's global generator goes back to the caller's state."""
+    caller = torch.default_generator.get_state()
+    start.restore(loader, default=True)
+    epochs, saved_epoch = epoch_sampler(sampler), resume.get("sampler_epoch")
+    if epochs is not None and isinstance(saved_epoch, int) and epochs.epoch != saved_epoch:
+        # the pass is drawn as it was, whenever the trainer calls set_epoch (Lightning
+        # asks for a resumed loader's first batch before it does)
+        epochs.set_epoch(saved_epoch)
+    try:
+        items = iter(sampler)
+        if resume.get("drew_base_seed"):
+            loader._draw_base_seed()
+        for skipped in range(offset):
+            try:
+                next(items)
+            except StopIteration:
+                raise ValueError(
+                    f"the state's position ({offset} batches into epoch "
+                    f"{resume['epoch']}) is past the end of this sampler's pass "
+                    f"({skipped} batches): the state belongs to another dataset, "
+                    "sampler or batch size"
+                ) from None
+    finally:
+        torch.default_generator.set_state(caller)
+    yield from items

@@ -26,16 +26,16 @@ from torchdata.nodes import BaseNode
 
 from guideloom_pipes.loader.checkpoint import Position
 from guideloom_pipes.loader.iterable_order import IterableOrder
-from guideloom_pipes.loader.iterator import LoaderIterator
 from guideloom_pipes.loader.sampler_order import (
     KIND,
     VERSION,
     EpochStart,
     SamplerBatches,
     SamplerOrder,
-    epoch_sampler,
+    replay_pass,
 )
 from guideloom_pipes.loader.settings import LoaderSettings
+from guideloom_pipes.loader.torch_iterator import TorchLoaderIterator, Unbatched
 from guideloom_pipes.pipes import PinMemory, ReadSamples, default_collate
 from guideloom_pipes.pipes.iterable import IterableReads
 from guideloom_pipes.pipes.workers.iteration import is_stateful
@@ -44,78 +44,6 @@ from guideloom_pipes.pipes.workers.processes import ProcessPool
 __all__ = ["DataLoader"]
 
 T_co = TypeVar("T_co", covariant=True)
-
-
-class Unbatched:
-    """``batch_size=None``'s collate: each step reads one sample, given to ``collate_fn``
-    alone (torch's ``default_convert`` by default), as torch does."""
-
-    def __init__(self, collate_fn: Callable[[Any], Any]) -> None:
-        self.collate_fn = collate_fn
-
-    def __call__(self, samples: list[Any]) -> Any:
-        return self.collate_fn(samples[0])
-
-
-class _Iterator(LoaderIterator):
-    """An epoch of a :class:`DataLoader`: a :class:`LoaderIterator` that also stops the
-    epoch's own worker processes when it ends (``persistent_workers=False``)."""
-
-    def __init__(
-        self,
-        loader: Any,
-        root: BaseNode[Any],
-        epoch: int,
-        offset: int,
-        source: SamplerBatches | IterableReads,
-        pool: ProcessPool | None,
-    ) -> None:
-        self.source = source
-        self._own_pool = pool
-        try:
-            super().__init__(loader, root, epoch, offset)
-        except BaseException:
-            if pool is not None:
-                pool.close()
-            raise
-
-    def __next__(self) -> Any:
-        batch = super().__next__()
-        loader: Any = self._loader
-        promised = loader._IterableDataset_len_called
-        if promised is not None and loader._iterable:
-            yielded = self._position()
-            if yielded > promised:
-                message = (
-                    f"Length of IterableDataset {loader.dataset} was reported to be "
-                    f"{promised}(when accessing len(dataloader)), but {yielded} samples have "
-                    "been fetched. "
-                )
-                if loader.num_workers > 0:
-                    message += (
-                        "For multiprocessing data-loading, this could be caused by not "
-                        "properly configuring the IterableDataset replica at each worker. "
-                        "Please see https://pytorch.org/docs/stable/data.html#torch.utils."
-                        "data.IterableDataset for examples."
-                    )
-                warnings.warn(message, stacklevel=2)
-        return batch
-
-    def _finish(self, epoch: int, offset: int) -> None:
-        pool, self._own_pool = self._own_pool, None
-        loader: Any = self._loader
-        # Left mid-epoch (an error that is not a batch's own, a timeout): the next iter()
-        # resumes where this one stood, from its state as of the last batch delivered.
-        stays = offset and offset == self._position()
-        state = loader.state_dict() if stays else None
-        try:
-            super()._finish(epoch, offset)
-        finally:
-            if pool is not None:
-                pool.close()
-        if state is not None:
-            loader._position.move(state["epoch"], state["batches"], 1)
-            loader._resume = state
 
 
 class DataLoader(torch.utils.data.DataLoader[T_co]):
@@ -182,7 +110,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._epoch_start: EpochStart | None = None
         #: A loaded state, applied by the next ``iter()``.
         self._resume: Mapping[str, Any] | None = None
-        self._live: weakref.ref[_Iterator] | None = None
+        self._live: weakref.ref[TorchLoaderIterator] | None = None
         self._pool: ProcessPool | None = None  # persistent_workers' processes
         self._pool_finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -222,7 +150,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """Positions per step: 1 (a step is one item of the index sampler)."""
         return 1
 
-    def _active_iterator(self) -> _Iterator | None:
+    def _active_iterator(self) -> TorchLoaderIterator | None:
         iterator = self._live() if self._live is not None else None
         return iterator if iterator is not None and iterator._active else None
 
@@ -260,7 +188,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         pool = self._processes()
         root: BaseNode[Any] = self._read(source, pool)
         own = pool if pool is not None and not self.persistent_workers else None
-        iterator = _Iterator(self, root, epoch, offset, source, own)
+        iterator = TorchLoaderIterator(self, root, epoch, offset, source, own)
         self._live = weakref.ref(iterator)
         return iterator
 
@@ -290,7 +218,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self.pin_memory and torch.cuda.is_available():
             root = PinMemory(root)
         own = pool if pool is not None and not self.persistent_workers else None
-        iterator = _Iterator(self, root, epoch, offset, reads, own)
+        iterator = TorchLoaderIterator(self, root, epoch, offset, reads, own)
         self._live = weakref.ref(iterator)
         return iterator
 
@@ -314,7 +242,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._drew_base_seed = bool(resume.get("drew_base_seed"))
             self._epoch_start = start
             if replay:
-                return self._replay(sampler, start, resume, offset), stateful
+                return replay_pass(self, sampler, start, resume, offset), stateful
             caller = torch.default_generator.get_state()
             start.restore(self, default=True)
             try:
@@ -334,38 +262,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         else:
             self._drew_base_seed = False
         return items, stateful
-
-    def _replay(
-        self, sampler: Any, start: EpochStart, resume: Mapping[str, Any], offset: int
-    ) -> Iterator[Any]:
-        """The rest of a saved epoch's pass: what it drew from its start drawn again, and
-        the ``offset`` items delivered skipped, at the first ``next()`` (where torch's
-        sampler starts its pass: a ``set_epoch()`` made after ``iter()``, as Lightning
-        makes it, counts); torch's global generator goes back to the caller's state."""
-        caller = torch.default_generator.get_state()
-        start.restore(self, default=True)
-        epochs, saved_epoch = epoch_sampler(sampler), resume.get("sampler_epoch")
-        if epochs is not None and isinstance(saved_epoch, int) and epochs.epoch != saved_epoch:
-            # the pass is drawn as it was, whenever the trainer calls set_epoch (Lightning
-            # asks for a resumed loader's first batch before it does)
-            epochs.set_epoch(saved_epoch)
-        try:
-            items = iter(sampler)
-            if resume.get("drew_base_seed"):
-                self._draw_base_seed()
-            for skipped in range(offset):
-                try:
-                    next(items)
-                except StopIteration:
-                    raise ValueError(
-                        f"the state's position ({offset} batches into epoch "
-                        f"{resume['epoch']}) is past the end of this sampler's pass "
-                        f"({skipped} batches): the state belongs to another dataset, "
-                        "sampler or batch size"
-                    ) from None
-        finally:
-            torch.default_generator.set_state(caller)
-        yield from items
 
     def _draw_base_seed(self) -> int:
         """torch's draw of an iterator's base seed (from ``generator``, else the global one)."""
@@ -458,7 +354,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         draws started from (``docs/torch-dataloader.md``, "Checkpoints")."""
         iterator = self._active_iterator()
         if self._iterable:
-            return self._iterable_state(iterator)
+            order = self._order
+            assert isinstance(order, IterableOrder)
+            return order.state_of(self, iterator)
         sampler_state = None
         sampler_epoch = None
         if iterator is not None:
@@ -504,29 +402,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             "drew_base_seed": self._drew_base_seed,
             "generators": start.state(),
         }
-
-    def _iterable_state(self, iterator: _Iterator | None) -> dict[str, Any]:
-        """An IterableDataset's state: each worker's record as of its last batch
-        delivered, and whose turn is next."""
-        order = self._order
-        assert isinstance(order, IterableOrder)
-        if iterator is None and self._resume is not None:
-            return dict(self._resume)  # (what the next iter() resumes from)
-        if iterator is None:
-            epoch, offset = self._position.epoch, self._position.offset
-            state = order.state(self, epoch, offset, None, 0)
-        else:
-            reads = iterator.source
-            assert isinstance(reads, IterableReads)
-            epoch, offset = iterator._epoch, iterator._position()
-            if offset and all(record.ended for record in reads.records):
-                # every pass has ended: the state is the next epoch's start
-                epoch, offset = epoch + 1, 0
-                state = order.state(self, epoch, offset, None, 0)
-            else:
-                state = order.state(self, epoch, offset, reads.records, reads.turn)
-        state.update(self._draws(offset))
-        return state
 
     _loaded_sampler_state: Any = None
     _loaded_sampler_epoch: int | None = None

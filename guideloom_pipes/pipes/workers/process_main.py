@@ -268,6 +268,28 @@ def _receive_jobs(conn: Any, jobs: queue.SimpleQueue[bytes | None]) -> None:
         jobs.put(None)  # the parent closed its end (or is gone)
 
 
+def _end_at_sigterm() -> None:
+    """A forked worker inherits the parent's Python signal handlers: a trainer's SIGTERM
+    handler (Lightning's notes the signal and goes on) would keep it alive through the
+    pool's terminate() until the SIGKILL after it. A worker ends at SIGTERM."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _answer_iteration(
+    conn: Any, ring: ResultRing | None, state: _ProcessWorkerState, job_id: int, request: Any
+) -> None:
+    """Answer an :class:`IterateRequest`: the next batch of the worker's pass."""
+    started = time.perf_counter()
+    try:
+        outcomes = state.iterate(request)
+    except BaseException as error:  # (a failure to start the pass; user code's Ctrl-C)
+        outcomes = [Failed(error)]
+    data, places = _dump_outcomes(outcomes, ring)
+    elapsed = time.perf_counter() - started
+    conn.send_bytes(pickle.dumps((job_id, elapsed, places, data), protocol=5))
+
+
 def _process_worker(
     dataset: Any,
     collate_fn: Callable[..., Any] | None,
@@ -288,11 +310,7 @@ def _process_worker(
     exits. A thread of the worker reads the jobs (see :func:`_receive_jobs`). The worker ends
     when the parent closes its end of ``conn`` (or terminates it).
     """
-    # A forked worker inherits the parent's Python signal handlers: a trainer's SIGTERM
-    # handler (Lightning's notes the signal and goes on) would keep it alive through the
-    # pool's terminate() until the SIGKILL after it. A worker ends at SIGTERM.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _end_at_sigterm()
     ring = None
     state = _ProcessWorkerState(setup)
     # held for the worker's life: its batches' small objects reuse this memory (a worker
@@ -317,15 +335,7 @@ def _process_worker(
                 return
             job_id, packed, extra = pickle.loads(message)
             if packed == ITERATE:
-                started = time.perf_counter()
-                try:
-                    outcomes = state.iterate(extra)
-                except BaseException as error:  # (as below)
-                    outcomes = [Failed(error)]
-                data, places = _dump_outcomes(outcomes, ring)
-                elapsed = time.perf_counter() - started
-                conn.send_bytes(pickle.dumps((job_id, elapsed, places, data), protocol=5))
-                del outcomes, data
+                _answer_iteration(conn, ring, state, job_id, extra)
                 continue
             if packed is None:  # a new copy of the dataset
                 try:
