@@ -1,5 +1,5 @@
 """The loader as torch code uses it: errors in one batch, attributes, torchdata's keywords,
-torch's warnings (docs/torch-dataloader.md)."""
+torch's warnings (docs/stateful-dataloader.md)."""
 
 from __future__ import annotations
 
