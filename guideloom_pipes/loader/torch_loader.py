@@ -24,6 +24,7 @@ import torch.utils.data
 from torch.utils.data._utils.collate import default_collate as torch_default_collate
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.checks import check_int
 from guideloom_pipes.loader.checkpoint import Position
 from guideloom_pipes.loader.iterable_order import IterableOrder
 from guideloom_pipes.loader.sampler_order import (
@@ -77,6 +78,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         persistent_workers: bool = False,
         pin_memory_device: str = "",
         in_order: bool = True,
+        snapshot_every_n_steps: int | None = 1,
     ) -> None:
         super().__init__(
             dataset,
@@ -97,6 +99,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        check_int("snapshot_every_n_steps", snapshot_every_n_steps, minimum=1, allow_none=True)
+        #: torchdata's ``StatefulDataLoader`` keyword, taken so its callers run unchanged:
+        #: ``state_dict()`` is exact after every batch whatever it says.
+        self.snapshot_every_n_steps = snapshot_every_n_steps
         #: An IterableDataset: each worker's own pass, not indices from a sampler.
         self._iterable = self._dataset_kind == torch.utils.data.dataloader._DatasetKind.Iterable
         self._order: SamplerOrder | IterableOrder = (

@@ -269,3 +269,14 @@ def test_worker_processes_end_at_sigterm_whatever_handler_the_trainer_set(
     finally:
         signal.signal(signal.SIGTERM, before)
     assert not noted.exists(), noted.read_text()
+
+
+def test_torchdatas_snapshot_every_n_steps_is_taken_and_the_state_stays_exact() -> None:
+    # (torchdata's StatefulDataLoader's keyword: its callers run unchanged)
+    loader = DataLoader(list(range(6)), batch_size=2, snapshot_every_n_steps=5)
+    assert loader.snapshot_every_n_steps == 5
+    iterator = iter(loader)
+    next(iterator)
+    assert loader.state_dict()["batches"] == 1
+    with pytest.raises(ValueError, match="snapshot_every_n_steps"):
+        DataLoader(list(range(6)), snapshot_every_n_steps=0)
