@@ -78,12 +78,18 @@ class TorchLoaderIterator(LoaderIterator):
         # Left mid-epoch (an error that is not a batch's own, a timeout): the next iter()
         # resumes where this one stood, from its state as of the last batch delivered.
         stays = offset and offset == self._position()
-        state = loader.state_dict() if stays else None
+        # Left early (a loop's break, close()): the next iter() starts the epoch over, as
+        # torch's does, but state_dict() still says what was delivered (torchdata's: a
+        # state taken after the loop resumes there when loaded).
+        left = not offset and epoch == self._epoch and self._position() > 0
+        state = loader.state_dict() if stays or left else None
         try:
             super()._finish(epoch, offset)
         finally:
             if pool is not None:
                 pool.close()
-        if state is not None:
+        if stays and state is not None:
             loader._position.move(state["epoch"], state["batches"], 1)
             loader._resume = state
+        elif left:
+            loader._left_state = state

@@ -116,6 +116,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._epoch_start: EpochStart | None = None
         #: A loaded state, applied by the next ``iter()``.
         self._resume: Mapping[str, Any] | None = None
+        #: The state as of the last batch of an iterator left early (state_dict() after a
+        #: loop's break), until the next iter() or load_state_dict().
+        self._left_state: dict[str, Any] | None = None
         self._live: weakref.ref[TorchLoaderIterator] | None = None
         self._pool: ProcessPool | None = None  # persistent_workers' processes
         self._pool_finalizer: weakref.finalize[Any, Any] | None = None
@@ -179,6 +182,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 "device pinned memory won't be used.",
                 stacklevel=2,
             )
+        self._left_state = None
         here = self._position
         resume, self._resume = self._resume, None
         epoch, offset = here.epoch, here.offset
@@ -359,6 +363,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         """What was delivered: the epoch, the batches delivered in it, and what the epoch's
         draws started from (``docs/torch-dataloader.md``, "Checkpoints")."""
         iterator = self._active_iterator()
+        if iterator is None and self._left_state is not None:
+            return dict(self._left_state)
         if self._iterable:
             order = self._order
             assert isinstance(order, IterableOrder)
@@ -423,6 +429,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         iterator = self._active_iterator()
         if iterator is not None:
             iterator.close()
+        self._left_state = None
         state = dict(state_dict)
         self._position.move(state["epoch"], state["batches"], 1)
         self._resume = state

@@ -322,3 +322,34 @@ def test_after_a_worker_dies_the_next_iter_goes_on_with_the_batch_it_lost(
         warnings.simplefilter("ignore", RuntimeWarning)  # (a new worker replaces the dead)
         got += [plain(batch) for batch in loader]
     assert got == whole  # (an iterable's worker passes go on from their records)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+def test_a_state_taken_after_a_loops_break_is_the_one_at_its_last_batch(
+    kind: str, workers: int
+) -> None:
+    # (as torchdata's loader: a loop that breaks, then checkpoints; the next iter() still
+    # starts the epoch over, as torch's does)
+    def make() -> Any:
+        if kind == "map-style":
+            return DataLoader(list(range(12)), batch_size=2, shuffle=True, num_workers=workers)
+        return DataLoader(Uneven(12, draws=False), batch_size=2, num_workers=workers)
+
+    seed_all()
+    loader = make()
+    whole = [plain(batch) for batch in loader]
+    got = []
+    for batch in loader:
+        got.append(plain(batch))
+        if len(got) == 2:
+            inside = loader.state_dict()
+            break
+    after = loader.state_dict()
+    assert after["batches"] == inside["batches"] == 2
+    assert after["epoch"] == inside["epoch"] == 1
+    resumed = make()
+    resumed.load_state_dict(after)
+    assert len(got) + len([plain(batch) for batch in resumed]) == len(whole)
+    again = [plain(batch) for batch in loader]  # (a new pass of that epoch, from its start)
+    assert len(again) == len(whole)
