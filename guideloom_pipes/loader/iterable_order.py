@@ -93,8 +93,11 @@ class IterableOrder:
                 # every pass has ended: the state is the next epoch's start
                 epoch, offset = epoch + 1, 0
                 state = self.state(loader, epoch, offset, None, 0)
-            else:
-                state = self.state(loader, epoch, offset, reads.records, reads.turn)
+                state.update(loader._draws(offset))
+                return state
+            state = self.state(loader, epoch, offset, reads.records, reads.turn)
+            state.update(loader._draws(offset, started=offset == 0))
+            return state
         state.update(loader._draws(offset))
         return state
 

@@ -192,6 +192,11 @@ def check_header(
             f"state_dict['version'] = {state.get('version')!r}: this release reads "
             f"version {version} of these DataLoader states"
         )
+    if not isinstance(state.get("started", False), bool):
+        raise ValueError(
+            f"state_dict['started'] = {state.get('started')!r} must be a bool: the state was "
+            "changed, or is not a DataLoader state"
+        )
     for key in counts:
         value = state.get(key)
         if type(value) is not int or value < 0:
@@ -281,6 +286,16 @@ def replay_pass(
                     f"({skipped} batches): the state belongs to another dataset, "
                     "sampler or batch size"
                 ) from None
+        # the next item too: a sampler draws its pass's seed at its first item, and it
+        # must come from the saved start (offset 0: nothing was skipped to draw it)
+        following = next(items, _END)
     finally:
         torch.default_generator.set_state(caller)
+    if following is _END:
+        return
+    yield following
     yield from items
+
+
+#: The end of a sampler's pass (``next(items, _END)``).
+_END = object()

@@ -246,7 +246,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             sampler.load_state_dict(resume["sampler_state"])
             self.base_seed, self._drew_base_seed = resume["base_seed"], False
             return iter(sampler), True
-        if resume is not None and offset:
+        if resume is not None and (offset or resume.get("started")):
+            # (mid-epoch, or at the start of a pass already drawn: the same draws again)
             start = EpochStart.of_state(resume["generators"], self)
             self.base_seed = resume["base_seed"]
             self._drew_base_seed = bool(resume.get("drew_base_seed"))
@@ -371,8 +372,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return order.state_of(self, iterator)
         sampler_state = None
         sampler_epoch = None
+        started = False
         if iterator is not None:
             epoch, offset = iterator._epoch, iterator._position()
+            started = offset == 0
             source = iterator.source
             assert isinstance(source, SamplerBatches)
             sampler_epoch = source.pass_epoch if source.drawn else self._loaded_sampler_epoch
@@ -389,30 +392,27 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             if self._resume is not None:
                 sampler_state = self._resume.get("sampler_state")
                 sampler_epoch = self._resume.get("sampler_epoch")
-        start = self._epoch_start
-        if offset == 0 or start is None:
-            start = EpochStart.now(self)
         return {
             "kind": KIND,
             "version": VERSION,
             "epoch": epoch,
             "batches": offset,
-            "base_seed": self.base_seed,
-            "drew_base_seed": self._drew_base_seed,
-            "generators": start.state(),
+            **self._draws(offset, started),
             "sampler_state": sampler_state,
-            "sampler_epoch": sampler_epoch if offset else None,
+            "sampler_epoch": sampler_epoch if offset or started else None,
         }
 
-    def _draws(self, offset: int) -> dict[str, Any]:
-        """The state's keys of what the epoch's draws started from."""
+    def _draws(self, offset: int, started: bool = False) -> dict[str, Any]:
+        """The state's keys of what the epoch's draws started from; ``started``: an
+        iterator has started the epoch (its draws are made) and delivered nothing yet."""
         start = self._epoch_start
-        if offset == 0 or start is None:
+        if (offset == 0 and not started) or start is None:
             start = EpochStart.now(self)
         return {
             "base_seed": self.base_seed,
             "drew_base_seed": self._drew_base_seed,
             "generators": start.state(),
+            "started": started,
         }
 
     _loaded_sampler_state: Any = None

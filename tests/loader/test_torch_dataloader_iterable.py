@@ -15,6 +15,7 @@ pytest.importorskip("torch")
 
 import torch
 import torch.utils.data as tud
+from random_helpers import Draws
 from torch_loader_helpers import (
     Counted,
     DiesOnce,
@@ -353,3 +354,30 @@ def test_a_state_taken_after_a_loops_break_is_the_one_at_its_last_batch(
     assert len(got) + len([plain(batch) for batch in resumed]) == len(whole)
     again = [plain(batch) for batch in loader]  # (a new pass of that epoch, from its start)
     assert len(again) == len(whole)
+
+
+@pytest.mark.parametrize(
+    ("kind", "workers"), [("map-style", 0), ("map-style", 2), ("iterable", 0), ("iterable", 2)]
+)
+def test_a_state_taken_before_a_started_passs_first_batch_repeats_its_draws(
+    kind: str, workers: int
+) -> None:
+    # (torchdata's order of calls: iter(), state_dict(), the batches; the state holds the
+    # pass's own base seed and draws, not the next ones)
+    def make() -> Any:
+        draws = workers > 0  # (inline, draws come from the caller's global generator)
+        if kind == "map-style":
+            dataset = Draws(10) if draws else list(range(10))
+            return DataLoader(dataset, batch_size=3, shuffle=True, num_workers=workers)
+        return DataLoader(Uneven(10, draws=draws), batch_size=3, num_workers=workers)
+
+    seed_all()
+    loader = make()
+    iterator = iter(loader)
+    state = loader.state_dict()
+    assert state["started"] and state["batches"] == 0
+    expected = [plain(batch) for batch in iterator]
+    seed_all(99)
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert [plain(batch) for batch in resumed] == expected
