@@ -430,6 +430,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if iterator is not None:
             iterator.close()
         self._left_state = None
+        # persistent workers were seeded from this run's base seed: the next iter() starts
+        # new ones, seeded from the state's, as the saved run's were
+        self._stop_processes()
         state = dict(state_dict)
         self._position.move(state["epoch"], state["batches"], 1)
         self._resume = state

@@ -381,3 +381,21 @@ def test_a_state_taken_before_a_started_passs_first_batch_repeats_its_draws(
     resumed = make()
     resumed.load_state_dict(state)
     assert [plain(batch) for batch in resumed] == expected
+
+
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+def test_a_state_loaded_into_a_loader_with_persistent_workers_reseeds_them(kind: str) -> None:
+    # (its workers were seeded from its own run's base seed; the state's run had another)
+    def make() -> Any:
+        options = {"batch_size": 3, "num_workers": 2, "persistent_workers": True}
+        if kind == "map-style":
+            return DataLoader(Draws(10), shuffle=True, **options)
+        return DataLoader(Uneven(10), **options)
+
+    seed_all()
+    loader = make()
+    iterator = iter(loader)
+    state = loader.state_dict()
+    expected = [plain(batch) for batch in iterator]
+    loader.load_state_dict(state)  # (the same loader: its workers have drawn since)
+    assert [plain(batch) for batch in loader] == expected
