@@ -20,7 +20,7 @@ from guideloom_pipes.pipes.shuffle import state_marks
 from guideloom_pipes.pipes.worker_info import _thread_info
 from guideloom_pipes.pipes.workers.jobs import WorkerJobs
 from guideloom_pipes.pipes.workers.schedule import INLINE_SAMPLE, ReadSchedule
-from guideloom_pipes.pipes.workers.tasks import Deferred, Failed, ReadTask, RemoteTraceback
+from guideloom_pipes.pipes.workers.tasks import Deferred, Failed, ReadTask
 from guideloom_pipes.pipes.workers.threads import seconds_text, together_text
 
 __all__ = ["Delivery", "SourceBatches", "failed_batch_error"]
@@ -34,9 +34,7 @@ def failed_batch_error(failed: Failed) -> BaseException:
     error``): a frame of the stage that still held it would make a cycle (error ->
     traceback -> that frame -> error) that keeps the stage, its iterator and its worker
     threads alive until the garbage collector runs, after a loop that stopped at it."""
-    error = failed.error
-    if failed.remote is not None:
-        error.__cause__ = RemoteTraceback(failed.remote)
+    error = failed.raised()
     mark_batch_failure(error)
     return error
 

@@ -27,7 +27,7 @@ from guideloom_pipes.pipes.errors import mark_batch_failure
 from guideloom_pipes.pipes.workers.iteration import DatasetIteration, IterationStep, WorkerRecord
 from guideloom_pipes.pipes.workers.process_main import IterateRequest
 from guideloom_pipes.pipes.workers.processes import ProcessPool
-from guideloom_pipes.pipes.workers.tasks import Failed, RemoteTraceback
+from guideloom_pipes.pipes.workers.tasks import Failed
 
 __all__ = ["IterableReads"]
 
@@ -150,9 +150,7 @@ class IterableReads(BaseNode[Any]):
                     self._fill()
                     error = failed_batch_error(step)
                 else:  # the pass could not start (a bad state, iter() raised): it ends here
-                    error = step.error
-                    if step.remote is not None:
-                        error.__cause__ = RemoteTraceback(step.remote)
+                    error = step.raised()
                 try:
                     raise error
                 finally:

@@ -155,9 +155,7 @@ class DatasetIteration:
             self.record = WorkerRecord(
                 self.record.yielded + len(samples), *self._states(), ended=ended
             )
-        if not samples or (ended and self._drop_last):
-            self._iterator = None
-            self.record = replace(self.record, ended=True)
+        if not samples or (ended and self._drop_last):  # (ended: the record says so)
             return IterationStep(None, self.record)
         data: Any = samples[0] if self._batch_size is None else samples
         if self._collate is not None:

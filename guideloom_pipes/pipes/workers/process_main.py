@@ -105,10 +105,14 @@ class _ProcessWorkerState:
             )
         self.task = ReadTask.of_reader(reader, collate_fn, seeding="globals")
 
-    def run(self, batches: list[Ids], seeds: list[int] | None) -> list[Any]:
+    def _tell_torch(self) -> None:
+        """Tell torch who this worker is if torch was imported since the start (by the
+        dataset's first read)."""
         if not self.info_set and self.setup is not None:
-            # torch imported since the start (by the dataset's first read): tell it now
             self.info_set = _set_torch_worker_info(self.setup, self.dataset)
+
+    def run(self, batches: list[Ids], seeds: list[int] | None) -> list[Any]:
+        self._tell_torch()
         assert self.task is not None
         return self.task.run((batches, seeds))
 
@@ -118,8 +122,7 @@ class _ProcessWorkerState:
 
         Answers ``[IterationStep]``; ``[Failed, record]`` where reading or collating the batch
         raised (a failure of that batch alone); a failure to start the pass is raised."""
-        if not self.info_set and self.setup is not None:
-            self.info_set = _set_torch_worker_info(self.setup, self.dataset)
+        self._tell_torch()
         if self.iteration is None or self.iteration_token != request.token:
             if request.start is None:
                 raise RuntimeError(
@@ -276,6 +279,16 @@ def _end_at_sigterm() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+def _answer(
+    conn: Any, ring: ResultRing | None, job_id: int, started: float, outcomes: list[Any]
+) -> None:
+    """Send a job's answer: the seconds since ``started`` and its outcomes (see
+    :func:`_process_worker`)."""
+    elapsed = time.perf_counter() - started
+    data, places = _dump_outcomes(outcomes, ring)
+    conn.send_bytes(pickle.dumps((job_id, elapsed, places, data), protocol=5))
+
+
 def _answer_iteration(
     conn: Any, ring: ResultRing | None, state: _ProcessWorkerState, job_id: int, request: Any
 ) -> None:
@@ -285,9 +298,7 @@ def _answer_iteration(
         outcomes = state.iterate(request)
     except BaseException as error:  # (a failure to start the pass; user code's Ctrl-C)
         outcomes = [Failed(error)]
-    data, places = _dump_outcomes(outcomes, ring)
-    elapsed = time.perf_counter() - started
-    conn.send_bytes(pickle.dumps((job_id, elapsed, places, data), protocol=5))
+    _answer(conn, ring, job_id, started, outcomes)
 
 
 def _process_worker(
@@ -353,10 +364,8 @@ def _process_worker(
                 outcomes = state.run(batches, extra)
             except BaseException as error:  # a KeyboardInterrupt or SystemExit of user code
                 outcomes = [Failed(error)] * len(batches)
-            elapsed = time.perf_counter() - started
-            data, places = _dump_outcomes(outcomes, ring)
-            conn.send_bytes(pickle.dumps((job_id, elapsed, places, data), protocol=5))
-            del outcomes, data
+            _answer(conn, ring, job_id, started, outcomes)
+            del outcomes
     except (KeyboardInterrupt, BrokenPipeError, ConnectionResetError):
         return  # interrupted, or the parent is gone
     finally:

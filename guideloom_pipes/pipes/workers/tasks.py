@@ -48,6 +48,14 @@ class Failed:
             )
         return (Failed, (self.error, remote))
 
+    def raised(self) -> BaseException:
+        """The error to raise, with the worker's traceback as its cause where it came from
+        a worker process."""
+        error = self.error
+        if self.remote is not None:
+            error.__cause__ = RemoteTraceback(self.remote)
+        return error
+
 
 class RemoteTraceback(Exception):
     """The cause attached to an error re-raised from a worker process: its traceback there."""
