@@ -82,23 +82,20 @@ class IterableOrder:
         active ``iterator`` (None: none is), and whose turn is next."""
         if iterator is None and loader._resume is not None:
             return dict(loader._resume)  # (what the next iter() resumes from)
+        records: list[WorkerRecord] | None = None
+        turn, started = 0, False
         if iterator is None:
             epoch, offset = loader._position.epoch, loader._position.offset
-            state = self.state(loader, epoch, offset, None, 0)
         else:
             reads = iterator.source
             assert isinstance(reads, IterableReads)
             epoch, offset = iterator._epoch, iterator._position()
             if offset and all(record.ended for record in reads.records):
-                # every pass has ended: the state is the next epoch's start
-                epoch, offset = epoch + 1, 0
-                state = self.state(loader, epoch, offset, None, 0)
-                state.update(loader._draws(offset))
-                return state
-            state = self.state(loader, epoch, offset, reads.records, reads.turn)
-            state.update(loader._draws(offset, started=offset == 0))
-            return state
-        state.update(loader._draws(offset))
+                epoch, offset = epoch + 1, 0  # every pass has ended: the next epoch's start
+            else:
+                records, turn, started = reads.records, reads.turn, offset == 0
+        state = self.state(loader, epoch, offset, records, turn)
+        state.update(loader._draws(offset, started))
         return state
 
     def check_state(self, loader: DataLoader[Any], state: Mapping[str, Any]) -> None:

@@ -196,11 +196,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             keep_states=source_states,
         )
         pool = self._processes()
-        root: BaseNode[Any] = self._read(source, pool)
-        own = pool if pool is not None and not self.persistent_workers else None
-        iterator = TorchLoaderIterator(self, root, epoch, offset, source, own)
-        self._live = weakref.ref(iterator)
-        return iterator
+        return self._deliver(self._read(source, pool), epoch, offset, source, pool)
 
     def _iter_iterable(
         self, resume: Mapping[str, Any] | None, epoch: int, offset: int
@@ -210,8 +206,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._start_epoch(resume, offset, replay=False)
         order = self._order
         assert isinstance(order, IterableOrder)
-        records = order.records(self, resume) if resume is not None and offset else None
-        turn = resume["turn"] if resume is not None and offset else 0
+        records, turn = None, 0
+        if resume is not None and offset:
+            records, turn = order.records(self, resume), resume["turn"]
         pool = self._processes()
         reads = IterableReads(
             self.dataset,
@@ -224,11 +221,22 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             records=records,
             turn=turn,
         )
-        root: BaseNode[Any] = reads
+        return self._deliver(reads, epoch, offset, reads, pool)
+
+    def _deliver(
+        self,
+        node: BaseNode[Any],
+        epoch: int,
+        offset: int,
+        source: SamplerBatches | IterableReads,
+        pool: ProcessPool | None,
+    ) -> TorchLoaderIterator:
+        """The epoch's iterator over ``node`` (pinned where CUDA is and ``pin_memory``),
+        owning ``pool`` unless the workers persist; the loader's live iterator."""
         if self.pin_memory and torch.cuda.is_available():
-            root = PinMemory(root)
+            node = PinMemory(node)
         own = pool if pool is not None and not self.persistent_workers else None
-        iterator = TorchLoaderIterator(self, root, epoch, offset, reads, own)
+        iterator = TorchLoaderIterator(self, node, epoch, offset, source, own)
         self._live = weakref.ref(iterator)
         return iterator
 
@@ -330,26 +338,21 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _read(self, source: SamplerBatches, pool: ProcessPool | None) -> BaseNode[Any]:
         workers = self.num_workers
-        node: BaseNode[Any]
         if workers == 0:
-            node = ReadSamples(source, self.dataset, collate_fn=self._collate())
-        else:
-            node = ReadSamples(
-                source,
-                self.dataset,
-                num_workers=workers,
-                method="process",
-                collate_fn=self._collate(),
-                max_in_flight=(self.prefetch_factor or 2) * workers,
-                timeout=float(self.timeout) or None,
-                chunk_seconds=0,
-                base_seed=self.base_seed,
-                worker_init_fn=self.worker_init_fn,
-                process_pool=pool,
-            )
-        if self.pin_memory and torch.cuda.is_available():
-            node = PinMemory(node)
-        return node
+            return ReadSamples(source, self.dataset, collate_fn=self._collate())
+        return ReadSamples(
+            source,
+            self.dataset,
+            num_workers=workers,
+            method="process",
+            collate_fn=self._collate(),
+            max_in_flight=(self.prefetch_factor or 2) * workers,
+            timeout=float(self.timeout) or None,
+            chunk_seconds=0,
+            base_seed=self.base_seed,
+            worker_init_fn=self.worker_init_fn,
+            process_pool=pool,
+        )
 
     def close(self) -> None:
         """Stop the active iterator and the persistent worker processes."""
