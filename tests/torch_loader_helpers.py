@@ -232,3 +232,12 @@ def stop_and_resume(
     for _ in range(state["epoch"], epochs):
         got += [plain(batch) for batch in loader]
     return got, state
+
+
+def with_generators(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``generator="seeded"`` made a new generator seeded 3 (one per run:
+    each loader draws from its own)."""
+    kw = dict(options)
+    if kw.get("generator") == "seeded":
+        kw["generator"] = torch.Generator().manual_seed(3)
+    return kw

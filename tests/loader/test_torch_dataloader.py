@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 import torch
 import torch.utils.data as tud
 from random_helpers import Draws
-from torch_loader_helpers import NoteSigterm, stop_and_resume
+from torch_loader_helpers import NoteSigterm, stop_and_resume, with_generators
 from torch_loader_helpers import plain as _plain
 from torch_loader_helpers import seed_all as _seed_all
 
@@ -60,10 +60,7 @@ def test_batches_and_draws_equal_torchs_with_the_same_arguments(
     workers: int, options: dict[str, Any]
 ) -> None:
     def run(cls: type) -> list[Any]:
-        kw = dict(options)
-        if kw.get("generator") == "seeded":
-            kw["generator"] = torch.Generator().manual_seed(3)
-        return _run(cls, make=_draws, num_workers=workers, **kw)
+        return _run(cls, make=_draws, num_workers=workers, **with_generators(options))
 
     assert run(DataLoader) == run(tud.DataLoader)
 

@@ -27,6 +27,7 @@ from torch_loader_helpers import (
     seed_all,
     seed_random_by_worker,
     stop_and_resume,
+    with_generators,
 )
 
 from guideloom_pipes import DataLoader
@@ -76,10 +77,7 @@ def test_batches_and_draws_equal_torchs_with_the_same_arguments(
     workers: int, options: dict[str, Any]
 ) -> None:
     def run(cls: type) -> list[Any]:
-        kw = dict(options)
-        if kw.get("generator") == "seeded":
-            kw["generator"] = torch.Generator().manual_seed(3)
-        return _run(cls, Uneven(17), num_workers=workers, **kw)
+        return _run(cls, Uneven(17), num_workers=workers, **with_generators(options))
 
     ours = run(DataLoader)
     assert ours == run(tud.DataLoader)
