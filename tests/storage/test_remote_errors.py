@@ -331,7 +331,13 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[S3Server, dic
             "Version": "2012-10-17",
             "Statement": [
                 {"Effect": "Allow", "Action": "s3:*", "Resource": "*"},
-                {"Effect": "Deny", "Action": "s3:ListBucket", "Resource": "*"},
+                # IAM's action for a listing is s3:ListBucket; moto 5.2.6 and later check
+                # the request's operation name instead (ListObjectsV2): deny both
+                {
+                    "Effect": "Deny",
+                    "Action": ["s3:ListBucket", "s3:ListObjects", "s3:ListObjectsV2"],
+                    "Resource": "*",
+                },
             ],
         }
         iam.put_user_policy(
