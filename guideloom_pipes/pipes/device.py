@@ -184,14 +184,22 @@ class _Puller:
                     if not is_batch_failure(error):
                         raise
                     # One batch failed: hand its error over in its place and go on.
-                    out.put((_FAILED, error, source.state_dict()))
-                    continue
+                    item, kind = error, _FAILED
+                else:
+                    kind = _ITEM
                 finally:
                     with lock:
                         self.busy = False
-                out.put((_ITEM, item, source.state_dict()))
+                # Handed over with no name left bound to it here, so that this thread (about
+                # to wait for a slot) holds neither the batch nor an error, whose traceback,
+                # once raised, holds the caller's frames.
+                handover = [(kind, item, source.state_dict())]
+                del item
+                out.put(handover.pop())
         except BaseException as error:
-            out.put((_ERROR, error, None))
+            handover = [(_ERROR, error, None)]
+            del error
+            out.put(handover.pop())
 
     def halt(self) -> bool:
         """Ask the loop to stop; whether it is pulling from ``source`` right now (it then

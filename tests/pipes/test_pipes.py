@@ -11,6 +11,7 @@ import threading
 import time
 import traceback
 import types
+import weakref
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -704,6 +705,24 @@ def _idle_pool(fn: Any, workers: int) -> ThreadPool:
     return pool
 
 
+class _Token:
+    """An object a weak reference can follow."""
+
+
+def test_a_worker_thread_keeps_no_reference_to_a_job_it_finished():
+    """A finished job's result (a batch, or a failed batch's error, whose traceback once
+    raised holds the caller's frames and through them the loader's iterator) is the
+    caller's alone once it sees the job done: the worker let go of it under the same lock."""
+    pool = ThreadPool(lambda arg: _Token(), 1, caller_runs=False)
+    job = pool.submit(0)
+    result, _, _ = pool.result(job, 30)
+    gone = weakref.ref(result)
+    del result, job
+    assert gone() is None
+    pool.close()
+    assert threads_end() == []
+
+
 def test_a_pools_threads_start_with_its_first_job():
     pool = ThreadPool(lambda arg: threading.current_thread().name, 2, caller_runs=False)
     assert len(pool._threads) == 2
@@ -960,6 +979,38 @@ def test_prefetcher_reraises_source_exceptions_with_their_type():
     assert next(node) == [4, 5]  # a read error fails its batch alone
     assert node.state_dict()["source"]["source"]["observation_offset"] == 6
     node.close()
+    assert threads_end() == []
+
+
+def test_the_prefetch_thread_holds_no_batch_it_handed_over():
+    """While the thread pulls the next batch (here: blocked in it), the batch it handed over
+    is the caller's alone: a batch dropped by the caller is freed (and a failed batch's
+    error with the caller's frames in its traceback, so the loader's iterator with them)."""
+    second_pull = threading.Event()
+
+    class Tokens(tn.BaseNode):
+        def reset(self, initial_state=None):
+            super().reset(initial_state)
+            self.calls = 0
+
+        def next(self):
+            self.calls += 1
+            if self.calls == 2:
+                second_pull.wait(60)
+            return _Token()
+
+        def get_state(self):
+            return {}
+
+    node = Prefetcher(Tokens(), 1)
+    first = next(node)
+    gone = weakref.ref(first)
+    del first
+    try:
+        assert gone() is None
+    finally:
+        second_pull.set()
+        node.close()
     assert threads_end() == []
 
 

@@ -253,6 +253,10 @@ class ThreadPool:
                     orphan = self._stopping  # the pool was closed while it ran
                     if self._awaited is job:
                         self._finished.notify()
+                    # Let go of it before the caller can see it done: a result holding an
+                    # error (its traceback, once raised, holds the caller's frames) would
+                    # otherwise live on as long as this thread waits for its next job.
+                    job = None
                 while (not queue or self._running >= self._limit) and not self._stopping:
                     self._idle += 1
                     self._work.wait()
