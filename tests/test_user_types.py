@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+#: mypy on a user's script takes about 16 s on 2 cores (more than 10 s: slow)
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 
 USER_SCRIPT = """\
