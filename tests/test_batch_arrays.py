@@ -545,6 +545,48 @@ def test_a_mixture_with_a_component_without_arrays_reads_the_list(tmp_path: Path
         assert describe(got)["samples"] == describe(reader.read_batch(ids))["samples"]
 
 
+_ARRAY_SAMPLES = {
+    "int32 windows": [np.arange(i, i + 2048, dtype="<i4") for i in range(8)],
+    "uint16 windows": [np.arange(i, i + 16, dtype="<u2") for i in range(3)],
+    "bool masks": [np.arange(5) % (i + 2) == 0 for i in range(3)],
+    "float16 images": [np.full((2, 3), i, dtype=np.float16) for i in range(4)],
+    "complex": [np.array([1 + 2j, i]) for i in range(2)],
+    "0-d": [np.array(i, dtype=np.int64) for i in range(5)],
+    "read-only": [np.frombuffer(bytes(range(i, i + 4)), dtype=np.uint8) for i in range(3)],
+    "strided views": [np.arange(40, dtype=np.int64).reshape(4, 10)[:, i] for i in range(3)],
+    "memmap-like subclass": [np.arange(4).view(np.matrix) for _ in range(2)],
+    "mixed dtypes": [np.arange(3, dtype=np.int32), np.arange(3, dtype=np.int64)],
+    "dicts of arrays": [{"tokens": np.arange(4) + i, "mask": np.ones(4, "u1")} for i in range(3)],
+}
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+@pytest.mark.parametrize("name", list(_ARRAY_SAMPLES))
+def test_default_collate_of_numpy_samples_is_torch_default_collate(name: str) -> None:
+    """Samples of numpy arrays are stacked by numpy (one copy) into the tensor torch's
+    function makes: values, dtype and shape."""
+    samples = _ARRAY_SAMPLES[name]
+    assert _equal(default_collate(samples), torch_default_collate(samples))
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [np.arange(3), np.arange(4)],
+        [np.arange(3, dtype=">i4"), np.arange(3, dtype=">i4")],
+        [np.array(["a", "b"]), np.array(["c", "d"])],
+        [np.array([object(), None]), np.array([None, None])],
+    ],
+    ids=["two shapes", "another byte order", "strings", "objects"],
+)
+def test_numpy_samples_torch_refuses_fail_with_torchs_error(samples: list[np.ndarray]) -> None:
+    with pytest.raises(Exception) as theirs:
+        torch_default_collate(samples)
+    with pytest.raises(type(theirs.value)) as ours:
+        default_collate(samples)
+    assert str(ours.value) == str(theirs.value)
+
+
 def test_default_collate_of_columns_torch_cannot_share_fails_as_torch_does() -> None:
     # torch refuses another byte order whether it gets the column or the samples: the same
     # error either way

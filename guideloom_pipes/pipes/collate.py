@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data._utils.collate import collate as _torch_collate
+from torch.utils.data._utils.collate import collate_numpy_array_fn as _torch_collate_numpy_array_fn
 from torch.utils.data._utils.collate import collate_tensor_fn as _torch_collate_tensor_fn
 from torch.utils.data._utils.collate import default_collate_fn_map
 from torchdata.nodes import BaseNode
@@ -31,8 +32,29 @@ def _stack_tensors(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None)
     return torch.stack(list(batch), 0)
 
 
-#: torch's collate rules, tensors stacked into ordinary memory (see :func:`_stack_tensors`).
-_COLLATE_FN_MAP = {**default_collate_fn_map, torch.Tensor: _stack_tensors}
+def _stack_arrays(batch: Sequence[np.ndarray], *, collate_fn_map: Any = None) -> torch.Tensor:
+    """torch's numpy-array collate (each array made a tensor, then stacked) in one
+    ``np.stack`` whose result the tensor shares: the same tensor, in a third of the time for
+    a batch of token windows. Arrays that are not all of one shape and one numeric dtype in
+    the machine's byte order go through torch's function (its tensors, or its errors)."""
+    elem = batch[0]
+    dtype, shape = elem.dtype, elem.shape
+    if dtype.kind in "biufc" and dtype.isnative:
+        for array in batch:
+            if type(array) is not np.ndarray or array.dtype != dtype or array.shape != shape:
+                break
+        else:
+            return torch.from_numpy(np.stack(batch))
+    return _torch_collate_numpy_array_fn(batch, collate_fn_map=collate_fn_map)
+
+
+#: torch's collate rules, tensors stacked into ordinary memory (see :func:`_stack_tensors`),
+#: numpy arrays stacked by numpy (see :func:`_stack_arrays`).
+_COLLATE_FN_MAP: dict[type | tuple[type, ...], Callable[..., Any]] = {
+    **default_collate_fn_map,
+    torch.Tensor: _stack_tensors,
+    np.ndarray: _stack_arrays,
+}
 
 
 @batch_arrays
