@@ -1,6 +1,7 @@
 """The command line: options, running the chosen scenarios, the printed report and the JSON.
 
-``main`` also serves ``--child-scale``, the scale subprocess (see ``scale``).
+``main`` also serves ``--child-scale``, the scale subprocess (see ``scale``), and
+``--child-dataloader-memory``, a loader measured alone (see ``dataloader``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
             "--" + name.replace("_", "-"), type=type(value), default=None, help=f"(full: {value})"
         )
     parser.add_argument("--child-scale", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--child-dataloader-memory", help=argparse.SUPPRESS)
     return parser
 
 
@@ -70,6 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child_scale is not None:
         rounds = args.resume_rounds if args.resume_rounds is not None else 3
         print(json.dumps(scale_child(args.child_scale, rounds)))
+        return 0
+    if args.child_dataloader_memory is not None:
+        from guideloom_pipes.bench.dataloader import memory_child
+
+        print(json.dumps(memory_child(json.loads(args.child_dataloader_memory))))
         return 0
     sizes = Sizes.quick() if args.quick else Sizes()
     for name in asdict(sizes):
@@ -107,6 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("remote-s3", bench.remote_s3_scenario),
             ("shard-order", bench.shard_order_scenario),
             ("pinned-ring", bench.pinned_ring_scenario),
+            *[
+                (name, lambda name=name: bench.dataloader_scenario(name))
+                for name in SCENARIOS
+                if name.startswith("dataloader-")
+            ],
         ]
         for name, step in steps:
             if name in only or (name == "scale" and "resume" in only):

@@ -166,6 +166,40 @@ def targets(rows: list[Row], extra: dict[str, Any]) -> list[Target]:
                     False,
                 )
             )
+    return out + _dataloader_targets(rows, extra, scenarios)
+
+
+def _dataloader_targets(
+    rows: list[Row], extra: dict[str, Any], scenarios: set[str]
+) -> list[Target]:
+    """Issue 28: ``guideloom_pipes.DataLoader`` against torch's with the same arguments."""
+    from guideloom_pipes.bench import dataloader as dl
+
+    out: list[Target] = []
+    floors = (
+        (dl.TOKENS_SCENARIO, 0, 1.5),
+        (dl.TOKENS_SCENARIO, 2, 3.0),
+        (dl.DOCUMENTS_SCENARIO, 0, 1.0),
+        (dl.DOCUMENTS_SCENARIO, 2, 1.5),
+        (dl.ITERABLE_SCENARIO, 2, 1.2),
+    )
+    for scenario, workers, floor in floors:
+        if scenario in scenarios:
+            ours = _rate(rows, scenario, dl.row(True, workers))
+            theirs = _rate(rows, scenario, dl.row(False, workers))
+            out.append(
+                Target(f"{scenario}: ours / torch's, workers={workers}", ours / theirs, floor, True)
+            )
+    for case, figures in extra.get(dl.MEMORY_SCENARIO, {}).items():
+        out.append(
+            Target(
+                f"{dl.MEMORY_SCENARIO}: {case}, process tree PSS ours / torch's",
+                figures["ratio"],
+                1.1,
+                False,
+                note=f"{figures['ours_pss_mb']:.0f} MB / {figures['torch_pss_mb']:.0f} MB",
+            )
+        )
     return out
 
 
@@ -307,6 +341,14 @@ def report(
                 f"waits {row['wait_fraction']:.1%}; next(): {row['next_cpu_ms_per_batch']:.3f} ms "
                 f"CPU/batch; process {row['process_cpu_ms_per_batch']:.2f} ms CPU/batch"
                 + (f"; steps {row['slowdown']:.2f}x alone" if "slowdown" in row else ""),
+            ]
+        )
+    for case, figures in extra.get("dataloader-memory", {}).items():
+        latency.append(
+            [
+                "dataloader-memory",
+                f"{case}: process tree PSS, torch / ours",
+                f"{figures['torch_pss_mb']:.0f} MB / {figures['ours_pss_mb']:.0f} MB",
             ]
         )
     if latency:

@@ -88,6 +88,10 @@ SCENARIOS = (
     "remote-s3",
     "shard-order",
     "pinned-ring",
+    "dataloader-tokens",
+    "dataloader-documents",
+    "dataloader-iterable",
+    "dataloader-memory",
 )
 #: What the train-loop scenario's rows read (its ``data`` field).
 TOKENS, DOCUMENTS = "tokens", "documents"
@@ -525,6 +529,25 @@ class Bench:
         self.rows += remote_s3_rows(
             self.root, self.sizes, self.log, self.extra, min(self.sizes.remote_bytes, 2**25)
         )
+
+    def dataloader_scenario(self, name: str) -> None:
+        """``guideloom_pipes.DataLoader`` against torch's, the same dataset and arguments
+        (``bench/dataloader.py``)."""
+        from guideloom_pipes.bench import dataloader
+
+        if name == dataloader.TOKENS_SCENARIO:
+            self.rows += dataloader.tokens_rows(self.tokens(), self.sizes, self.log)
+        elif name == dataloader.DOCUMENTS_SCENARIO:
+            self.rows += dataloader.documents_rows(self.documents(), self.sizes, self.log)
+        elif name == dataloader.ITERABLE_SCENARIO:
+            self.rows += dataloader.iterable_rows(self.documents(), self.sizes, self.log)
+        else:
+            directories = {"tokens": self.tokens().dir, "documents": self.documents().dir}
+            self.extra[name] = dataloader.memory_figures(
+                directories,  # type: ignore[arg-type]
+                self.sizes,
+                self.log,
+            )
 
     def scale_scenario(self) -> None:
         started = time.perf_counter()

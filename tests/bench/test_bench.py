@@ -55,6 +55,9 @@ THROUGHPUT = (
     "mixture",
     "packed",
     "shard-order",
+    "dataloader-tokens",
+    "dataloader-documents",
+    "dataloader-iterable",
 )
 
 
@@ -110,7 +113,9 @@ def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> 
     entry = report["scenarios"][scenario]
     rows = entry["rows"]
     assert rows[0]["baseline"] and entry["baseline"] == rows[0]["contender"]
-    assert len(rows) >= (2 if scenario in ("remote-range", "remote-s3") else 3)
+    assert len(rows) >= (
+        2 if scenario in ("remote-range", "remote-s3", "dataloader-iterable") else 3
+    )
     for row in rows:
         assert _positive(row["samples_per_s"]), row
         assert _positive(row["cpu_s_per_1m_samples"]), row
@@ -196,6 +201,13 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "packed: packed windows / plain windows, workers=0",
         "packed: packed windows / plain windows, workers=2",
         "parallel-write: process pool, 2 workers / 1",
+        "dataloader-tokens: ours / torch's, workers=0",
+        "dataloader-tokens: ours / torch's, workers=2",
+        "dataloader-documents: ours / torch's, workers=0",
+        "dataloader-documents: ours / torch's, workers=2",
+        "dataloader-iterable: ours / torch's, workers=2",
+        "dataloader-memory: tokens workers=2, process tree PSS ours / torch's",
+        "dataloader-memory: documents workers=2, process tree PSS ours / torch's",
         *(["remote-cache: shard cache second epoch"] if _remote_ran(report) else []),
         *(
             ["remote-range: 32 thread workers / 1", "remote-range: cold first batch"]
@@ -462,3 +474,51 @@ def test_the_documents_train_loop_target_is_the_process_workers_step_time() -> N
     assert "| tokens: ours workers=0 prefetch=2" in table
     # an older JSON (no documents rows, no slowdown) has no documents target
     assert not [g for g in targets([], loop({})) if "documents" in g.name]
+
+
+@pytest.mark.slow  # (the quick benchmark it reads takes ~30 s)
+@pytest.mark.timeout(300)
+def test_the_dataloader_memory_figures_are_both_loaders_process_trees(
+    report: dict[str, Any],
+) -> None:
+    from guideloom_pipes.bench import dataloader
+
+    figures = report["scenarios"][dataloader.MEMORY_SCENARIO]
+    assert set(figures) == {f"{data} workers={w}" for data, w in dataloader.MEMORY_CASES}
+    for case in figures.values():
+        assert _positive(case["torch_pss_mb"]) and _positive(case["ours_pss_mb"])
+        assert case["ratio"] == pytest.approx(case["ours_pss_mb"] / case["torch_pss_mb"])
+
+
+def test_a_process_trees_pss_counts_its_children() -> None:
+    from guideloom_pipes.bench.dataloader import tree_pss_mb
+
+    alone = tree_pss_mb()
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; b = bytearray(200 << 20); sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while tree_pss_mb(child.pid) < 200:  # its 200 MB touched (the bytes are zeroed)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert tree_pss_mb() >= alone + 200
+    finally:
+        child.communicate(b"")
+    assert tree_pss_mb(child.pid) == 0  # gone: nothing counted
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_iterable_documents_give_every_document_once(tmp_path: Path, workers: int) -> None:
+    from guideloom_pipes.bench.contenders import MemmapDocuments
+    from guideloom_pipes.bench.data import build_documents
+    from guideloom_pipes.bench.dataloader import DocumentStream
+
+    storage, _ = build_documents(tmp_path / "documents", 50, 4)
+    stream = DocumentStream(MemmapDocuments(storage))
+    loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=workers)
+    got = sorted(tuple(document) for document in loader)
+    expected = sorted(tuple(MemmapDocuments(storage)[i]) for i in range(50))
+    assert got == expected
