@@ -122,30 +122,67 @@ def test_torchs_iterator_is_never_built(workers: int, monkeypatch: pytest.Monkey
     assert [_plain(batch)[0] for batch in loader] == [[0, 1], [2, 3], [4, 5]]
 
 
+class _EveryOther(tud.Sampler[int]):
+    """A user's sampler: every other index of a permutation drawn from torch's global
+    generator at each pass."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        return iter(torch.randperm(self.n).tolist()[::2])
+
+    def __len__(self) -> int:
+        return (self.n + 1) // 2
+
+
+def _resume_kinds() -> dict[str, Any]:
+    """Loader arguments over 10 samples that draw nothing (read inline, ``__getitem__``'s
+    draws would move torch's global generator, which the next epoch's order comes from, as
+    in torch), one entry per kind of index sampler."""
+    data = list(range(10))
+    return {
+        "shuffle": lambda: {"dataset": data, "batch_size": 3, "shuffle": True},
+        "generator": lambda: {
+            "dataset": data,
+            "batch_size": 3,
+            "shuffle": True,
+            "generator": torch.Generator().manual_seed(4),
+        },
+        "distributed": lambda: {
+            "dataset": data,
+            "batch_size": 2,
+            "sampler": tud.DistributedSampler(range(10), num_replicas=2, rank=0, seed=1),
+        },
+        "weighted": lambda: {
+            "dataset": data,
+            "batch_size": 2,
+            "sampler": tud.WeightedRandomSampler([1.0] * 7 + [4.0] * 3, 7, replacement=True),
+        },
+        "subset": lambda: {
+            "dataset": data,
+            "batch_size": 2,
+            "sampler": tud.SubsetRandomSampler([0, 2, 3, 5, 8, 9]),
+        },
+        "batch_sampler": lambda: {
+            "dataset": data,
+            "batch_sampler": tud.BatchSampler(tud.RandomSampler(range(10)), 4, False),
+        },
+        "unbatched": lambda: {"dataset": data, "batch_size": None, "shuffle": True},
+        "users_sampler": lambda: {"dataset": data, "batch_size": 2, "sampler": _EveryOther(10)},
+    }
+
+
 @pytest.mark.parametrize(
     ("saved", "resumed"),
     [({}, {}), ({"num_workers": 2}, {"num_workers": 2}), ({"num_workers": 2}, {})],
     ids=["inline", "2-workers", "2-workers-into-inline"],
 )
-@pytest.mark.parametrize("kind", ["shuffle", "generator", "distributed"])
+@pytest.mark.parametrize("kind", sorted(_resume_kinds()))
 def test_a_stop_at_every_step_resumes_with_the_rest_of_the_run(
     kind: str, saved: dict[str, Any], resumed: dict[str, Any]
 ) -> None:
-    # (a dataset that draws nothing: read inline, __getitem__'s draws would move torch's
-    # global generator, which the next epoch's order comes from, as in torch)
-    def make() -> dict[str, Any]:
-        if kind == "shuffle":
-            return {"dataset": list(range(10)), "batch_size": 3, "shuffle": True}
-        if kind == "generator":
-            generator = torch.Generator().manual_seed(4)
-            return {
-                "dataset": list(range(10)),
-                "batch_size": 3,
-                "shuffle": True,
-                "generator": generator,
-            }
-        sampler = tud.DistributedSampler(range(10), num_replicas=2, rank=0, seed=1)
-        return {"dataset": list(range(10)), "batch_size": 2, "sampler": sampler}
+    make = _resume_kinds()[kind]
 
     epochs = 2
     _seed_all()
