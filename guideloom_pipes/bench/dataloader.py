@@ -34,7 +34,14 @@ from guideloom_pipes.bench.data import (
     _count_tokens,
     collate_pad,
 )
-from guideloom_pipes.bench.harness import Contender, Row, Sizes, measure
+from guideloom_pipes.bench.harness import (
+    Contender,
+    Row,
+    Sizes,
+    descendants,
+    measure,
+    process_table,
+)
 from guideloom_pipes.formats import StreamNumpyFormat
 from guideloom_pipes.storage import DocumentStorage, StreamStorage
 
@@ -95,33 +102,49 @@ def _map_arguments(batch: int, collate: Any = None) -> dict[str, Any]:
     return arguments
 
 
-def tokens_rows(storage: StreamStorage, sizes: Sizes, log: Any) -> list[Row]:
-    """``dataloader-tokens``: torch's loader with 0 workers is the baseline."""
-    count = _count_tokens(LENGTH)
+def _map_rows(
+    scenario: str,
+    dataset: Callable[[], Any],
+    batch: int,
+    collate: Any,
+    count: Any,
+    sizes: Sizes,
+    log: Any,
+) -> list[Row]:
+    """A map-style scenario: torch's loader and ours, 0 and 2 workers, each over its own
+    ``dataset()``; torch's with 0 workers is the baseline."""
     contenders = [
-        _contender(
-            ours, MemmapWindows(storage, LENGTH), workers, count, **_map_arguments(TOKENS_BATCH)
-        )
+        _contender(ours, dataset(), workers, count, **_map_arguments(batch, collate))
         for workers in (0, 2)
         for ours in (False, True)
     ]
-    return measure(TOKENS_SCENARIO, contenders, sizes, log)
+    return measure(scenario, contenders, sizes, log)
+
+
+def tokens_rows(storage: StreamStorage, sizes: Sizes, log: Any) -> list[Row]:
+    """``dataloader-tokens``: windows, ``collate_fn`` left out (torch's default)."""
+    return _map_rows(
+        TOKENS_SCENARIO,
+        lambda: MemmapWindows(storage, LENGTH),
+        TOKENS_BATCH,
+        None,
+        _count_tokens(LENGTH),
+        sizes,
+        log,
+    )
 
 
 def documents_rows(storage: DocumentStorage, sizes: Sizes, log: Any) -> list[Row]:
-    """``dataloader-documents``: torch's loader with 0 workers is the baseline."""
-    contenders = [
-        _contender(
-            ours,
-            MemmapDocuments(storage),
-            workers,
-            _count_padded,
-            **_map_arguments(DOCUMENTS_BATCH, collate_pad),
-        )
-        for workers in (0, 2)
-        for ours in (False, True)
-    ]
-    return measure(DOCUMENTS_SCENARIO, contenders, sizes, log)
+    """``dataloader-documents``: the padding collate."""
+    return _map_rows(
+        DOCUMENTS_SCENARIO,
+        lambda: MemmapDocuments(storage),
+        DOCUMENTS_BATCH,
+        collate_pad,
+        _count_padded,
+        sizes,
+        log,
+    )
 
 
 def iterable_rows(storage: DocumentStorage, sizes: Sizes, log: Any) -> list[Row]:
@@ -158,31 +181,12 @@ def _pss_kb(pid: int) -> int:
     return 0
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its live descendants."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as handle:
-                raw = handle.read()
-        except OSError:
-            continue
-        parent = int(raw[raw.rindex(b")") + 2 :].split()[1])
-        children.setdefault(parent, []).append(int(name))
-    found, stack = [], [pid]
-    while stack:
-        here = stack.pop()
-        found.append(here)
-        stack.extend(children.get(here, ()))
-    return found
-
-
 def tree_pss_mb(pid: int | None = None) -> float:
     """The total PSS of ``pid`` (this process) and its descendants, in MB: shared memory
     (a result ring, a library) counted once over the processes that map it."""
-    return sum(_pss_kb(p) for p in _tree(os.getpid() if pid is None else pid)) / 1e6 * 1024
+    root = os.getpid() if pid is None else pid
+    tree = [root, *descendants(root, process_table()[0])]
+    return sum(_pss_kb(p) for p in tree) / 1e6 * 1024
 
 
 def memory_child(spec: dict[str, Any]) -> dict[str, Any]:

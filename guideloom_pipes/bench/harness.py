@@ -69,15 +69,15 @@ def _clock_ticks() -> int:
 _TICKS = _clock_ticks()
 
 
-def _descendant_cpu() -> float:
-    """CPU seconds of this process's live descendants (Linux ``/proc``; 0 elsewhere)."""
+def process_table() -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Every live process's children, and its CPU clock ticks (utime, stime, cutime,
+    cstime), from ``/proc`` (Linux; nothing elsewhere)."""
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return 0.0
-    me = os.getpid()
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
+        return children, ticks
     for name in entries:
         if not name.isdigit():
             continue
@@ -91,12 +91,23 @@ def _descendant_cpu() -> float:
         children.setdefault(int(fields[1]), []).append(pid)
         # utime, stime, cutime, cstime (fields 14-17 of proc(5))
         ticks[pid] = sum(int(value) for value in fields[11:15])
-    total, stack = 0, list(children.get(me, ()))
+    return children, ticks
+
+
+def descendants(pid: int, children: dict[int, list[int]]) -> list[int]:
+    """The descendants of ``pid`` in ``children`` (from :func:`process_table`)."""
+    found, stack = [], list(children.get(pid, ()))
     while stack:
-        pid = stack.pop()
-        total += ticks.get(pid, 0)
-        stack.extend(children.get(pid, ()))
-    return total / _TICKS
+        here = stack.pop()
+        found.append(here)
+        stack.extend(children.get(here, ()))
+    return found
+
+
+def _descendant_cpu() -> float:
+    """CPU seconds of this process's live descendants (Linux ``/proc``; 0 elsewhere)."""
+    children, ticks = process_table()
+    return sum(ticks.get(pid, 0) for pid in descendants(os.getpid(), children)) / _TICKS
 
 
 def _reaped_children_cpu() -> float:
