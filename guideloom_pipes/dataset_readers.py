@@ -187,7 +187,17 @@ class DocumentDatasetReader(DatasetReaderBase):
     _storage_reader: DocumentReader
 
     def __init__(self, dataset: DocumentDataset) -> None:
-        super().__init__(dataset.storage.sync_reader())
+        storage = dataset.storage
+        # a corpus's documents come from its document reader, a document storage's from its
+        # reader
+        opener = getattr(storage, "document_reader", None) or storage.sync_reader
+        super().__init__(opener())
+
+    def document_lengths(self) -> np.ndarray | None:
+        """Each document's length in tokens where the storage knows it without reading
+        (a corpus's boundaries), else None."""
+        lengths = getattr(self._storage_reader, "document_lengths", None)
+        return None if lengths is None else lengths()
 
     def _compute_length(self) -> int:
         return self._storage_reader.total_length

@@ -87,10 +87,11 @@ class DocumentDataset(DatasetAbstract[OutDataT]):
     """
 
     def __init__(self: DocumentDataset[Any], storage: DocumentStorage[Any, Any]) -> None:
-        if not isinstance(storage, DocumentStorage):
+        if not isinstance(storage, DocumentStorage) and not has_documents(storage):
             raise TypeError(
-                f"DocumentDataset needs a DocumentStorage, got {type(storage).__name__} "
-                f"(use StreamDataset(storage, sequence_length) for streams)"
+                f"DocumentDataset needs a DocumentStorage (or a corpus with documents, such as "
+                f"MegatronIndexedStorage), got {type(storage).__name__} (use "
+                f"StreamDataset(storage, sequence_length) for streams)"
             )
         self.storage = storage
 
@@ -110,4 +111,10 @@ class DocumentDataset(DatasetAbstract[OutDataT]):
         return f"DocumentDataset({self.storage!r})"
 
 
-__all__ = ["DocumentDataset", "StreamDataset"]
+def has_documents(storage: Any) -> bool:
+    """Whether ``storage`` is a corpus that serves documents (``document_reader()``: a
+    :class:`~guideloom_pipes.storage.corpora.TokenCorpus`), besides a ``DocumentStorage``."""
+    return callable(getattr(storage, "document_reader", None))
+
+
+__all__ = ["DocumentDataset", "StreamDataset", "has_documents"]

@@ -15,6 +15,8 @@ import numpy as np
 
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
+from guideloom_pipes.storage.corpora import MegatronIndexedStorage
+from guideloom_pipes.storage.corpora.megatron import MAGIC as MEGATRON_MAGIC
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.io import resolve_backend
 from guideloom_pipes.storage.names import (
@@ -249,8 +251,14 @@ def open_storage(
     retry: RetryPolicy | None = None,
     cache_dir: Any = None,
     cache_limit_bytes: int | None = None,
+    dtype: Any = None,
 ) -> Any:
     """The storage of the dataset at ``path_or_url``, its format rebuilt from its records.
+
+    A corpus written by another tool is recognised by its files and opened read-only: a
+    Megatron-LM indexed dataset's prefix (or its ``.bin`` / ``.idx``) gives a
+    :class:`~guideloom_pipes.MegatronIndexedStorage`, reading tokens as ``dtype`` (None:
+    the corpus's own).
 
     A dataset written by this package records its kind, stream dtype and format class in
     each shard's commit record, so ``open_storage("data/tokens")`` returns a
@@ -277,6 +285,14 @@ def open_storage(
         FileNotFoundError: no such directory, or no shard files in it.
         ValueError: the format cannot be rebuilt from the records: pass ``fmt=``.
     """
+    corpus = foreign_corpus(path_or_url, dtype=dtype, read_interface=read_interface)
+    if corpus is not None:
+        return corpus
+    if dtype is not None:
+        raise TypeError(
+            f"dtype= is for corpora written by other tools (a Megatron prefix, ...); "
+            f"{path_or_url} is a dataset of ours, whose records give its dtype: drop dtype="
+        )
     remote = _remote(path_or_url)
     if remote and read_interface is not None:
         resolve_location(path_or_url, read_interface, storage_options, retry)  # raises
@@ -294,6 +310,22 @@ def open_storage(
         cache_dir=cache_dir,
         cache_limit_bytes=cache_limit_bytes,
     )
+
+
+def foreign_corpus(path_or_url: Any, *, dtype: Any = None, read_interface: Any = None) -> Any:
+    """The read-only storage of a corpus another tool wrote at ``path_or_url`` (a local
+    Megatron prefix, or its ``.bin`` / ``.idx``), or None where it is not one."""
+    if _remote(path_or_url) or not isinstance(path_or_url, (str, os.PathLike)):
+        return None
+    path = local_path(path_or_url)
+    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
+    index = prefix.with_name(prefix.name + ".idx")
+    if path.is_dir() or not index.is_file():
+        return None
+    with open(index, "rb") as handle:
+        if handle.read(len(MEGATRON_MAGIC)) != MEGATRON_MAGIC:
+            return None
+    return MegatronIndexedStorage(prefix, dtype=dtype, read_interface=read_interface)
 
 
 def rebuilt_format(found: Detected) -> Any:

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from guideloom_pipes.checks import check_int
-from guideloom_pipes.datasets import DocumentDataset, StreamDataset
+from guideloom_pipes.datasets import DocumentDataset, StreamDataset, has_documents
 from guideloom_pipes.packing_columns import (
     FIELDS,
     IGNORE_INDEX,
@@ -117,7 +117,9 @@ class PackedDataset:
                 "PackedDataset packs a StreamStorage (documents separated by eos_token) or a "
                 "dataset of documents; a StreamWithMetaStorage is neither"
             )
-        if isinstance(source, DocumentStorage):
+        if isinstance(source, DocumentStorage) or has_documents(source):
+            # (a corpus with its own document boundaries, e.g. MegatronIndexedStorage, is
+            # packed by its documents: their lengths come from it, nothing is scanned)
             source = DocumentDataset(source)
         self.source = source
         self.stream = isinstance(source, StreamStorage)

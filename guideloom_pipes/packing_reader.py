@@ -128,6 +128,14 @@ class PackedReader(DatasetReaderBase):
 
     def _load_sums(self, source: Any) -> _I64:
         dataset = self.dataset
+        known = getattr(source, "document_lengths", None)
+        lengths = known() if callable(known) else None
+        if lengths is not None:
+            # the corpus knows its documents' lengths (a Megatron index): no sidecar
+            extra = 1 if dataset.eos_token is not None else 0
+            known_sums: _I64 = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths + extra, out=known_sums[1:])
+            return known_sums if dataset.seed is None else self._order_sums(known_sums)
         fingerprint = _fingerprint(source)
         paths = dataset.sidecar_paths() if fingerprint is not None else []
         self._sidecars = list(paths)

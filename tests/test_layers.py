@@ -25,6 +25,8 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.storage": 1,
     "guideloom_pipes.io": 1,
     "guideloom_pipes.formats": 2,
+    # read-only storages of other tools' corpora: a stream storage with a format of ours
+    "guideloom_pipes.storage.corpora": 2,
     "guideloom_pipes.batch": 2,
     "guideloom_pipes.datasets": 3,
     "guideloom_pipes.dataset_readers": 3,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from guideloom_pipes.checks import check_int
-from guideloom_pipes.datasets import DocumentDataset, StreamDataset
+from guideloom_pipes.datasets import DocumentDataset, StreamDataset, has_documents
 from guideloom_pipes.loader.torch_keywords import (
     check_mp_context,
     check_picklable,
@@ -426,11 +426,15 @@ def _check_process_workers(
 
 
 def dataset_for_storage(storage: Any, sequence_length: int | None) -> Any:
-    """The dataset ``from_storage`` reads: ``StreamDataset`` or ``DocumentDataset``; a path
-    (``str`` or ``os.PathLike``) is opened with :func:`~guideloom_pipes.open_storage`."""
+    """The dataset ``from_storage`` reads: ``StreamDataset`` or ``DocumentDataset`` (a
+    corpus of documents such as ``MegatronIndexedStorage``: windows with ``sequence_length``,
+    its documents without); a path (``str`` or ``os.PathLike``) is opened with
+    :func:`~guideloom_pipes.open_storage`."""
     if isinstance(storage, (str, os.PathLike)):
         storage = open_storage(storage)
     if isinstance(storage, (StreamStorage, StreamWithMetaStorage)):
+        if sequence_length is None and has_documents(storage):
+            return DocumentDataset(storage)  # type: ignore[arg-type]  # a corpus's documents
         if sequence_length is None:
             raise ValueError(
                 f"{type(storage).__name__} needs sequence_length= (the number of stream "

@@ -1,0 +1,70 @@
+"""Corpora written by the real tools of other projects (megatron-core's
+``IndexedDatasetBuilder``, ...), and what those tools read back themselves: the test data of
+the read-only storages. A test that needs a tool skips without it (the ``corpora`` extra)."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+
+def megatron() -> Any:
+    """megatron-core's ``indexed_dataset`` module (the test skips without megatron-core)."""
+    pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (its optional fused kernels are missing on CPU)
+        return pytest.importorskip("megatron.core.datasets.indexed_dataset")
+
+
+def random_documents(
+    seed: int, count: int, dtype: Any, *, sequences: int = 1, longest: int = 40, empty: bool = False
+) -> list[list[np.ndarray]]:
+    """``count`` documents of ``sequences`` sequences each (of 1 to ``longest`` tokens; some
+    empty with ``empty``), token ids spanning ``dtype``'s range."""
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(dtype)
+    low, high = max(int(info.min), -(2**31)), min(int(info.max), 2**31 - 1)
+    documents = []
+    for _ in range(count):
+        document = []
+        for _ in range(sequences):
+            size = int(rng.integers(0 if empty else 1, longest + 1))
+            document.append(rng.integers(low, high, size, endpoint=True).astype(dtype))
+        documents.append(document)
+    return documents
+
+
+def write_megatron(prefix: Path, documents: list[list[np.ndarray]], dtype: Any) -> Path:
+    """``PREFIX.bin`` / ``PREFIX.idx`` written by megatron-core's ``IndexedDatasetBuilder``:
+    each document's sequences, then the document's end. The prefix."""
+    import torch
+
+    module = megatron()
+    builder = module.IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.dtype(dtype).type)
+    for document in documents:
+        for sequence in document:
+            builder.add_item(torch.from_numpy(np.ascontiguousarray(sequence).astype(np.int64)))
+        builder.end_document()
+    builder.finalize(f"{prefix}.idx")
+    return prefix
+
+
+def megatron_read_back(prefix: Path) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """What megatron-core's own ``IndexedDataset`` reads of ``prefix``: its sequences, and
+    its documents (the sequences of each, concatenated)."""
+    module = megatron()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dataset = module.IndexedDataset(str(prefix))
+    sequences = [np.array(dataset[i]) for i in range(len(dataset))]
+    bounds = dataset.document_indices.tolist()
+    documents = [
+        np.concatenate(sequences[a:b]) if b > a else np.empty(0, dataset.index.dtype)
+        for a, b in itertools.pairwise(bounds)
+    ]
+    return sequences, documents
