@@ -1,0 +1,104 @@
+"""Corpora of other tools in the loader: ``from_storage`` over a Megatron corpus (written by
+megatron-core) reads its windows and its documents in both orders, and a run stopped at any
+step resumes on another world size with exactly the batches of the uninterrupted run."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from corpus_writers import megatron, megatron_read_back, random_documents, write_megatron
+
+megatron()  # (the module skips without megatron-core)
+
+from guideloom_pipes import MegatronIndexedStorage, StatefulDataLoader  # noqa: E402
+
+GLOBAL_BATCH = 4
+
+
+def tokens_of(samples: list[Any]) -> list[tuple[int, ...]]:
+    """A collate that keeps each sample's tokens (comparable, picklable)."""
+    return [tuple(sample["tokens"].tolist()) for sample in samples]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two prefixes (two shards, for the shard order on two ranks)."""
+    folder = tmp_path_factory.mktemp("megatron")
+    return [
+        write_megatron(folder / name, random_documents(seed, 19, "uint16", sequences=2), "uint16")
+        for name, seed in (("a", 21), ("b", 22))
+    ]
+
+
+def _loader(prefixes: list[Path], world_size: int, rank: int, **options: Any) -> StatefulDataLoader:
+    return StatefulDataLoader.from_storage(
+        MegatronIndexedStorage(prefixes),
+        tokens_of,
+        local_batch_size=GLOBAL_BATCH // world_size,
+        rank=rank,
+        world_size=world_size,
+        shuffle=True,
+        shuffle_seed=5,
+        device="cpu",
+        **options,
+    )
+
+
+def _global_steps(loaders: list[StatefulDataLoader], steps: int) -> list[list[tuple[int, ...]]]:
+    """``steps`` global batches of the ranks' loaders: each rank's batch holds every
+    ``world_size``-th position of the global one."""
+    per_rank = [list(loader.steps(steps)) if steps else [] for loader in loaders]
+    size = len(loaders)
+    return [
+        [per_rank[j % size][step][j // size] for j in range(GLOBAL_BATCH)] for step in range(steps)
+    ]
+
+
+READS = {
+    "windows": {"sequence_length": 6},
+    "documents": {},
+    "windows, shard order": {"sequence_length": 6, "order": "shards", "shuffle_buffer": 8},
+}
+
+
+@pytest.mark.parametrize("read", list(READS))
+def test_a_stop_at_any_step_resumes_on_another_world_size_with_the_same_batches(
+    corpus: list[Path], read: str
+) -> None:
+    # (the shard order resumes on its own world size only: docs/shard-streaming.md)
+    options = READS[read]
+    again = 2 if options.get("order") == "shards" else 1
+    steps = len(_loader(corpus, again, 0, **options))
+    whole = _global_steps([_loader(corpus, again, rank, **options) for rank in range(again)], steps)
+    assert len(whole) == steps > 4
+    for stop in range(steps + 1):
+        ranks = [_loader(corpus, 2, rank, **options) for rank in range(2)]
+        before = _global_steps(ranks, stop)
+        state = ranks[0].state_dict()
+        assert ranks[1].state_dict()["observation_offset"] == state["observation_offset"]
+        resumed = [_loader(corpus, again, rank, **options) for rank in range(again)]
+        for loader in resumed:
+            loader.load_state_dict(state)
+        after = _global_steps(resumed, steps - stop)
+        assert before + after == whole, stop
+
+
+def test_windows_and_documents_through_the_loader_are_the_corpus(corpus: list[Path]) -> None:
+    sequences, documents = [], []
+    for prefix in corpus:
+        read = megatron_read_back(prefix)
+        sequences += read[0]
+        documents += read[1]
+    stream = np.concatenate(sequences)
+    windows = Counter(tuple(stream[i * 6 : (i + 1) * 6].tolist()) for i in range(len(stream) // 6))
+    loader = _loader(corpus, 1, 0, sequence_length=6)
+    got = Counter(w for batch in loader for w in batch)
+    assert got <= windows and got.total() == windows.total() // 4 * 4  # (drop_last)
+    loader = _loader(corpus, 1, 0, num_workers=2, parallel_method="process", prefetch=2)
+    got = Counter(d for batch in loader for d in batch)
+    expected = Counter(tuple(d.tolist()) for d in documents)
+    assert got <= expected and got.total() == len(documents) // 4 * 4
