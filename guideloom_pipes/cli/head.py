@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from guideloom_pipes.cli.corpus import corpus_of
 from guideloom_pipes.cli.dataset import UsageError, open_dataset
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 
@@ -71,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
     sample)."""
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
+    found = corpus_of(args)
+    if found is not None:  # a corpus's windows with -L, else its documents
+        kind = "stream" if args.sequence_length else "document"
+        if args.sequence_length:
+            return _print(args, kind, StreamDataset(found, args.sequence_length))
+        return _print(args, kind, DocumentDataset(found))  # type: ignore[arg-type]
     opened = open_dataset(args.path, args.dtype, args.kind)
     if opened.kind == "document":
         dataset: Any = DocumentDataset(opened.storage)
@@ -82,9 +89,13 @@ def run(args: argparse.Namespace) -> int:
             )
         length = args.sequence_length or DEFAULT_SEQUENCE_LENGTH
         dataset = StreamDataset(opened.storage, length)
+    return _print(args, opened.kind, dataset)
+
+
+def _print(args: argparse.Namespace, kind: str, dataset: Any) -> int:
     with dataset.sync_reader() as samples:
         if len(samples) == 0:
-            _nothing_to_show(args, opened.kind, samples)
+            _nothing_to_show(args, kind, samples)
         count = min(args.n, len(samples))
         for index, sample in enumerate(samples[0:count] if count else []):
             fields = _fields(sample)

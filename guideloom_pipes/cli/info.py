@@ -8,6 +8,7 @@ import argparse
 import json
 from typing import Any
 
+from guideloom_pipes.cli import corpus
 from guideloom_pipes.cli.dataset import ShardState, open_dataset, refuse_url, survey
 from guideloom_pipes.progress import human_bytes
 from guideloom_pipes.storage.records import dtype_to_json
@@ -103,6 +104,11 @@ def _ranges(ids: list[int]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Print the description; exit status 0, or 1 for a dataset whose shards mix kinds or
     dtypes."""
+    found = corpus.corpus_of(args)
+    if found is not None:
+        facts = corpus.describe(found, args.sequence_length)
+        print(json.dumps(facts) if args.json else "\n".join(corpus.info_lines(facts)))
+        return 0
     facts = describe(args)
     status = 1 if facts["mixed"] else 0
     if args.json:

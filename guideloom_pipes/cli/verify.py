@@ -12,6 +12,7 @@ import time
 import warnings
 from typing import Any
 
+from guideloom_pipes.cli import corpus
 from guideloom_pipes.cli.dataset import Opened, ignored_entries, open_dataset
 from guideloom_pipes.progress import Progress, human_bytes
 from guideloom_pipes.storage.errors import DatasetChangedError
@@ -269,6 +270,9 @@ def _checksums(
 
 def run(args: argparse.Namespace) -> int:
     """Check the dataset; 0 when sound, 1 when not (or, with ``--strict``, unverifiable)."""
+    found = corpus.corpus_of(args)
+    if found is not None:
+        return _verify_corpus(found, args)
     opened = open_dataset(args.path, args.dtype, args.kind)
     findings = _Findings()
     counts = check(opened, args, findings)
@@ -318,4 +322,35 @@ def run(args: argparse.Namespace) -> int:
         print(f"no problems found, but {what}{strict}: {summary}")
     else:
         print(f"sound: {summary}")
+    return status
+
+
+def _verify_corpus(found: Any, args: argparse.Namespace) -> int:
+    """``verify`` of a corpus another tool wrote: its files' checks, then every token once
+    (a corpus has no checksums: ``--strict`` makes that exit status 1)."""
+    result = corpus.verify(found)
+    status = 0 if result["sound"] and not args.strict else 1
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "path": args.path,
+                    "kind": "stream",
+                    "checksummed": False,
+                    **result,
+                    "exit_status": status,
+                }
+            )
+        )
+        return status
+    if not result["sound"]:
+        print(f"problem: {result['problem']}")
+        print(f"NOT SOUND: 1 problem(s) in {args.path}")
+        return status
+    strict = " (--strict: exit status 1)" if args.strict else ""
+    print(
+        f"no problems found, but a {type(found).__name__} has no checksums to verify{strict}: "
+        f"{result['shards']} files, {result['tokens']} tokens ({human_bytes(result['bytes'])}) "
+        f"read in {result['seconds']:.2f} s"
+    )
     return status

@@ -1,0 +1,124 @@
+"""``info``, ``verify`` and ``head`` of a corpus another tool wrote (a Megatron prefix or its
+``.bin`` / ``.idx``), read in place: :func:`corpus_of` says whether the path is one, and the
+commands describe it by its files, tokens and documents (``--dtype``: the dtype tokens are
+read as)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.cli.dataset import UsageError, parse_dtype
+from guideloom_pipes.opening import foreign_corpus
+from guideloom_pipes.storage.corpora import MegatronIndexedStorage, TokenCorpus
+from guideloom_pipes.storage.errors import StorageError
+
+#: who wrote each corpus class's files
+_WRITTEN_BY: dict[type, str] = {
+    MegatronIndexedStorage: "Megatron-LM (an indexed dataset: .bin + .idx)"
+}
+
+
+def corpus_of(args: argparse.Namespace) -> TokenCorpus | None:
+    """The corpus at ``args.path`` (``--dtype`` the dtype its tokens are read as), or None
+    where the path is not one."""
+    dtype = None
+    if getattr(args, "dtype", None) is not None:
+        dtype = parse_dtype(args.dtype)
+        if dtype.names is not None:
+            raise UsageError(
+                f"--dtype {args.dtype}: a token corpus has one field, its tokens; pass an "
+                f"integer dtype (e.g. --dtype int32)"
+            )
+    try:
+        corpus = foreign_corpus(args.path, dtype=dtype)
+    except (TypeError, ValueError) as error:
+        raise UsageError(str(error)) from None
+    if corpus is not None and getattr(args, "kind", None) not in (None, "stream"):
+        raise UsageError(
+            f"{args.path} is a token corpus (kind stream, with its documents), not "
+            f"{args.kind}: drop --kind"
+        )
+    return corpus
+
+
+def describe(corpus: TokenCorpus, sequence_length: int | None) -> dict[str, Any]:
+    """What ``info`` prints of a corpus, as a JSON-able dict."""
+    with corpus.document_reader() as documents:
+        stream = documents._stream
+        files = [
+            {
+                "file": os.fspath(corpus.dir / name),
+                "tokens": stream.length(shard),
+                "documents": documents.length(shard),
+                "bytes": os.path.getsize(corpus.dir / name),
+            }
+            for shard, name in enumerate(stream.file_names)
+        ]
+        tokens, count = stream.total_length, documents.total_length
+    out: dict[str, Any] = {
+        "path": [os.fspath(prefix) for prefix in getattr(corpus, "prefixes", [corpus.dir])],
+        "kind": "stream",
+        "storage": type(corpus).__name__,
+        "written_by": _WRITTEN_BY.get(type(corpus), corpus.description),
+        "dtype": str(corpus.stored),
+        "read_as": str(corpus.dtype),
+        "shards": len(files),
+        "elements": tokens,
+        "documents": count,
+        "bytes": sum(file["bytes"] for file in files),
+        "files": files,
+    }
+    if sequence_length is not None:
+        out["sequence_length"] = sequence_length
+        out["samples"] = tokens // sequence_length
+    return out
+
+
+def info_lines(facts: dict[str, Any]) -> list[str]:
+    lines = [
+        f"path:      {', '.join(facts['path'])}",
+        f"kind:      stream with documents ({facts['storage']}), written by "
+        f"{facts['written_by']}; read-only",
+        f"dtype:     {facts['dtype']}"
+        + ("" if facts["read_as"] == facts["dtype"] else f" (read as {facts['read_as']})"),
+        f"shards:    {facts['shards']}",
+        f"elements:  {facts['elements']}",
+        f"documents: {facts['documents']}",
+        f"bytes:     {facts['bytes']}",
+    ]
+    if "samples" in facts:
+        lines.append(f"samples:   {facts['samples']} (sequence length {facts['sequence_length']})")
+    lines.append("")
+    lines.append(f"{'shard':<8} {'elements':>14} {'documents':>12} {'bytes':>14}  file")
+    for shard, file in enumerate(facts["files"]):
+        lines.append(
+            f"{shard:07d}  {file['tokens']:>14} {file['documents']:>12} {file['bytes']:>14}  "
+            f"{file['file']}"
+        )
+    return lines
+
+
+def verify(corpus: TokenCorpus) -> dict[str, Any]:
+    """Every check of the corpus's files an open makes, then every token read once (and
+    checked against ``--dtype``): ``sound``, the problem, the counts."""
+    started = time.perf_counter()
+    try:
+        counts = corpus.verify()
+    except (StorageError, ValueError, OSError) as error:
+        return {"sound": False, "problem": str(error), "seconds": time.perf_counter() - started}
+    with corpus.sync_reader() as reader:
+        size = sum(int(n) for n in reader.shard_starts[1:] - reader.shard_starts[:-1])
+        size *= np.dtype(corpus.stored).itemsize
+    return {
+        "sound": True,
+        "problem": None,
+        "shards": counts["shards"],
+        "tokens": counts["tokens"],
+        "bytes": size,
+        "seconds": time.perf_counter() - started,
+    }
