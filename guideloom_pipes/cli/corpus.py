@@ -26,16 +26,18 @@ _WRITTEN_BY: dict[type, str] = {
 def corpus_of(args: argparse.Namespace) -> TokenCorpus | None:
     """The corpus at ``args.path`` (``--dtype`` the dtype its tokens are read as), or None
     where the path is not one."""
-    dtype = None
-    if getattr(args, "dtype", None) is not None:
-        dtype = parse_dtype(args.dtype)
-        if dtype.names is not None:
-            raise UsageError(
-                f"--dtype {args.dtype}: a token corpus has one field, its tokens; pass an "
-                f"integer dtype (e.g. --dtype int32)"
-            )
     try:
-        corpus = foreign_corpus(args.path, dtype=dtype)
+        corpus = foreign_corpus(args.path)
+        if corpus is None:
+            return None
+        if getattr(args, "dtype", None) is not None:
+            dtype = parse_dtype(args.dtype)
+            if dtype.names is not None:
+                raise UsageError(
+                    f"--dtype {args.dtype}: a token corpus has one field, its tokens; pass an "
+                    f"integer dtype (e.g. --dtype int32)"
+                )
+            corpus = foreign_corpus(args.path, dtype=dtype)
     except (TypeError, ValueError) as error:
         raise UsageError(str(error)) from None
     if corpus is not None and getattr(args, "kind", None) not in (None, "stream"):
