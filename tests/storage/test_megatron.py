@@ -231,3 +231,34 @@ def test_packing_takes_the_document_lengths_from_the_index(tmp_path: Path) -> No
                 assert all(np.array_equal(a[k], b[k]) for k in b)
     # no sidecar next to the corpus: its lengths came from the index
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "corpus.bin", "corpus.idx"]
+
+
+def test_a_megatron_corpus_blends_with_a_stream_of_ours_at_one_dtype(tmp_path: Path) -> None:
+    from guideloom_pipes import MixtureDataset, StreamNumpyFormat, StreamStorage
+
+    prefix = write_megatron(tmp_path / "corpus", random_documents(13, 50, "uint16"), "uint16")
+    ours = StreamStorage(tmp_path / "ours", StreamNumpyFormat(np.dtype([("tokens", "<i4")])))
+    with ours.sync_writer() as writer:
+        writer.append(0, {"tokens": -np.arange(1, 401, dtype=np.int32)})
+    windows = {
+        "megatron": StreamDataset(MegatronIndexedStorage(prefix, dtype="int32"), 8),
+        "ours": StreamDataset(ours, 8),
+    }
+    mixture = MixtureDataset(windows, {"megatron": 0.5, "ours": 0.5}, seed=1)
+    with mixture.sync_reader() as reader:
+        batch = reader.read_arrays(np.arange(len(reader)))
+        components, _ = mixture.locate(np.arange(len(reader)))
+    tokens = batch.columns["tokens"]
+    assert tokens.dtype == np.int32
+    assert set(components.tolist()) == {0, 1}
+    # our stream's tokens are negative, Megatron's not: each row is its component's
+    assert ((tokens < 0).all(axis=1) == (components == 1)).all()
+    with (
+        pytest.raises((TypeError, ValueError), match="dtype"),
+        MixtureDataset(
+            {"megatron": StreamDataset(MegatronIndexedStorage(prefix), 8), "ours": windows["ours"]},
+            {"megatron": 0.5, "ours": 0.5},
+            seed=1,
+        ).sync_reader() as reader,
+    ):
+        reader.read_arrays(np.arange(len(reader)))
