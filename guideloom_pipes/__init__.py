@@ -19,7 +19,7 @@ from guideloom_pipes.opening import open_storage
 from guideloom_pipes.packing import PackedDataset
 from guideloom_pipes.parallel import WriteParallelError, WriteReport, write_parallel
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
-from guideloom_pipes.storage.corpora import MegatronIndexedStorage
+from guideloom_pipes.storage.corpora import MegatronIndexedStorage, NumpyTokensStorage
 
 __version__ = "0.1.0"
 #: The GuideLoom release whose API, files, order and checkpoints this package reproduces.
@@ -70,6 +70,7 @@ __all__ = [
     "DocumentStorage",
     "GUIDELOOM_VERSION",
     "MegatronIndexedStorage",
+    "NumpyTokensStorage",
     "MixtureDataset",
     "PackedDataset",
     "StatefulDataLoader",

@@ -114,7 +114,9 @@ class DocumentDataset(DatasetAbstract[OutDataT]):
 def has_documents(storage: Any) -> bool:
     """Whether ``storage`` is a corpus that serves documents (``document_reader()``: a
     :class:`~guideloom_pipes.storage.corpora.TokenCorpus`), besides a ``DocumentStorage``."""
-    return callable(getattr(storage, "document_reader", None))
+    return callable(getattr(storage, "document_reader", None)) and bool(
+        getattr(storage, "has_documents", True)
+    )
 
 
 __all__ = ["DocumentDataset", "StreamDataset", "has_documents"]

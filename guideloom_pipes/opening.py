@@ -15,7 +15,7 @@ import numpy as np
 
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
-from guideloom_pipes.storage.corpora import MegatronIndexedStorage
+from guideloom_pipes.storage.corpora import MegatronIndexedStorage, NumpyTokensStorage
 from guideloom_pipes.storage.corpora.megatron import MAGIC as MEGATRON_MAGIC
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.io import resolve_backend
@@ -252,13 +252,15 @@ def open_storage(
     cache_dir: Any = None,
     cache_limit_bytes: int | None = None,
     dtype: Any = None,
+    eos_id: int | None = None,
 ) -> Any:
     """The storage of the dataset at ``path_or_url``, its format rebuilt from its records.
 
     A corpus written by another tool is recognised by its files and opened read-only: a
     Megatron-LM indexed dataset's prefix (or its ``.bin`` / ``.idx``) gives a
-    :class:`~guideloom_pipes.MegatronIndexedStorage`, reading tokens as ``dtype`` (None:
-    the corpus's own).
+    :class:`~guideloom_pipes.MegatronIndexedStorage`; an ``.npy`` file, or a directory of
+    nothing but ``.npy`` files, a :class:`~guideloom_pipes.NumpyTokensStorage` (documents
+    split at ``eos_id``). ``dtype``: the dtype their tokens are read as (None: their own).
 
     A dataset written by this package records its kind, stream dtype and format class in
     each shard's commit record, so ``open_storage("data/tokens")`` returns a
@@ -285,13 +287,14 @@ def open_storage(
         FileNotFoundError: no such directory, or no shard files in it.
         ValueError: the format cannot be rebuilt from the records: pass ``fmt=``.
     """
-    corpus = foreign_corpus(path_or_url, dtype=dtype, read_interface=read_interface)
+    corpus = foreign_corpus(path_or_url, dtype=dtype, eos_id=eos_id, read_interface=read_interface)
     if corpus is not None:
         return corpus
-    if dtype is not None:
+    if dtype is not None or eos_id is not None:
         raise TypeError(
-            f"dtype= is for corpora written by other tools (a Megatron prefix, ...); "
-            f"{path_or_url} is a dataset of ours, whose records give its dtype: drop dtype="
+            f"dtype= and eos_id= are for corpora written by other tools (a Megatron prefix, "
+            f".npy files); {path_or_url} is a dataset of ours, whose records give its dtype: "
+            f"drop them"
         )
     remote = _remote(path_or_url)
     if remote and read_interface is not None:
@@ -312,12 +315,22 @@ def open_storage(
     )
 
 
-def foreign_corpus(path_or_url: Any, *, dtype: Any = None, read_interface: Any = None) -> Any:
-    """The read-only storage of a corpus another tool wrote at ``path_or_url`` (a local
-    Megatron prefix, or its ``.bin`` / ``.idx``), or None where it is not one."""
+def foreign_corpus(
+    path_or_url: Any, *, dtype: Any = None, eos_id: int | None = None, read_interface: Any = None
+) -> Any:
+    """The read-only storage of a corpus another tool wrote at ``path_or_url``, or None
+    where it is not one: a local Megatron prefix or its ``.bin`` / ``.idx``
+    (:class:`~guideloom_pipes.MegatronIndexedStorage`), an ``.npy`` file or a directory of
+    nothing but ``.npy`` files (:class:`~guideloom_pipes.NumpyTokensStorage`, in name
+    order, documents split at ``eos_id``)."""
     if _remote(path_or_url) or not isinstance(path_or_url, (str, os.PathLike)):
         return None
     path = local_path(path_or_url)
+    numpy_files = _npy_files(path)
+    if numpy_files:
+        return NumpyTokensStorage(
+            numpy_files, dtype=dtype, eos_id=eos_id, read_interface=read_interface
+        )
     prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
     index = prefix.with_name(prefix.name + ".idx")
     if path.is_dir() or not index.is_file():
@@ -326,6 +339,19 @@ def foreign_corpus(path_or_url: Any, *, dtype: Any = None, read_interface: Any =
         if handle.read(len(MEGATRON_MAGIC)) != MEGATRON_MAGIC:
             return None
     return MegatronIndexedStorage(prefix, dtype=dtype, read_interface=read_interface)
+
+
+def _npy_files(path: Path) -> list[Path]:
+    """``[path]`` for an ``.npy`` file; a directory's files if they are all ``.npy`` (hidden
+    ones aside: a sidecar); else ``[]``."""
+    if path.suffix == ".npy" and path.is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    names = sorted(name for name in os.listdir(path) if not name.startswith("."))
+    if names and all(name.endswith(".npy") for name in names):
+        return [path / name for name in names]
+    return []
 
 
 def rebuilt_format(found: Detected) -> Any:

@@ -14,12 +14,13 @@ import numpy as np
 
 from guideloom_pipes.cli.dataset import UsageError, parse_dtype
 from guideloom_pipes.opening import foreign_corpus
-from guideloom_pipes.storage.corpora import MegatronIndexedStorage, TokenCorpus
+from guideloom_pipes.storage.corpora import MegatronIndexedStorage, NumpyTokensStorage, TokenCorpus
 from guideloom_pipes.storage.errors import StorageError
 
 #: who wrote each corpus class's files
 _WRITTEN_BY: dict[type, str] = {
-    MegatronIndexedStorage: "Megatron-LM (an indexed dataset: .bin + .idx)"
+    MegatronIndexedStorage: "Megatron-LM (an indexed dataset: .bin + .idx)",
+    NumpyTokensStorage: "numpy (flat token files)",
 }
 
 
@@ -49,21 +50,28 @@ def corpus_of(args: argparse.Namespace) -> TokenCorpus | None:
 
 
 def describe(corpus: TokenCorpus, sequence_length: int | None) -> dict[str, Any]:
-    """What ``info`` prints of a corpus, as a JSON-able dict."""
-    with corpus.document_reader() as documents:
-        stream = documents._stream
-        files = [
-            {
-                "file": os.fspath(corpus.dir / name),
-                "tokens": stream.length(shard),
-                "documents": documents.length(shard),
-                "bytes": os.path.getsize(corpus.dir / name),
-            }
-            for shard, name in enumerate(stream.file_names)
-        ]
-        tokens, count = stream.total_length, documents.total_length
+    """What ``info`` prints of a corpus, as a JSON-able dict (``documents`` None: the corpus
+    has no document boundaries)."""
+    with corpus.sync_reader() as stream:
+        starts = stream.document_starts
+        shard_starts = stream.shard_starts
+        files = []
+        for shard, name in enumerate(stream.file_names):
+            documents = None
+            if starts is not None:
+                low, high = np.searchsorted(starts[:-1], shard_starts[shard : shard + 2])
+                documents = int(high - low)
+            files.append(
+                {
+                    "file": os.fspath(corpus.dir / name),
+                    "tokens": stream.length(shard),
+                    "documents": documents,
+                    "bytes": os.path.getsize(corpus.dir / name),
+                }
+            )
+        tokens = stream.total_length
     out: dict[str, Any] = {
-        "path": [os.fspath(prefix) for prefix in getattr(corpus, "prefixes", [corpus.dir])],
+        "path": [os.fspath(path) for path in _paths(corpus)],
         "kind": "stream",
         "storage": type(corpus).__name__,
         "written_by": _WRITTEN_BY.get(type(corpus), corpus.description),
@@ -71,7 +79,7 @@ def describe(corpus: TokenCorpus, sequence_length: int | None) -> dict[str, Any]
         "read_as": str(corpus.dtype),
         "shards": len(files),
         "elements": tokens,
-        "documents": count,
+        "documents": None if starts is None else len(starts) - 1,
         "bytes": sum(file["bytes"] for file in files),
         "files": files,
     }
@@ -81,16 +89,25 @@ def describe(corpus: TokenCorpus, sequence_length: int | None) -> dict[str, Any]
     return out
 
 
+def _paths(corpus: TokenCorpus) -> list[Any]:
+    return list(getattr(corpus, "prefixes", None) or getattr(corpus, "files", [corpus.dir]))
+
+
 def info_lines(facts: dict[str, Any]) -> list[str]:
     lines = [
         f"path:      {', '.join(facts['path'])}",
-        f"kind:      stream with documents ({facts['storage']}), written by "
-        f"{facts['written_by']}; read-only",
+        f"kind:      stream{'' if facts['documents'] is None else ' with documents'} "
+        f"({facts['storage']}), written by {facts['written_by']}; read-only",
         f"dtype:     {facts['dtype']}"
         + ("" if facts["read_as"] == facts["dtype"] else f" (read as {facts['read_as']})"),
         f"shards:    {facts['shards']}",
         f"elements:  {facts['elements']}",
-        f"documents: {facts['documents']}",
+        "documents: "
+        + (
+            "none (no end-of-document token)"
+            if facts["documents"] is None
+            else str(facts["documents"])
+        ),
         f"bytes:     {facts['bytes']}",
     ]
     if "samples" in facts:
@@ -98,9 +115,9 @@ def info_lines(facts: dict[str, Any]) -> list[str]:
     lines.append("")
     lines.append(f"{'shard':<8} {'elements':>14} {'documents':>12} {'bytes':>14}  file")
     for shard, file in enumerate(facts["files"]):
+        documents = "-" if file["documents"] is None else file["documents"]
         lines.append(
-            f"{shard:07d}  {file['tokens']:>14} {file['documents']:>12} {file['bytes']:>14}  "
-            f"{file['file']}"
+            f"{shard:07d}  {file['tokens']:>14} {documents:>12} {file['bytes']:>14}  {file['file']}"
         )
     return lines
 

@@ -73,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     found = corpus_of(args)
-    if found is not None:  # a corpus's windows with -L, else its documents
-        kind = "stream" if args.sequence_length else "document"
-        if args.sequence_length:
-            return _print(args, kind, StreamDataset(found, args.sequence_length))
-        return _print(args, kind, DocumentDataset(found))  # type: ignore[arg-type]
+    if found is not None:  # a corpus's documents, or its windows with -L (or no documents)
+        if args.sequence_length or not getattr(found, "has_documents", True):
+            length = args.sequence_length or DEFAULT_SEQUENCE_LENGTH
+            return _print(args, "stream", StreamDataset(found, length))
+        return _print(args, "document", DocumentDataset(found))  # type: ignore[arg-type]
     opened = open_dataset(args.path, args.dtype, args.kind)
     if opened.kind == "document":
         dataset: Any = DocumentDataset(opened.storage)

@@ -1,20 +1,24 @@
 """Corpora of other tools in the loader: ``from_storage`` over a Megatron corpus (written by
-megatron-core) reads its windows and its documents in both orders, and a run stopped at any
-step resumes on another world size with exactly the batches of the uninterrupted run."""
+megatron-core) or numpy token files (``numpy.save``, documents split at an end token) reads
+their windows and their documents in both orders, and a run stopped at any step resumes on
+another world size with exactly the batches of the uninterrupted run."""
 
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from corpus_writers import megatron, megatron_read_back, random_documents, write_megatron
 
-megatron()  # (the module skips without megatron-core)
+pytest.importorskip("torch")
 
-from guideloom_pipes import MegatronIndexedStorage, StatefulDataLoader  # noqa: E402
+from guideloom_pipes import (
+    MegatronIndexedStorage,
+    NumpyTokensStorage,
+    StatefulDataLoader,
+)
 
 GLOBAL_BATCH = 4
 
@@ -24,19 +28,34 @@ def tokens_of(samples: list[Any]) -> list[tuple[int, ...]]:
     return [tuple(sample["tokens"].tolist()) for sample in samples]
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
-    """Two prefixes (two shards, for the shard order on two ranks)."""
-    folder = tmp_path_factory.mktemp("megatron")
-    return [
-        write_megatron(folder / name, random_documents(seed, 19, "uint16", sequences=2), "uint16")
-        for name, seed in (("a", 21), ("b", 22))
+@pytest.fixture(scope="module", params=["megatron", "numpy"])
+def corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A corpus of two files (two shards, for the shard order on two ranks), and its
+    documents as its writer reads them back."""
+    folder = tmp_path_factory.mktemp(request.param)
+    written = [random_documents(seed, 19, "uint16", sequences=2) for seed in (21, 22)]
+    if request.param == "megatron":
+        megatron()  # (skips without megatron-core)
+        prefixes = [
+            write_megatron(folder / name, docs, "uint16") for name, docs in zip("ab", written)
+        ]
+        documents = [d for prefix in prefixes for d in megatron_read_back(prefix)[1]]
+        return MegatronIndexedStorage(prefixes), documents
+    # documents end with token 0 (none inside one: the writer's ids start at 1)
+    documents = [
+        np.append(np.concatenate(d) % 60000 + 1, 0).astype(np.uint16)
+        for docs in written
+        for d in docs
     ]
+    files = [folder / "a.npy", folder / "b.npy"]
+    np.save(files[0], np.concatenate(documents[:19]))
+    np.save(files[1], np.concatenate(documents[19:]))
+    return NumpyTokensStorage(files, eos_id=0), documents
 
 
-def _loader(prefixes: list[Path], world_size: int, rank: int, **options: Any) -> StatefulDataLoader:
+def _loader(corpus: Any, world_size: int, rank: int, **options: Any) -> StatefulDataLoader:
     return StatefulDataLoader.from_storage(
-        MegatronIndexedStorage(prefixes),
+        corpus[0],
         tokens_of,
         local_batch_size=GLOBAL_BATCH // world_size,
         rank=rank,
@@ -67,7 +86,7 @@ READS = {
 
 @pytest.mark.parametrize("read", list(READS))
 def test_a_stop_at_any_step_resumes_on_another_world_size_with_the_same_batches(
-    corpus: list[Path], read: str
+    corpus: Any, read: str
 ) -> None:
     # (the shard order resumes on its own world size only: docs/shard-streaming.md)
     options = READS[read]
@@ -87,13 +106,9 @@ def test_a_stop_at_any_step_resumes_on_another_world_size_with_the_same_batches(
         assert before + after == whole, stop
 
 
-def test_windows_and_documents_through_the_loader_are_the_corpus(corpus: list[Path]) -> None:
-    sequences, documents = [], []
-    for prefix in corpus:
-        read = megatron_read_back(prefix)
-        sequences += read[0]
-        documents += read[1]
-    stream = np.concatenate(sequences)
+def test_windows_and_documents_through_the_loader_are_the_corpus(corpus: Any) -> None:
+    documents = corpus[1]
+    stream = np.concatenate(documents)
     windows = Counter(tuple(stream[i * 6 : (i + 1) * 6].tolist()) for i in range(len(stream) // 6))
     loader = _loader(corpus, 1, 0, sequence_length=6)
     got = Counter(w for batch in loader for w in batch)

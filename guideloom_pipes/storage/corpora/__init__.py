@@ -7,10 +7,12 @@ from guideloom_pipes.storage.corpora.megatron import (
     MegatronIndexedStorage,
     read_megatron_index,
 )
+from guideloom_pipes.storage.corpora.numpy_tokens import NumpyTokensStorage
 
 __all__ = [
     "MegatronIndex",
     "MegatronIndexedStorage",
+    "NumpyTokensStorage",
     "TokenCorpus",
     "TokenFormat",
     "read_megatron_index",

@@ -1,0 +1,339 @@
+"""Flat numpy token files, read in place: ``NumpyTokensStorage``.
+
+What OLMo / Dolma and many home-made pipelines ship: token ids back to back in ``.npy``
+files (``numpy.save``; the header gives dtype and shape, the data follows it) or in raw
+files (``ndarray.tofile``; the dtype is given), documents separated by an end-of-document
+token. The stream is the files in the order given. With ``eos_id`` the documents are the
+spans that end with it (the last one may end with the stream instead); their ends are
+found by one scan, kept in a sidecar file (beside the first file, else under ``cache_dir``)
+that later opens read instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+import warnings
+from pathlib import Path, PurePath
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.storage.corpora.base import (
+    CorpusFiles,
+    TokenCorpus,
+    common_directory,
+    local_paths,
+    token_dtype,
+)
+from guideloom_pipes.storage.errors import CorruptShardError
+from guideloom_pipes.storage.io import resolve_backend
+
+__all__ = ["NumpyTokensStorage", "npy_layout"]
+
+#: Tokens scanned at a time for the end-of-document token.
+_SCAN_BLOCK = 1 << 24
+#: The sidecar's first bytes (then: its key's digest, 16 bytes; then int64 ends).
+_SIDECAR_MAGIC = b"GLPEOS1\x00"
+
+
+def npy_layout(path: Path) -> tuple[np.dtype[Any], int, int]:
+    """``(dtype, tokens, data offset)`` of the ``.npy`` file at ``path``, from its header.
+
+    Raises:
+        CorruptShardError: not an ``.npy`` file, or data shorter than the header says.
+        ValueError: not a 1-D C-ordered array of integers in little-endian order (the
+            message says how to rewrite it).
+    """
+    with open(path, "rb") as handle:
+        try:
+            version = np.lib.format.read_magic(handle)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(handle)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(handle)
+        except ValueError as error:
+            raise CorruptShardError(
+                f"{path} is not a .npy file numpy can read ({error}); give raw token files "
+                f"with dtype=, or write the tokens with numpy.save"
+            ) from None
+        offset = handle.tell()
+    if len(shape) != 1:
+        raise ValueError(
+            f"{path} holds an array of shape {shape}: token files are 1-D (the tokens back "
+            f"to back); save array.reshape(-1), or read it with numpy and write it again"
+        )
+    if dtype.kind not in "iu":
+        raise ValueError(
+            f"{path} holds {dtype} values: token files hold integer ids; cast them "
+            f"(array.astype('int32')) and save again"
+        )
+    if dtype.byteorder == ">" or (fortran and len(shape) > 1):
+        raise ValueError(
+            f"{path} is stored big-endian ({dtype.str}): save it little-endian "
+            f"(array.astype('{dtype.newbyteorder('<').str}'))"
+        )
+    dtype = dtype.newbyteorder("<")
+    need = offset + shape[0] * dtype.itemsize
+    size = path.stat().st_size
+    if size != need:
+        raise CorruptShardError(
+            f"{path} is {size} bytes, but its header describes {shape[0]} tokens of {dtype} "
+            f"after {offset} header bytes ({need} bytes): it is truncated or was changed; "
+            f"save it again with numpy.save"
+        )
+    return dtype, shape[0], offset
+
+
+class _SkipHeaders:
+    """A read backend over another that serves each file from its data offset on (a
+    ``.npy`` file's tokens, its header skipped): sizes, reads and mapped buffers."""
+
+    def __init__(self, inner: Any, offsets: dict[str, int]) -> None:
+        self.inner = resolve_backend(inner)
+        self.offsets = offsets
+        self.holds_fd = self.inner.holds_fd
+
+    def sync_reader(self) -> Any:
+        return self._reader
+
+    def _reader(self, path: PurePath) -> _Skipped:
+        return _Skipped(self.inner.reader(path), self.offsets.get(os.fspath(path), 0))
+
+    def __repr__(self) -> str:
+        return f"_SkipHeaders({self.inner.backend!r})"
+
+
+class _Skipped:
+    def __init__(self, inner: Any, skip: int) -> None:
+        self.inner = inner
+        self.skip = skip
+
+    def open(self) -> None:
+        self.inner.open()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def filesize(self) -> int:
+        return int(self.inner.filesize()) - self.skip
+
+    def read(self, offset: int, size: int) -> Any:
+        return self.inner.read(offset + self.skip, size)
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        readinto = getattr(self.inner, "readinto", None)
+        if callable(readinto):
+            return int(readinto(offset + self.skip, buffer))
+        data = memoryview(self.inner.read(offset + self.skip, len(buffer))).cast("B")
+        buffer[: len(data)] = data
+        return len(data)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "buffer":
+            buffer = self.inner.buffer  # (AttributeError: no mapped buffers)
+            return lambda: buffer()[self.skip :]
+        raise AttributeError(name)
+
+
+class NumpyTokensStorage(TokenCorpus):
+    """Flat token files (``.npy``, or raw with ``dtype=``) read in place as one token
+    stream: ``StreamDataset`` windows, and with ``eos_id`` its documents (``DocumentDataset``,
+    ``PackedDataset``, ``from_storage`` without ``sequence_length``).
+
+    Args:
+        files: a file or a list of them; the stream is their tokens in that order. ``.npy``
+            files give their dtype in their header; other files are raw tokens of
+            ``dtype``.
+        dtype: for ``.npy`` files, the dtype samples have (None: the files'; a token that
+            does not fit it is refused when read, naming the file and the value); for raw
+            files, the dtype they hold (required).
+        eos_id: the end-of-document token: documents are the spans ending with it (found
+            once, kept in a sidecar). None: the stream has no documents (windows only).
+        cache_dir: where the sidecar goes when the first file's directory is read-only
+            (by default: beside it, else in memory only).
+        read_interface: the read backend (default memory-mapped).
+    """
+
+    description = "flat numpy token files"
+
+    def __init__(
+        self,
+        files: Any,
+        dtype: Any = None,
+        eos_id: int | None = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        read_interface: Any = None,
+    ) -> None:
+        paths = local_paths(files, "files")
+        self.files = paths
+        self.eos_id = None if eos_id is None else int(eos_id)
+        #: where the sidecar goes when the first file's directory is read-only
+        self.sidecar_dir = None if cache_dir is None else Path(cache_dir)
+        raw = [path for path in paths if path.suffix != ".npy"]
+        if raw and dtype is None:
+            raise TypeError(
+                f"{raw[0]} is not a .npy file, so its dtype is not written in it: pass "
+                f"dtype= the dtype of its tokens (e.g. dtype='uint16')"
+            )
+        layouts = {path: npy_layout(path) for path in paths if path.suffix == ".npy"}
+        stored_types = {layout[0] for layout in layouts.values()}
+        if raw:
+            stored_types.add(token_dtype(dtype, "dtype"))
+        if len(stored_types) > 1:
+            listed = ", ".join(sorted(str(t) for t in stored_types))
+            raise ValueError(
+                f"the files hold tokens of different dtypes ({listed}); open each group as "
+                f"its own NumpyTokensStorage and blend them with a MixtureDataset, giving "
+                f"each the same dtype="
+            )
+        stored = next(iter(stored_types))
+        directory, names = common_directory(paths)
+        self._names = names
+        self._offsets = {
+            os.fspath(directory / name): layouts[path][2]
+            for path, name in zip(paths, names)
+            if path in layouts
+        }
+        backend = _SkipHeaders(read_interface, self._offsets) if self._offsets else read_interface
+        # (raw files: dtype= is what they hold, and what is read)
+        super().__init__(directory, stored, None if raw else dtype, backend)
+        if self.eos_id is not None:
+            info = np.iinfo(stored)
+            if not info.min <= self.eos_id <= info.max:
+                raise ValueError(
+                    f"eos_id={self.eos_id} is outside the files' dtype {stored} "
+                    f"({info.min}..{info.max}): no token can be it"
+                )
+
+    @property
+    def has_documents(self) -> bool:
+        """Whether the corpus has documents (``eos_id`` given)."""
+        return self.eos_id is not None
+
+    def _scan(self) -> CorpusFiles:
+        sizes = []
+        for path, name in zip(self.files, self._names):
+            try:
+                size = os.stat(self.dir / name).st_size - self._offsets.get(
+                    os.fspath(self.dir / name), 0
+                )
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{path} does not exist: check the files given") from None
+            if path.suffix != ".npy" and size % self.stored.itemsize:
+                raise CorruptShardError(
+                    f"{path} is {size} bytes, not a whole number of {self.stored} tokens "
+                    f"({self.stored.itemsize} bytes each): it is truncated, or holds another "
+                    f"dtype than dtype={self.stored}"
+                )
+            sizes.append(size)
+        starts = None if self.eos_id is None else self._document_starts(sizes)
+        return CorpusFiles(list(self._names), sizes, starts)
+
+    # -- documents: the ends of the eos tokens, scanned once ----------------------------------
+
+    def _key(self, sizes: list[int]) -> bytes:
+        """What the sidecar must match: the files (names, sizes, mtimes), dtype and eos."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name, size in zip(self._names, sizes):
+            info = os.stat(self.dir / name)
+            digest.update(f"{name}\0{size}\0{info.st_mtime_ns}\0".encode())
+        digest.update(f"{self.stored.str}\0{self.eos_id}".encode())
+        return digest.digest()
+
+    def _sidecars(self) -> list[Path]:
+        first = self.files[0].absolute()
+        digest = hashlib.sha256(os.fsencode(os.fspath(first))).hexdigest()[:16]
+        name = f".guideloom_pipes-eos-{digest}.bin"
+        places = [first.parent / name]
+        if self.sidecar_dir is not None:
+            places.append(self.sidecar_dir / name)
+        return places
+
+    def _document_starts(self, sizes: list[int]) -> np.ndarray:
+        key = self._key(sizes)
+        for place in self._sidecars():
+            found = _read_sidecar(place, key)
+            if found is not None:
+                return found
+        ends = self._scan_ends(sizes)
+        total = sum(sizes) // self.stored.itemsize
+        if not len(ends) or int(ends[-1]) != total:
+            ends = np.append(ends, np.int64(total)) if total else ends
+        starts = np.concatenate([np.zeros(1, dtype=np.int64), ends])
+        for place in self._sidecars():
+            if _write_sidecar(place, key, starts):
+                break
+        else:
+            warnings.warn(
+                f"NumpyTokensStorage could not keep the document ends of {self.files[0]} in a "
+                f"sidecar (its directory is read-only): every open scans the files again. "
+                f"Pass cache_dir= a writable directory",
+                UserWarning,
+                stacklevel=4,
+            )
+        return starts
+
+    def _scan_ends(self, sizes: list[int]) -> np.ndarray:
+        """The stream positions just after each ``eos_id`` token (int64)."""
+        pieces, offset = [], 0
+        for name, size in zip(self._names, sizes):
+            count = size // self.stored.itemsize
+            if not count:
+                continue
+            skip = self._offsets.get(os.fspath(self.dir / name), 0)
+            mapped = np.memmap(
+                self.dir / name, dtype=self.stored, mode="r", offset=skip, shape=(count,)
+            )
+            for start in range(0, count, _SCAN_BLOCK):
+                block = mapped[start : start + _SCAN_BLOCK]
+                ends = np.flatnonzero(block == self.eos_id).astype(np.int64)
+                pieces.append(ends + (offset + start + 1))
+            offset += count
+            del mapped
+        return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        listed = [os.fspath(path) for path in self.files]
+        shown = listed[0] if len(listed) == 1 else listed
+        extra = ""
+        if self.dtype != self.stored or any(p.suffix != ".npy" for p in self.files):
+            extra += f", dtype={str(self.dtype)!r}"
+        if self.eos_id is not None:
+            extra += f", eos_id={self.eos_id}"
+        return f"NumpyTokensStorage({shown!r}{extra})"
+
+
+def _read_sidecar(path: Path, key: bytes) -> np.ndarray | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head = len(_SIDECAR_MAGIC) + len(key)
+    if data[: len(_SIDECAR_MAGIC)] != _SIDECAR_MAGIC or data[len(_SIDECAR_MAGIC) : head] != key:
+        return None
+    if (len(data) - head) % 8:
+        return None
+    return np.frombuffer(data, dtype="<i8", offset=head).copy()
+
+
+def _write_sidecar(path: Path, key: bytes, starts: np.ndarray) -> bool:
+    """Write the sidecar atomically (a temporary renamed into place); whether it was."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(_SIDECAR_MAGIC + key + starts.astype("<i8").tobytes())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        return False
