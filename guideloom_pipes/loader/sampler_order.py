@@ -12,6 +12,7 @@ loading the sampler's own state as of the last batch delivered).
 
 from __future__ import annotations
 
+import base64
 import collections
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -76,16 +77,22 @@ class EpochStart:
         )
 
     def state(self) -> dict[str, Any]:
-        return {"default": self.default, "others": list(self.others)}
+        """The states as text (base64 of each generator's state bytes), so that the whole
+        ``state_dict()`` goes through ``json.dumps`` as well as ``torch.save``."""
+        return {"default": _text(self.default), "others": [_text(t) for t in self.others]}
 
     @classmethod
     def of_state(cls, saved: Any, loader: DataLoader[Any]) -> EpochStart:
-        if not isinstance(saved, Mapping) or not isinstance(saved.get("default"), torch.Tensor):
+        try:
+            if not isinstance(saved, Mapping):
+                raise ValueError
+            default = _tensor(saved["default"])
+            others = [_tensor(state) for state in saved.get("others", [])]
+        except (KeyError, ValueError, TypeError):
             raise ValueError(
                 f"state_dict['generators'] = {saved!r} is not the generator states of a "
                 "guideloom_pipes.DataLoader state: pass a dict from its state_dict()"
-            )
-        others = list(saved.get("others", []))
+            ) from None
         now = sampler_generators(loader)
         if len(others) != len(now):
             raise ValueError(
@@ -93,7 +100,7 @@ class EpochStart:
                 f"samplers draw from {len(now)} generator(s) besides torch's global one: "
                 "build the loader with the same generator= and sampler as the saved run"
             )
-        return cls(saved["default"], others)
+        return cls(default, others)
 
     def restore(self, loader: DataLoader[Any], *, default: bool) -> None:
         """Put the loader's sampler generators (and, with ``default``, torch's global one)
@@ -102,6 +109,21 @@ class EpochStart:
             torch.default_generator.set_state(self.default)
         for generator, state in zip(sampler_generators(loader), self.others, strict=True):
             generator.set_state(state)
+
+
+def _text(state: torch.Tensor) -> str:
+    """A generator's state (a ``uint8`` tensor) as base64 text."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def _tensor(saved: Any) -> torch.Tensor:
+    """A generator's state from :func:`_text`'s text (or the tensor itself)."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    if not isinstance(saved, str):
+        raise TypeError(saved)
+    data = base64.b64decode(saved.encode("ascii"), validate=True)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 class SamplerBatches(BaseNode[np.ndarray]):

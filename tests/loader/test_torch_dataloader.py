@@ -314,3 +314,24 @@ def test_torchdatas_snapshot_every_n_steps_is_taken_and_the_state_stays_exact() 
     assert loader.state_dict()["batches"] == 1
     with pytest.raises(ValueError, match="snapshot_every_n_steps"):
         DataLoader(list(range(6)), snapshot_every_n_steps=0)
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_state_goes_through_json_and_resumes(workers: int) -> None:
+    """``json.dumps(loader.state_dict())`` works (the generator states are text), and the
+    state read back resumes as the state itself does (torchdata's suites save it so)."""
+    import json
+
+    def make() -> DataLoader[Any]:
+        return DataLoader(list(range(20)), batch_size=3, shuffle=True, num_workers=workers)
+
+    _seed_all()
+    loader = make()
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    text = json.dumps(loader.state_dict())
+    rest = [_plain(batch) for batch in iterator]
+    resumed = make()
+    resumed.load_state_dict(json.loads(text))
+    assert [_plain(batch) for batch in resumed] == rest and len(rest) == 4
