@@ -63,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
         )
     parser.add_argument("--child-scale", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--child-dataloader-memory", help=argparse.SUPPRESS)
+    parser.add_argument("--child-megatron-open", help=argparse.SUPPRESS)
     return parser
 
 
@@ -77,6 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from guideloom_pipes.bench.dataloader import memory_child
 
         print(json.dumps(memory_child(json.loads(args.child_dataloader_memory))))
+        return 0
+    if args.child_megatron_open is not None:
+        from guideloom_pipes.bench.corpora import open_child
+
+        print(json.dumps(open_child(json.loads(args.child_megatron_open))))
         return 0
     sizes = Sizes.quick() if args.quick else Sizes()
     for name in asdict(sizes):
@@ -118,6 +124,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 (name, lambda name=name: bench.dataloader_scenario(name))
                 for name in SCENARIOS
                 if name.startswith("dataloader-")
+            ],
+            *[
+                (name, lambda name=name: bench.megatron_scenario(name))
+                for name in SCENARIOS
+                if name.startswith("megatron-")
             ],
         ]
         for name, step in steps:

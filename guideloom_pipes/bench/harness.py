@@ -39,6 +39,8 @@ class Sizes:
     resume_rounds: int = 5
     #: the remote-range scenario's dataset (its cold first batch): 1 GiB
     remote_bytes: int = 2**30
+    #: documents of the megatron-open scenario's corpus
+    megatron_documents: int = 10_000_000
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -48,6 +50,7 @@ class Sizes:
             documents=1500,
             slow_tokens=1_000_000,
             remote_bytes=2**26,
+            megatron_documents=20_000,
             rounds=2,
             round_seconds=0.2,
             warmup_seconds=0.1,

@@ -166,7 +166,44 @@ def targets(rows: list[Row], extra: dict[str, Any]) -> list[Target]:
                     False,
                 )
             )
-    return out + _dataloader_targets(rows, extra, scenarios)
+    return out + _dataloader_targets(rows, extra, scenarios) + _corpora_targets(rows, extra)
+
+
+def _corpora_targets(rows: list[Row], extra: dict[str, Any]) -> list[Target]:
+    """Issue 29: a Megatron corpus opens in under a second and reads windows as fast as our
+    own shards (0.9x)."""
+    from guideloom_pipes.bench import corpora
+
+    out: list[Target] = []
+    for workers in (0, 2):
+        own = _rate(rows, corpora.WINDOWS_SCENARIO, corpora.windows_row(corpora.OWN, workers))
+        theirs = _rate(
+            rows, corpora.WINDOWS_SCENARIO, corpora.windows_row(corpora.MEGATRON, workers)
+        )
+        if own == own and theirs == theirs:  # (measured: NaN where megatron-core is missing)
+            out.append(
+                Target(
+                    f"{corpora.WINDOWS_SCENARIO}: Megatron corpus / our shards, workers={workers}",
+                    theirs / own,
+                    0.9,
+                    True,
+                )
+            )
+    opened = extra.get(corpora.OPEN_SCENARIO, {})
+    if "ours" in opened:
+        out.append(
+            Target(
+                f"{corpora.OPEN_SCENARIO}: {opened['documents']:,} documents, ours open + first "
+                "batch",
+                opened["ours"]["open_first_batch_s"],
+                1.0,
+                False,
+                "s",
+                note=f"GPTDataset (index building included): "
+                f"{opened['megatron']['open_first_batch_s']:.2f} s",
+            )
+        )
+    return out
 
 
 def _dataloader_targets(
@@ -343,6 +380,18 @@ def report(
                 + (f"; steps {row['slowdown']:.2f}x alone" if "slowdown" in row else ""),
             ]
         )
+    opened = extra.get("megatron-open", {})
+    for who, name in (("ours", "ours (MegatronIndexedStorage)"), ("megatron", "GPTDataset")):
+        if who in opened:
+            figures = opened[who]
+            latency.append(
+                [
+                    "megatron-open",
+                    f"{opened['documents']:,} documents: {name}",
+                    f"open + first batch {figures['open_first_batch_s']:.3f} s; running "
+                    f"{figures['samples_per_s']:,.0f} samples/s",
+                ]
+            )
     for case, figures in extra.get("dataloader-memory", {}).items():
         latency.append(
             [

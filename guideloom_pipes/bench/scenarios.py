@@ -92,6 +92,8 @@ SCENARIOS = (
     "dataloader-documents",
     "dataloader-iterable",
     "dataloader-memory",
+    "megatron-windows",
+    "megatron-open",
 )
 #: What the train-loop scenario's rows read (its ``data`` field).
 TOKENS, DOCUMENTS = "tokens", "documents"
@@ -548,6 +550,18 @@ class Bench:
                 self.sizes,
                 self.log,
             )
+
+    def megatron_scenario(self, name: str) -> None:
+        """A Megatron corpus read in place (``bench/corpora.py``); needs megatron-core."""
+        from guideloom_pipes.bench import corpora
+
+        reason = corpora.skipped(self.log)
+        if reason is not None:
+            self.extra[name] = {"skipped": reason}
+        elif name == corpora.WINDOWS_SCENARIO:
+            self.rows += corpora.windows_rows(self.tokens(), self.root, self.sizes, self.log)
+        else:
+            self.extra[name] = corpora.open_figures(self.root, self.sizes, self.log)
 
     def scale_scenario(self) -> None:
         started = time.perf_counter()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -43,6 +44,8 @@ TINY = [
     "1",
     "--remote-bytes",
     "2000000",
+    "--megatron-documents",
+    "3000",
 ]
 
 THROUGHPUT = (
@@ -58,6 +61,7 @@ THROUGHPUT = (
     "dataloader-tokens",
     "dataloader-documents",
     "dataloader-iterable",
+    "megatron-windows",
 )
 
 
@@ -111,6 +115,8 @@ def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> 
     if scenario in REMOTE and not _remote_ran(report, scenario):
         pytest.skip(report["scenarios"][scenario]["skipped"])
     entry = report["scenarios"][scenario]
+    if scenario.startswith("megatron-") and "skipped" in entry:
+        pytest.skip(entry["skipped"])  # (no megatron-core: the corpora-test extra)
     rows = entry["rows"]
     assert rows[0]["baseline"] and entry["baseline"] == rows[0]["contender"]
     assert len(rows) >= (
@@ -208,6 +214,15 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "dataloader-iterable: ours / torch's, workers=2",
         "dataloader-memory: tokens workers=2, process tree PSS ours / torch's",
         "dataloader-memory: documents workers=2, process tree PSS ours / torch's",
+        *(
+            [
+                "megatron-windows: Megatron corpus / our shards, workers=0",
+                "megatron-windows: Megatron corpus / our shards, workers=2",
+                "megatron-open: 3,000 documents, ours open + first batch",
+            ]
+            if importlib.util.find_spec("megatron") is not None
+            else []
+        ),
         *(["remote-cache: shard cache second epoch"] if _remote_ran(report) else []),
         *(
             ["remote-range: 32 thread workers / 1", "remote-range: cold first batch"]
@@ -522,3 +537,18 @@ def test_the_iterable_documents_give_every_document_once(tmp_path: Path, workers
     got = sorted(tuple(document) for document in loader)
     expected = sorted(tuple(MemmapDocuments(storage)[i]) for i in range(50))
     assert got == expected
+
+
+@pytest.mark.slow  # (the quick benchmark it reads takes ~30 s)
+@pytest.mark.timeout(300)
+def test_the_megatron_open_figures_are_both_readers_in_fresh_processes(
+    report: dict[str, Any],
+) -> None:
+    figures = report["scenarios"]["megatron-open"]
+    if "skipped" in figures:
+        pytest.skip(figures["skipped"])
+    assert figures["documents"] == 3000
+    for who in ("ours", "megatron"):
+        assert _positive(figures[who]["open_first_batch_s"])
+        assert _positive(figures[who]["samples_per_s"])
+        assert len(figures[who]["rounds"]) == 1  # (--resume-rounds 1)
