@@ -121,6 +121,62 @@ class IteratorState(IterableDataset):  # type: ignore[type-arg]
         return _StatefulIterator(list(range(worker, self.n, workers)))
 
 
+class OwnIterator(IterableDataset):  # type: ignore[type-arg]
+    """Samples ``0 .. n-1`` shared as :class:`Counted`, from a dataset that is its own
+    iterator (``iter()`` returns it). ``iter()`` sets up the pass (its share, the next
+    index), so a state can only be loaded after it; ``iters`` counts the calls."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.iters = 0
+
+    def __iter__(self) -> OwnIterator:
+        self.iters += 1
+        worker, workers = _share()
+        self.share = list(range(worker, self.n, workers))
+        self.at = 0
+        return self
+
+    def __next__(self) -> int:
+        if self.at >= len(self.share):
+            raise StopIteration
+        self.at += 1
+        return self.share[self.at - 1]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"at": self.at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.at = state["at"]  # (the share comes from iter(), which ran before)
+        assert hasattr(self, "share"), "load_state_dict() before iter()"
+
+
+class EpochCounting(IterableDataset):  # type: ignore[type-arg]
+    """Samples ``(i, epoch)`` for ``i`` of the worker's share of ``0 .. n-1``, shared as
+    :class:`Counted` and with its state (the next index of the share), plus the dataset's
+    own count of its passes (``epoch`` goes up when a pass ends)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.epoch = 0
+        self.next = 0
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        worker, workers = _share()
+        share = range(worker, self.n, workers)
+        for j in range(self.next, len(share)):
+            self.next = j + 1
+            yield (share[j], self.epoch)
+        self.next = 0
+        self.epoch += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "next": self.next}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.next = state["epoch"], state["next"]
+
+
 class _FailingIterator:
     def __init__(self, items: list[int], bad: int) -> None:
         self.items = iter(items)

@@ -6,7 +6,9 @@ Its state holds, for each worker, its :class:`~guideloom_pipes.pipes.workers.ite
 WorkerRecord` as of its last batch delivered (the dataset's ``state_dict()`` and its
 iterator's where they have one, else the number of samples the worker's pass gave, skipped
 again on resume), and whose turn is next. Those are the passes of ``num_workers`` workers
-(``max(num_workers, 1)`` records): such a state resumes on the same ``num_workers`` only.
+(``max(num_workers, 1)`` records): such a state resumes on the same ``num_workers`` only. At
+an epoch's end the records keep each dataset's own state where the same dataset objects go on
+into the next epoch (:meth:`IterableOrder.carried`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,25 @@ class IterableOrder:
         except TypeError:
             return 1
 
+    def carried(self, loader: DataLoader[Any], reads: IterableReads) -> list[WorkerRecord] | None:
+        """What the next epoch's passes start from, once every pass of ``reads`` has
+        ended: each dataset's own state as its pass left it, where the same dataset objects
+        go on (in the training process, or in persistent workers; new workers get new
+        copies, as in torch); None where nothing carries over."""
+        if loader.num_workers and not loader.persistent_workers:
+            return None
+        records = [WorkerRecord(dataset_state=record.dataset_state) for record in reads.records]
+        return records if any(r.dataset_state is not None for r in records) else None
+
+    @staticmethod
+    def starts(state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` says where its workers' passes start beyond "from the
+        beginning": mid-epoch, or a pass's states at an epoch's start."""
+        return bool(state["batches"]) or any(
+            saved.get("dataset_state") is not None or saved.get("iterator_state") is not None
+            for saved in state["workers"]
+        )
+
     def records(self, loader: DataLoader[Any], state: Mapping[str, Any]) -> list[WorkerRecord]:
         """The workers' records of a state :meth:`check_state` passed."""
         return [
@@ -86,12 +107,15 @@ class IterableOrder:
         turn, started = 0, False
         if iterator is None:
             epoch, offset = loader._position.epoch, loader._position.offset
+            if not offset:
+                records = loader._carried  # (the datasets' states after the last epoch)
         else:
             reads = iterator.source
             assert isinstance(reads, IterableReads)
             epoch, offset = iterator._epoch, iterator._position()
             if offset and all(record.ended for record in reads.records):
                 epoch, offset = epoch + 1, 0  # every pass has ended: the next epoch's start
+                records = self.carried(loader, reads)
             else:
                 records, turn, started = reads.records, reads.turn, offset == 0
         state = self.state(loader, epoch, offset, records, turn)
@@ -115,7 +139,8 @@ class IterableOrder:
                 f"state_dict['workers'] = {workers!r} must be a list of {max(saved, 1)} "
                 "worker records: the state was changed, or is not a DataLoader state"
             )
-        if state["batches"] and max(saved, 1) != passes(loader):
+        self.records(loader, state)  # (each record checked)
+        if max(saved, 1) != passes(loader) and self.starts(state):
             raise ValueError(
                 f"this state was taken with num_workers={saved} and this loader has "
                 f"num_workers={loader.num_workers}: an IterableDataset's state holds where "
@@ -128,4 +153,3 @@ class IterableOrder:
                 f"state_dict['turn'] = {state['turn']} names no worker of "
                 f"{max(saved, 1)}: the state was changed"
             )
-        self.records(loader, state)  # (each record checked)

@@ -9,6 +9,7 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
+from guideloom_pipes.loader.iterable_order import IterableOrder
 from guideloom_pipes.loader.iterator import LoaderIterator
 from guideloom_pipes.loader.sampler_order import SamplerBatches
 from guideloom_pipes.pipes.iterable import IterableReads
@@ -83,6 +84,10 @@ class TorchLoaderIterator(LoaderIterator):
         # state taken after the loop resumes there when loaded).
         left = not offset and epoch == self._epoch and self._position() > 0
         state = loader.state_dict() if stays or left else None
+        order = loader._order
+        if isinstance(order, IterableOrder) and epoch != self._epoch:  # (the epoch ended)
+            assert isinstance(self.source, IterableReads)
+            loader._carried = order.carried(loader, self.source)
         try:
             super()._finish(epoch, offset)
         finally:

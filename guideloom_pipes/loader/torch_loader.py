@@ -13,6 +13,7 @@ worker_id``, the batches dealt round robin), and an iterator is a
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import warnings
 import weakref
@@ -21,11 +22,20 @@ from typing import Any, TypeVar
 
 import torch
 import torch.utils.data
+from torch.utils.data import IterDataPipe
 from torch.utils.data._utils.collate import default_collate as torch_default_collate
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.loader.checkpoint import Position
+from guideloom_pipes.loader.datapipes import (
+    SeedDataPipe,
+    distributed_settings,
+    draw_shared_seed,
+    is_datapipe,
+    shard_in_worker,
+    shard_inline,
+)
 from guideloom_pipes.loader.iterable_order import IterableOrder
 from guideloom_pipes.loader.sampler_order import (
     KIND,
@@ -120,7 +130,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         #: loop's break), until the next iter() or load_state_dict().
         self._left_state: dict[str, Any] | None = None
         self._live: weakref.ref[TorchLoaderIterator] | None = None
+        #: An IterableDataset's worker records an ended epoch carries into the next (the
+        #: datasets' own states, :meth:`IterableOrder.carried`), for state_dict() between.
+        self._carried: list[Any] | None = None
         self._pool: ProcessPool | None = None  # persistent_workers' processes
+        #: An IterDataPipe's shared seed of the epoch (None: not a DataPipe, or not drawn),
+        #: and the process group it is broadcast over (torch.distributed initialized).
+        self._shared_seed: int | None = None
+        self._datapipe_group: Any = None
         self._pool_finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- what the loader's iterator reads of it ------------------------------------------
@@ -183,6 +200,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 stacklevel=2,
             )
         self._left_state = None
+        self._carried = None
+        if self.num_workers == 0 and is_datapipe(self.dataset):
+            shard_inline(self.dataset)
         here = self._position
         resume, self._resume = self._resume, None
         epoch, offset = here.epoch, here.offset
@@ -207,7 +227,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         order = self._order
         assert isinstance(order, IterableOrder)
         records, turn = None, 0
-        if resume is not None and offset:
+        if resume is not None and order.starts(resume):
             records, turn = order.records(self, resume), resume["turn"]
         pool = self._processes()
         reads = IterableReads(
@@ -220,6 +240,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             timeout=float(self.timeout) or None,
             records=records,
             turn=turn,
+            prepare=None if self._shared_seed is None else SeedDataPipe(self._shared_seed),
         )
         return self._deliver(reads, epoch, offset, reads, pool)
 
@@ -265,8 +286,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             caller = torch.default_generator.get_state()
             start.restore(self, default=True)
             try:
+                self._shared_seed = self._draw_shared_seed()
                 if resume.get("drew_base_seed"):
                     self._draw_base_seed()  # (what it drew from generator=)
+                    self._draw_worker_shared_seed()
             finally:
                 torch.default_generator.set_state(caller)
             return iter(()), stateful
@@ -274,13 +297,32 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             # the epoch's start as the saved run stood at it: its sampler generators
             EpochStart.of_state(resume["generators"], self).restore(self, default=False)
         self._epoch_start = EpochStart.now(self)
+        self._shared_seed = self._draw_shared_seed()  # (before the rest, as torch draws it)
         items = iter(sampler)
         if not persistent_drawn:
             self.base_seed = self._draw_base_seed()
             self._drew_base_seed = True
+            self._draw_worker_shared_seed()
         else:
             self._drew_base_seed = False
         return items, stateful
+
+    def _draw_shared_seed(self) -> int | None:
+        """An IterDataPipe's shared seed for the epoch, drawn as torch draws it (None for
+        any other dataset: nothing is drawn)."""
+        if not isinstance(self.dataset, IterDataPipe):
+            return None
+        world_size, _ = distributed_settings()
+        if world_size > 1 and self._datapipe_group is None:
+            self._datapipe_group = torch.distributed.new_group(backend="gloo")
+        return draw_shared_seed(self.generator, self._datapipe_group)
+
+    def _draw_worker_shared_seed(self) -> None:
+        """The shared seed torch's worker-process iterator draws again at its start, after
+        the base seed (for its next epoch; it is not used): drawn, so the generators stand
+        where torch's do."""
+        if self.num_workers:
+            self._draw_shared_seed()
 
     def _draw_base_seed(self) -> int:
         """torch's draw of an iterator's base seed (from ``generator``, else the global one)."""
@@ -319,7 +361,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self.num_workers,
             self._context(),
             base_seed=self.base_seed,
-            worker_init_fn=self.worker_init_fn,
+            worker_init_fn=self._worker_init(),
             persistent=True,
             deal="round_robin",
             torch_seeding=True,
@@ -329,6 +371,14 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._pool = pool
             self._pool_finalizer = weakref.finalize(self, pool.close)
         return pool
+
+    def _worker_init(self) -> Callable[[int], Any] | None:
+        """What a worker process runs at its start: ``worker_init_fn``, after sharding a
+        DataPipe's copy to the worker's share (as torch's workers do)."""
+        if not is_datapipe(self.dataset):
+            return self.worker_init_fn
+        world_size, rank = distributed_settings()
+        return functools.partial(shard_in_worker, self.worker_init_fn, world_size, rank)
 
     def _stop_processes(self) -> None:
         finalizer, self._pool_finalizer = self._pool_finalizer, None
@@ -432,7 +482,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         iterator = self._active_iterator()
         if iterator is not None:
             iterator.close()
-        self._left_state = None
+        self._left_state = self._carried = None
         # persistent workers were seeded from this run's base seed: the next iter() starts
         # new ones, seeded from the state's, as the saved run's were
         self._stop_processes()

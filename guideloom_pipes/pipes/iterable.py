@@ -50,6 +50,8 @@ class IterableReads(BaseNode[Any]):
         timeout: Seconds to wait for a batch (None: no limit).
         records: Where each worker starts (a resume); ``turn``: the worker whose turn is
             first.
+        prepare: Applied to each worker's dataset copy before its pass (picklable: sent to
+            the worker processes with the pass's first job).
     """
 
     def __init__(
@@ -64,6 +66,7 @@ class IterableReads(BaseNode[Any]):
         timeout: float | None = None,
         records: Sequence[WorkerRecord] | None = None,
         turn: int = 0,
+        prepare: Callable[[Any], Any] | None = None,
     ) -> None:
         super().__init__()
         workers = 1 if pool is None else pool.num_workers
@@ -79,6 +82,7 @@ class IterableReads(BaseNode[Any]):
         self._timeout = timeout
         self._start = records
         self._start_turn = turn % workers
+        self._prepare = prepare
         self.records = list(records)
         self.turn = self._start_turn
         self._inline: DatasetIteration | None = None
@@ -105,7 +109,9 @@ class IterableReads(BaseNode[Any]):
                 self._drop_last,
                 self.records[0],
                 copy_states=True,
+                prepare=self._prepare,
             )
+            self.records[0] = self._inline.record  # (the states at the pass's start)
             return
         self._pool.begin(self._dataset, self._collate)
         self._token = next(_tokens)
@@ -128,7 +134,13 @@ class IterableReads(BaseNode[Any]):
                 return  # every worker has ended
             start = None if self._started[index] else self.records[index]
             self._started[index] = True
-            request = IterateRequest(self._token, start, self._batch_size, self._drop_last)
+            request = IterateRequest(
+                self._token,
+                start,
+                self._batch_size,
+                self._drop_last,
+                None if start is None else self._prepare,
+            )
             self._in_flight.append((index, pool.submit_iteration(index, request)))
 
     def next(self) -> Any:

@@ -19,9 +19,11 @@ from random_helpers import Draws
 from torch_loader_helpers import (
     Counted,
     DiesOnce,
+    EpochCounting,
     FailsAt,
     IterableDiesOnce,
     IteratorState,
+    OwnIterator,
     Uneven,
     plain,
     seed_all,
@@ -397,3 +399,82 @@ def test_a_state_loaded_into_a_loader_with_persistent_workers_reseeds_them(kind:
     expected = [plain(batch) for batch in iterator]
     loader.load_state_dict(state)  # (the same loader: its workers have drawn since)
     assert [plain(batch) for batch in loader] == expected
+
+
+@pytest.mark.parametrize("workers", WORKERS)
+def test_a_dataset_that_is_its_own_iterator_resumes_at_every_step_from_its_one_state(
+    workers: int,
+) -> None:
+    # (its state is the pass's, kept once, as the iterator's, and loaded after iter())
+    options = {"batch_size": 2, "num_workers": workers}
+    seed_all()
+    whole = [plain(b) for _ in range(2) for b in DataLoader(OwnIterator(9), **options)]
+    assert len(whole) >= 6
+    for k in range(len(whole) + 1):
+        got, state = stop_and_resume(k, lambda: DataLoader(OwnIterator(9), **options), 2)
+        assert got == whole, k
+        for record in state["workers"]:
+            assert record["dataset_state"] is None, state
+        if 0 < k < len(whole) // 2:
+            assert any(r["iterator_state"] is not None for r in state["workers"]), state
+
+
+def test_a_state_taken_before_the_first_batch_holds_where_the_pass_starts() -> None:
+    # the first loader's pass uses the dataset object up (it is its own iterator); the
+    # state taken before its first batch starts the pass over on the same object
+    dataset = OwnIterator(7)
+    loader = DataLoader(dataset, batch_size=2)
+    iterator = iter(loader)
+    state = loader.state_dict()
+    assert state["workers"][0]["iterator_state"] == {"at": 0}
+    whole = [plain(batch) for batch in iterator]
+    assert whole == [[0, 1], [2, 3], [4, 5], [6]]
+    resumed = DataLoader(dataset, batch_size=2)
+    resumed.load_state_dict(state)
+    assert [plain(batch) for batch in resumed] == whole
+    assert dataset.iters == 2  # (one iter() per pass: the state loaded after it)
+
+
+def _samples(batch: list[Any]) -> list[Any]:
+    return [list(sample) for sample in batch]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"num_workers": 0}, {"num_workers": 2, "persistent_workers": True}, {"num_workers": 2}],
+    ids=["inline", "persistent", "new-workers"],
+)
+@pytest.mark.parametrize("where", ["between-epochs", "after-the-last-batch"])
+def test_a_datasets_own_state_at_an_epochs_end_resumes_the_next_epoch_as_the_run_went_on(
+    options: dict[str, Any], where: str
+) -> None:
+    # EpochCounting counts its own passes: the same dataset objects (the training
+    # process's, persistent workers') go on with it; new workers get new copies (torch)
+    def make() -> Any:
+        return DataLoader(EpochCounting(6), batch_size=2, collate_fn=_samples, **options)
+
+    loader = make()
+    first = [plain(batch) for batch in loader]
+    state = loader.state_dict()
+    if where == "after-the-last-batch":
+        loader, batches = make(), len(first)
+        first = []
+        for batch in loader:
+            first.append(plain(batch))
+            if len(first) == batches:
+                state = loader.state_dict()
+    second = [plain(batch) for batch in loader]
+    third = [plain(batch) for batch in loader]
+    carried = options["num_workers"] == 0 or options.get("persistent_workers")
+    assert {epoch for batch in second for _, epoch in batch} == {1 if carried else 0}
+    resumed = make()
+    resumed.load_state_dict(state)
+    if state["batches"]:  # (a pass's end not seen yet: it is, when asked, with no batch)
+        assert where == "after-the-last-batch" and options["num_workers"] == 0
+        assert [plain(batch) for batch in resumed] == []
+    assert [plain(batch) for batch in resumed] == second
+    assert [plain(batch) for batch in resumed] == third
+    if carried and where == "between-epochs":
+        assert {str(r["dataset_state"]) for r in state["workers"]} == {"{'epoch': 1, 'next': 0}"}
+        with pytest.raises(ValueError, match="num_workers"):
+            DataLoader(EpochCounting(6), batch_size=2, num_workers=3).load_state_dict(state)

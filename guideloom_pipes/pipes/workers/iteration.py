@@ -73,7 +73,10 @@ class DatasetIteration:
     Started as torchdata's ``StatefulDataLoader`` resumes one: ``dataset.load_state_dict``
     with the record's dataset state, then ``iter(dataset)``, then the iterator's own
     ``load_state_dict``; where neither the dataset nor its iterator keeps a state, the first
-    ``start.yielded`` samples are drawn and dropped (a replay: it costs their reading).
+    ``start.yielded`` samples are drawn and dropped (a replay: it costs their reading). A
+    dataset that is its own iterator (``iter(dataset) is dataset``) has one state, kept as the
+    iterator's and loaded after ``iter()``. ``prepare`` is applied to the dataset before the
+    pass (a DataPipe seeded for the epoch); :attr:`record` holds the states from the start.
 
     Each :meth:`step` reads ``batch_size`` samples (one, unbatched, for ``None``) and
     collates them, as torch's fetcher does: a last partial batch is delivered unless
@@ -89,8 +92,11 @@ class DatasetIteration:
         start: WorkerRecord | None = None,
         *,
         copy_states: bool = False,
+        prepare: Callable[[Any], Any] | None = None,
     ) -> None:
         start = start or WorkerRecord()
+        if prepare is not None and not start.ended:
+            dataset = prepare(dataset)  # (seeded, sharded: before its pass starts)
         self._dataset = dataset
         self._collate = collate_fn
         self._batch_size = batch_size
@@ -98,17 +104,28 @@ class DatasetIteration:
         self._copy = copy_states  # (states kept in this process: not aliased to live ones)
         self._stateful_dataset = is_stateful(dataset)
         self._stateful_iterator = False
+        #: The dataset is its own iterator: its one state is the pass's (saved once).
+        self._own = callable(getattr(dataset, "__next__", None))
         self.record = start
         self._iterator: Iterator[Any] | None = None
         if start.ended:
             return
-        if start.dataset_state is not None and self._stateful_dataset:
-            dataset.load_state_dict(start.dataset_state)
+        saved = start.dataset_state if self._stateful_dataset else None
+        if saved is not None and not self._own:
+            dataset.load_state_dict(saved)
+            saved = None
         iterator = iter(dataset)
+        self._own = iterator is dataset
         self._stateful_iterator = is_stateful(iterator)
-        if start.iterator_state is not None and self._stateful_iterator:
+        if self._stateful_iterator and self._own and start.iterator_state is None:
+            # (an iterator-dataset's state as an older release saved it, or given alone)
+            if saved is not None:
+                iterator.load_state_dict(saved)
+        elif start.iterator_state is not None and self._stateful_iterator:
             iterator.load_state_dict(start.iterator_state)
-        elif start.yielded and not self._stateful_dataset and not self._stateful_iterator:
+        elif saved is not None:
+            dataset.load_state_dict(saved)  # (its __next__ is not its iterator's)
+        if start.yielded and not self._stateful_dataset and not self._stateful_iterator:
             for skipped in range(start.yielded):
                 try:
                     next(iterator)
@@ -120,9 +137,14 @@ class DatasetIteration:
                         "between runs)"
                     ) from None
         self._iterator = iterator
+        # where the pass stands before its first batch (a state taken then resumes here)
+        self.record = WorkerRecord(start.yielded, *self._states())
 
     def _states(self) -> tuple[Any, Any]:
-        dataset_state = self._dataset.state_dict() if self._stateful_dataset else None
+        """``(dataset state, iterator state)`` now; a dataset that is its own iterator has
+        one state, the pass's (as the iterator's, as torchdata keeps it)."""
+        own_dataset = self._stateful_dataset and not self._own
+        dataset_state = self._dataset.state_dict() if own_dataset else None
         iterator_state = (
             self._iterator.state_dict()  # type: ignore[attr-defined]
             if self._iterator is not None and self._stateful_iterator

@@ -136,6 +136,7 @@ class _ProcessWorkerState:
                 request.batch_size,
                 request.drop_last,
                 request.start,
+                prepare=request.prepare,
             )
         iteration = self.iteration
         try:
@@ -157,6 +158,8 @@ class IterateRequest(NamedTuple):
     start: WorkerRecord | None
     batch_size: int | None
     drop_last: bool
+    #: Applied to the dataset copy before the pass (with ``start``: the pass's first job).
+    prepare: Callable[[Any], Any] | None = None
 
 
 # -- a worker process's small-object memory -------------------------------------------------
