@@ -101,8 +101,6 @@ class IterableOrder:
     def state_of(self, loader: DataLoader[Any], iterator: Any) -> dict[str, Any]:
         """The loader's state: each worker's record as of its last batch delivered by the
         active ``iterator`` (None: none is), and whose turn is next."""
-        if iterator is None and loader._resume is not None:
-            return dict(loader._resume)  # (what the next iter() resumes from)
         records: list[WorkerRecord] | None = None
         turn, started = 0, False
         if iterator is None:

@@ -419,6 +419,8 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         iterator = self._active_iterator()
         if iterator is None and self._left_state is not None:
             return dict(self._left_state)
+        if iterator is None and self._resume is not None:
+            return dict(self._resume)  # (what the next iter() resumes from)
         if self._iterable:
             order = self._order
             assert isinstance(order, IterableOrder)
@@ -442,9 +444,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
                 sampler_state = self._loaded_sampler_state
         else:
             epoch, offset = self._position.epoch, self._position.offset
-            if self._resume is not None:
-                sampler_state = self._resume.get("sampler_state")
-                sampler_epoch = self._resume.get("sampler_epoch")
         return {
             "kind": KIND,
             "version": VERSION,

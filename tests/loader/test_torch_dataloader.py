@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 import torch
 import torch.utils.data as tud
 from random_helpers import Draws
-from torch_loader_helpers import NoteSigterm, stop_and_resume, with_generators
+from torch_loader_helpers import NoteSigterm, Uneven, stop_and_resume, with_generators
 from torch_loader_helpers import plain as _plain
 from torch_loader_helpers import seed_all as _seed_all
 
@@ -335,3 +335,23 @@ def test_a_state_goes_through_json_and_resumes(workers: int) -> None:
     resumed = make()
     resumed.load_state_dict(json.loads(text))
     assert [_plain(batch) for batch in resumed] == rest and len(rest) == 4
+
+
+@pytest.mark.parametrize("kind", ["map-style", "iterable"])
+def test_a_loaded_state_is_the_state_until_the_next_iter(kind: str) -> None:
+    # (taken before any iter(), or from another run: state_dict() gives back what the
+    # next iter() resumes from, not the generators as they stand now)
+    def make() -> Any:
+        if kind == "map-style":
+            return DataLoader(list(range(10)), batch_size=2, shuffle=True)
+        return DataLoader(Uneven(10, draws=False), batch_size=2)
+
+    _seed_all()
+    first = make()
+    state0 = first.state_dict()
+    torch.rand(5)  # (the global generator moves on)
+    loaded = make()
+    loaded.load_state_dict(state0)
+    assert loaded.state_dict() == state0
+    torch.manual_seed(7)
+    assert loaded.state_dict() == state0
