@@ -109,7 +109,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        check_int("snapshot_every_n_steps", snapshot_every_n_steps, minimum=1, allow_none=True)
+        check_int("snapshot_every_n_steps", snapshot_every_n_steps, minimum=0, allow_none=True)
         #: torchdata's ``StatefulDataLoader`` keyword, taken so its callers run unchanged:
         #: ``state_dict()`` is exact after every batch whatever it says.
         self.snapshot_every_n_steps = snapshot_every_n_steps

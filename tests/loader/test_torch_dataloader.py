@@ -312,8 +312,13 @@ def test_torchdatas_snapshot_every_n_steps_is_taken_and_the_state_stays_exact() 
     iterator = iter(loader)
     next(iterator)
     assert loader.state_dict()["batches"] == 1
+    # 0 (torchdata's "only when asked") is taken too; the state is exact after every batch
+    never = DataLoader(list(range(6)), batch_size=2, snapshot_every_n_steps=0)
+    iterator = iter(never)
+    next(iterator)
+    assert never.state_dict()["batches"] == 1
     with pytest.raises(ValueError, match="snapshot_every_n_steps"):
-        DataLoader(list(range(6)), snapshot_every_n_steps=0)
+        DataLoader(list(range(6)), snapshot_every_n_steps=-1)
 
 
 @pytest.mark.parametrize("workers", WORKERS)
