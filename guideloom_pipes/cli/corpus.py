@@ -1,7 +1,7 @@
 """``info``, ``verify`` and ``head`` of a corpus another tool wrote (a Megatron prefix or its
-``.bin`` / ``.idx``), read in place: :func:`corpus_of` says whether the path is one, and the
-commands describe it by its files, tokens and documents (``--dtype``: the dtype tokens are
-read as)."""
+``.bin`` / ``.idx``, ``.npy`` files, Parquet tables), read in place: :func:`corpus_of` says
+whether the path is one, and the commands describe it by its files, tokens and documents
+(``--dtype``: the dtype tokens are read as)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,19 @@ import numpy as np
 
 from guideloom_pipes.cli.dataset import UsageError, parse_dtype
 from guideloom_pipes.opening import foreign_corpus
-from guideloom_pipes.storage.corpora import MegatronIndexedStorage, NumpyTokensStorage, TokenCorpus
+from guideloom_pipes.storage.corpora import (
+    MegatronIndexedStorage,
+    NumpyTokensStorage,
+    ParquetStorage,
+    TokenCorpus,
+)
 from guideloom_pipes.storage.errors import StorageError
 
 #: who wrote each corpus class's files
 _WRITTEN_BY: dict[type, str] = {
     MegatronIndexedStorage: "Megatron-LM (an indexed dataset: .bin + .idx)",
     NumpyTokensStorage: "numpy (flat token files)",
+    ParquetStorage: "Parquet (a column of token ids, a row per document)",
 }
 
 

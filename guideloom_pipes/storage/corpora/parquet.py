@@ -1,0 +1,808 @@
+"""Parquet tables, read in place: ``ParquetStorage``.
+
+What Hugging Face datasets, DataTrove and many tokenizing pipelines write: a table with a
+column of token ids (a list of integers per row, e.g. ``input_ids``), one row per
+document. The stream is the rows' tokens in row order, files in the order given; document
+``i`` is row ``i``. Parquet is compressed and encoded, so nothing is mapped: a row group is
+the unit of reading, decoded by pyarrow when a read first touches it and kept in a cache
+bounded in bytes (``cache_bytes``, per reader). Where the documents start (each row's list
+length) takes one scan of the column the first time; it is kept in a sidecar file (beside
+the first file, else under ``cache_dir``) that later opens read instead.
+
+A string column (``text``) is read as text documents (``{"text": str}``, through
+``DocumentDataset``); its windows need a tokenizer, which this storage does not run.
+
+pyarrow is imported only when a ``ParquetStorage`` is made (``pip install pyarrow``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import tempfile
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from pathlib import Path, PurePath
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.checks import check_int
+from guideloom_pipes.storage.backend_base import BackendBase
+from guideloom_pipes.storage.corpora.base import (
+    CorpusFiles,
+    TokenCorpus,
+    common_directory,
+    local_paths,
+)
+from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError
+from guideloom_pipes.types import IOSyncReaderAbstract
+
+__all__ = ["DEFAULT_CACHE_BYTES", "ParquetStorage", "TOKEN_COLUMNS", "pyarrow_modules"]
+
+#: Most bytes of decoded row groups a reader keeps by default (``cache_bytes``).
+DEFAULT_CACHE_BYTES = 256 << 20
+#: The token columns ``open_storage`` picks when ``column=`` is not given.
+TOKEN_COLUMNS = ("input_ids", "tokens")
+#: The sidecar's first bytes (then: its key's digest, 16 bytes; then int64 values: the
+#: number of files, each file's row groups, each row group's rows, the document starts).
+_SIDECAR_MAGIC = b"GLPPQT1\x00"
+
+
+def pyarrow_modules() -> tuple[Any, Any, Any]:
+    """``(pyarrow, pyarrow.parquet, pyarrow.compute)``, or an ``ImportError`` saying how to
+    install pyarrow."""
+    try:
+        import pyarrow
+        import pyarrow.compute
+        import pyarrow.parquet
+    except ImportError as error:
+        raise ImportError(
+            f"reading Parquet needs pyarrow, which is not installed ({error}): pip install "
+            f"pyarrow (or pip install 'guideloom-pipes[parquet]')"
+        ) from None
+    return pyarrow, pyarrow.parquet, pyarrow.compute
+
+
+def parquet_paths(paths: Any) -> list[Path]:
+    """``paths`` (files, or directories: their ``.parquet`` files in name order, hidden
+    ones aside) as a non-empty list of files."""
+    out: list[Path] = []
+    for path in local_paths(paths, "paths"):
+        if path.is_dir():
+            found = sorted(
+                name
+                for name in os.listdir(path)
+                if name.endswith(".parquet") and not name.startswith(".")
+            )
+            if not found:
+                raise FileNotFoundError(f"{path} holds no .parquet files: check the path")
+            out.extend(path / name for name in found)
+        else:
+            out.append(path)
+    return out
+
+
+def _open_file(pq: Any, path: PurePath | str) -> Any:
+    """``pyarrow.parquet.ParquetFile`` of ``path``; a missing file or one that is not
+    Parquet is refused naming it."""
+    local = os.fspath(path)
+    if not os.path.exists(local):
+        raise FileNotFoundError(f"{local} does not exist: check the paths given")
+    try:
+        return pq.ParquetFile(local)
+    except (OSError, ValueError) as error:  # (pyarrow's ArrowInvalid is a ValueError)
+        raise CorruptShardError(
+            f"{local} is not a Parquet file pyarrow can read ({error}); give Parquet files "
+            f"(e.g. written by pyarrow.parquet.write_table or datasets' to_parquet)"
+        ) from None
+
+
+def column_kind(pa: Any, schema: Any, column: str, path: PurePath) -> np.dtype[Any] | None:
+    """The token dtype of ``column`` in ``schema`` (a list of integers), or None for a
+    string column (text); anything else is refused naming the file, the column and the
+    fix."""
+    index = schema.get_field_index(column)
+    if index < 0:
+        found = ", ".join(f"{field.name} ({field.type})" for field in schema)
+        raise ValueError(
+            f"{os.fspath(path)} has no column {column!r} (its columns: {found}): pass column= "
+            f"the column of token ids (a list of integers) or of text (a string)"
+        )
+    kind = schema.field(index).type
+    types = pa.types
+    if types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind):
+        value = kind.value_type
+        if types.is_integer(value):
+            return np.dtype(value.to_pandas_dtype()).newbyteorder("<")
+        raise ValueError(
+            f"column {column!r} of {os.fspath(path)} holds lists of {value}: token ids are "
+            f"integers; cast the column (e.g. table.cast(...) with pyarrow.list_(pyarrow."
+            f"int32())) and write the file again"
+        )
+    if types.is_string(kind) or types.is_large_string(kind):
+        return None
+    raise ValueError(
+        f"column {column!r} of {os.fspath(path)} is {kind}: ParquetStorage reads a column of "
+        f"token ids (a list of integers per row) or of text (a string per row)"
+    )
+
+
+def pick_column(path: Path) -> str:
+    """The column ``open_storage`` reads of the Parquet file at ``path`` when none is
+    given: the one list-of-integers column among :data:`TOKEN_COLUMNS`, else the one string
+    column ``text``; else a ``ValueError`` naming the columns and ``column=``."""
+    pa, pq, _ = pyarrow_modules()
+    schema = _open_file(pq, path).schema_arrow
+    kinds: dict[str, np.dtype[Any] | str | None] = {}
+    for field in schema:
+        try:
+            kinds[field.name] = column_kind(pa, schema, field.name, path)
+        except ValueError:
+            kinds[field.name] = "other"
+    tokens = [name for name in TOKEN_COLUMNS if isinstance(kinds.get(name), np.dtype)]
+    if len(tokens) == 1:
+        return tokens[0]
+    if not tokens and "text" in kinds and kinds["text"] is None:
+        return "text"
+    found = ", ".join(f"{field.name} ({field.type})" for field in schema)
+    why = "both" if tokens else "neither"
+    raise ValueError(
+        f"{path} has {why} of the token columns {' and '.join(TOKEN_COLUMNS)} as a list of "
+        f"integers (its columns: {found}): pass column= the one to read, e.g. "
+        f"open_storage({os.fspath(path)!r}, column=...)"
+    )
+
+
+class _Cache:
+    """Decoded row groups, least recently used dropped first once they pass ``limit``
+    bytes (the newest is always kept). Thread-safe; ``decoded`` counts decodes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.decoded = 0
+        self._items: OrderedDict[tuple[str, int], Any] = OrderedDict()
+        self._sizes: dict[tuple[str, int], int] = {}
+        self.nbytes = 0
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple[str, int]) -> Any:
+        with self.lock:
+            found = self._items.get(key)
+            if found is not None:
+                self._items.move_to_end(key)
+            return found
+
+    def put(self, key: tuple[str, int], value: Any, size: int) -> None:
+        with self.lock:
+            self.decoded += 1
+            if key in self._items:
+                return
+            self._items[key] = value
+            self._sizes[key] = size
+            self.nbytes += size
+            while self.nbytes > self.limit and len(self._items) > 1:
+                old, _ = self._items.popitem(last=False)
+                self.nbytes -= self._sizes.pop(old)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def clear(self) -> None:
+        with self.lock:
+            self._items.clear()
+            self._sizes.clear()
+            self.nbytes = 0
+
+
+class _GroupFile:
+    """One Parquet file's row groups of one column, decoded on demand through a cache
+    (opened lazily; a file's reads are serialised, pyarrow's readers being per file)."""
+
+    def __init__(
+        self,
+        path: PurePath,
+        column: str,
+        rows: np.ndarray,
+        cache: _Cache,
+        version: tuple[int, int] | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.column = column
+        #: each row group's rows, as the sidecar (or the scan) found them
+        self.rows = rows
+        self.cache = cache
+        #: the file's (size, mtime in ns) when the rows were found (None: not checked)
+        self.version = version
+        self._file: Any = None
+        self._lock = threading.Lock()
+
+    def open(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                return
+            _, pq, _ = pyarrow_modules()
+            opened = _open_file(pq, self.path)
+            info = os.stat(self.path)
+            if self.version is not None and (info.st_size, info.st_mtime_ns) != self.version:
+                raise DatasetChangedError(
+                    f"{self.path} changed since its row groups were scanned (its size or "
+                    f"modification time): open the storage again, which scans it again"
+                )
+            metadata = opened.metadata
+            rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            if rows != self.rows.tolist():
+                raise DatasetChangedError(
+                    f"{self.path} changed since its row groups were scanned (now {len(rows)} "
+                    f"row groups of {sum(rows)} rows, then {len(self.rows)} of "
+                    f"{int(self.rows.sum())}): open the storage again, which scans it again"
+                )
+            self._file = opened
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._file = self._file, None
+        close = getattr(opened, "close", None)
+        if callable(close):
+            close()
+
+    def group(self, group: int, decode: Any) -> Any:
+        """Row group ``group``'s column as ``decode(chunked_array)`` made it (cached)."""
+        key = (self.path, group)
+        found = self.cache.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self.cache.get(key)  # (another thread may have decoded it meanwhile)
+            if found is not None:
+                return found
+            if self._file is None:
+                raise RuntimeError(f"reader of {self.path} is not open")
+            try:
+                table = self._file.read_row_group(group, columns=[self.column], use_threads=False)
+            except (OSError, ValueError) as error:
+                raise CorruptShardError(
+                    f"row group {group} of {self.path} cannot be decoded ({error}): the file "
+                    f"is damaged; write it again"
+                ) from None
+            found, size = decode(table.column(0), group)
+            self.cache.put(key, found, size)
+            return found
+
+
+def _null_row(chunked: Any) -> int:
+    """The first null row of a chunked list array (one is known to be there)."""
+    offset = 0
+    for chunk in chunked.chunks:
+        if chunk.null_count:
+            nulls = np.asarray(chunk.is_null().to_numpy(zero_copy_only=False))
+            return offset + int(np.flatnonzero(nulls)[0])
+        offset += len(chunk)
+    return offset  # pragma: no cover - called only where there is one
+
+
+class _ParquetIO(BackendBase):
+    """The read backend of a :class:`ParquetStorage` reader: each Parquet file served as
+    the raw bytes of its tokens (little-endian ``stored``), decoded a row group at a time
+    through one cache shared by the reader's files."""
+
+    holds_fd = True
+
+    def __init__(
+        self,
+        storage: ParquetStorage,
+        layouts: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, int]]],
+    ) -> None:
+        self.storage = storage
+        #: per file path: each row group's rows, each row group's first token (and the
+        #: end), and the file's (size, mtime in ns) when they were found
+        self.layouts = layouts
+        self.cache = _Cache(storage.cache_bytes)
+
+    @staticmethod
+    def is_supported() -> bool:
+        """Whether pyarrow is here."""
+        try:
+            pyarrow_modules()
+        except ImportError:
+            return False
+        return True
+
+    def _make(self, path: PurePath) -> _TokenFile:
+        rows, starts, version = self.layouts[os.fspath(path)]
+        groups = _GroupFile(path, self.storage.column, rows, self.cache, version)
+        return _TokenFile(groups, starts, self.storage.stored)
+
+    def __repr__(self) -> str:
+        return f"_ParquetIO({self.storage!r})"
+
+
+class _TokenFile(IOSyncReaderAbstract):
+    """A Parquet file's tokens as a byte-range reader (what the stream reader reads)."""
+
+    def __init__(self, groups: _GroupFile, starts: np.ndarray, stored: np.dtype[Any]) -> None:
+        self.groups = groups
+        self.starts = starts
+        self.bounds: list[int] = starts.tolist()
+        self.stored = stored
+
+    def open(self) -> None:
+        self.groups.open()
+
+    def close(self) -> None:
+        self.groups.close()
+
+    def filesize(self) -> int:
+        return self.bounds[-1] * self.stored.itemsize
+
+    def read(self, offset: int, size: int) -> bytearray:
+        out = bytearray(size)
+        with memoryview(out) as view:
+            got = self.readinto(offset, view)
+        del out[got:]
+        return out
+
+    def readinto(self, offset: int, buffer: memoryview) -> int:
+        """Fill ``buffer`` with the tokens' bytes from ``offset``; the bytes filled."""
+        size = self.stored.itemsize
+        first = offset // size
+        count = max(0, min(len(buffer) // size, self.bounds[-1] - first))
+        out = np.frombuffer(buffer, dtype=self.stored, count=count)
+        position, filled, bounds = first, 0, self.bounds
+        while filled < count:
+            group = int(np.searchsorted(self.starts, position, side="right")) - 1
+            values = self.groups.group(group, self._decode)
+            local = position - bounds[group]
+            take = min(count - filled, len(values) - local)
+            out[filled : filled + take] = values[local : local + take]
+            filled += take
+            position += take
+        return count * size
+
+    def _decode(self, chunked: Any, group: int) -> tuple[np.ndarray, int]:
+        """A row group's column as one read-only array of ``stored`` tokens, checked
+        against the scan (rows and tokens)."""
+        path, column = self.groups.path, self.groups.column
+        if chunked.null_count:
+            raise DatasetChangedError(
+                f"{path} changed since it was scanned: row group {group} of column "
+                f"{column!r} now has a null row; open the storage again"
+            )
+        pieces = [chunk.flatten() for chunk in chunked.chunks]
+        if any(piece.null_count for piece in pieces):
+            raise DatasetChangedError(
+                f"{path} changed since it was scanned: row group {group} of column "
+                f"{column!r} now holds a null token; open the storage again"
+            )
+        arrays = [np.asarray(piece.to_numpy(zero_copy_only=False)) for piece in pieces]
+        values = np.concatenate(arrays) if arrays else np.empty(0, self.stored)
+        values = values.astype(self.stored, copy=False)
+        expected = self.bounds[group + 1] - self.bounds[group]
+        if len(values) != expected:
+            raise DatasetChangedError(
+                f"{path} changed since it was scanned: row group {group} holds {len(values)} "
+                f"tokens, the scan found {expected}; open the storage again"
+            )
+        values.flags.writeable = False
+        return values, int(values.nbytes)
+
+
+class ParquetStorage(TokenCorpus):
+    """Parquet tables read in place: a column of token ids (a list of integers per row)
+    as one token stream (``StreamDataset`` windows; rows in order, files in the order
+    given) and its documents (row ``i`` is document ``i``: ``DocumentDataset``,
+    ``PackedDataset``, ``from_storage`` without ``sequence_length``); or a string column
+    as text documents (``{"text": str}``, ``DocumentDataset`` only: windows need a
+    tokenizer).
+
+    Args:
+        paths: a Parquet file, a directory (its ``.parquet`` files in name order), or a
+            list of them.
+        column: the column to read: a list of integers (``list``, ``large_list`` or
+            ``fixed_size_list``; every file the same type) or a string.
+        dtype: the dtype samples have (None: the column's). A token that does not fit it
+            is refused when read, naming the file and the value.
+        cache_dir: where the sidecar of document starts goes when the first file's
+            directory is read-only (by default: beside it, else in memory only).
+        cache_bytes: most bytes of decoded row groups a reader keeps (least recently used
+            dropped first; the row group being read is always kept).
+
+    Raises:
+        ImportError: pyarrow is not installed.
+        FileNotFoundError: a file does not exist.
+        CorruptShardError: a file is not Parquet.
+        ValueError: a file lacks ``column``, or it holds anything else than lists of
+            integers or strings (floats, say), or the files disagree on its type.
+    """
+
+    description = "Parquet tables"
+
+    def __init__(
+        self,
+        paths: Any,
+        column: str,
+        dtype: Any = None,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
+        if not isinstance(column, str):
+            raise TypeError(f"column must be a column name (a str), got {column!r}")
+        self.files = parquet_paths(paths)
+        self.column = column
+        self.cache_bytes = check_int("cache_bytes", cache_bytes, minimum=0)
+        #: where the sidecar goes when the first file's directory is read-only
+        self.sidecar_dir = None if cache_dir is None else Path(cache_dir)
+        pa, pq, _ = pyarrow_modules()
+        kinds = {}
+        for path in self.files:
+            kinds[path] = column_kind(pa, _open_file(pq, path).schema_arrow, column, path)
+        if len(set(kinds.values())) > 1:
+            listed = ", ".join(
+                f"{path} ({'string' if kind is None else kind})" for path, kind in kinds.items()
+            )
+            raise ValueError(
+                f"column {column!r} has different types in the files: {listed}; open each "
+                f"group as its own ParquetStorage and blend them with a MixtureDataset, "
+                f"giving each the same dtype="
+            )
+        stored = kinds[self.files[0]]
+        #: whether the column holds text (strings) rather than token ids
+        self.text = stored is None
+        if stored is None:
+            if dtype is not None:
+                raise TypeError(
+                    f"dtype={dtype!r} is the dtype of token ids, but column {column!r} holds "
+                    f"text (strings): drop dtype="
+                )
+            stored = np.dtype("<i4")  # (unused: the text has no token stream)
+        directory, names = common_directory(self.files)
+        self._names = names
+        super().__init__(directory, stored, dtype, None)
+
+    @property
+    def has_documents(self) -> bool:
+        """Whether the storage serves documents: always (row ``i`` is document ``i``)."""
+        return True
+
+    def _needs_tokenizer(self, what: str) -> TypeError:
+        return TypeError(
+            f"column {self.column!r} of {self!r} holds text (strings), so it has no token "
+            f"{what}: read its text documents with DocumentDataset(storage) (or from_storage "
+            f"without sequence_length); windows and packing need a tokenizer, which "
+            f"ParquetStorage does not run (tokenize the text first, into a column of token "
+            f"ids)"
+        )
+
+    def sync_reader(self) -> Any:
+        """A reader of the token stream (context manager); text is refused."""
+        if self.text:
+            raise self._needs_tokenizer("stream")
+        return super().sync_reader()
+
+    def document_reader(self) -> Any:
+        """A reader of the documents: row ``i`` as ``{"tokens": array}`` (``{"text": str}``
+        for a string column)."""
+        if self.text:
+            return _TextReader(self)
+        return super().document_reader()
+
+    def verify(self) -> dict[str, int]:
+        """Open the tables and decode every row group once (tokens: also checked against
+        ``dtype=``): ``{"shards": files, "tokens": tokens}`` (``"documents"`` for text)."""
+        if self.text:
+            with _TextReader(self) as reader:
+                return reader.verify()
+        return super().verify()
+
+    # -- the scan: each row group's rows and each row's tokens, kept in a sidecar ----------
+
+    def _stats(self) -> list[os.stat_result]:
+        stats = []
+        for path, name in zip(self.files, self._names):
+            try:
+                stats.append(os.stat(self.dir / name))
+            except FileNotFoundError:
+                raise FileNotFoundError(f"{path} does not exist: check the paths given") from None
+        return stats
+
+    def _scan(self) -> CorpusFiles:
+        if self.text:
+            raise self._needs_tokenizer("stream")
+        stats = self._stats()
+        key = self._key(stats)
+        found = None
+        for place in self._sidecars():
+            found = _read_sidecar(place, key, len(self._names))
+            if found is not None:
+                break
+        if found is None:
+            found = self._scan_files()
+            for place in self._sidecars():
+                if _write_sidecar(place, key, *found):
+                    break
+            else:
+                warnings.warn(
+                    f"ParquetStorage could not keep the row lengths of {self.files[0]} in a "
+                    f"sidecar (its directory is read-only): every open scans the files again. "
+                    f"Pass cache_dir= a writable directory",
+                    UserWarning,
+                    stacklevel=5,
+                )
+        rows, starts = found
+        layouts, sizes, row = {}, [], 0
+        itemsize = self.stored.itemsize
+        for name, groups, info in zip(self._names, rows, stats):
+            bounds = np.zeros(len(groups) + 1, dtype=np.int64)
+            np.cumsum(groups, out=bounds[1:])
+            tokens = starts[bounds + row]
+            version = (info.st_size, info.st_mtime_ns)
+            layouts[os.fspath(self.dir / name)] = (groups, tokens - tokens[0], version)
+            sizes.append(int(tokens[-1] - tokens[0]) * itemsize)
+            row += int(bounds[-1])
+        return CorpusFiles(
+            list(self._names),
+            sizes,
+            starts,
+            [{".parquet": info.st_size} for info in stats],
+            _ParquetIO(self, layouts),
+        )
+
+    def _key(self, stats: list[os.stat_result]) -> bytes:
+        """What the sidecar must match: the files (names, sizes, mtimes) and the column."""
+        digest = hashlib.blake2b(digest_size=16)
+        for name, info in zip(self._names, stats):
+            digest.update(f"{name}\0{info.st_size}\0{info.st_mtime_ns}\0".encode())
+        digest.update(f"{self.column}\0{self.stored.str}".encode())
+        return digest.digest()
+
+    def _sidecars(self) -> list[Path]:
+        first = self.files[0].absolute()
+        digest = hashlib.sha256(os.fsencode(f"{os.fspath(first)}\0{self.column}")).hexdigest()
+        name = f".guideloom_pipes-parquet-{digest[:16]}.bin"
+        places = [first.parent / name]
+        if self.sidecar_dir is not None:
+            places.append(self.sidecar_dir / name)
+        return places
+
+    def _scan_files(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each file's row groups' rows, and every row's first token in the stream (and the
+        stream's end): one pass over the column, refusing null rows and null tokens."""
+        pa, pq, pc = pyarrow_modules()
+        rows, lengths = [], []
+        for path in self.files:
+            opened = _open_file(pq, path)
+            kind = column_kind(pa, opened.schema_arrow, self.column, path)
+            if kind != self.stored:
+                raise DatasetChangedError(
+                    f"column {self.column!r} of {path} now holds "
+                    f"{'strings' if kind is None else kind}, not {self.stored} as when the "
+                    f"storage was made: make the ParquetStorage again"
+                )
+            metadata = opened.metadata
+            groups = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            row = 0
+            for group in range(len(groups)):
+                chunked = opened.read_row_group(
+                    group, columns=[self.column], use_threads=False
+                ).column(0)
+                self._check_nulls(chunked, path, row)
+                for chunk in chunked.chunks:
+                    counts = pc.list_value_length(chunk).to_numpy(zero_copy_only=False)
+                    lengths.append(np.asarray(counts, dtype=np.int64))
+                row += groups[group]
+            rows.append(np.array(groups, dtype=np.int64))
+        every = np.concatenate(lengths) if lengths else np.empty(0, np.int64)
+        starts = np.zeros(len(every) + 1, dtype=np.int64)
+        np.cumsum(every, out=starts[1:])
+        return rows, starts
+
+    def _check_nulls(self, chunked: Any, path: Path, first_row: int) -> None:
+        if chunked.null_count:
+            row = first_row + _null_row(chunked)
+            raise ValueError(
+                f"row {row} of {path} is null in column {self.column!r}: every row is a "
+                f"document of token ids; write an empty list for an empty document, or drop "
+                f"the row (e.g. table.filter(pyarrow.compute.is_valid(table[{self.column!r}])))"
+            )
+        offset = first_row
+        for chunk in chunked.chunks:
+            flat = chunk.flatten()
+            if flat.null_count:
+                _, _, pc = pyarrow_modules()
+                lengths = np.asarray(
+                    pc.list_value_length(chunk).to_numpy(zero_copy_only=False), dtype=np.int64
+                )
+                nulls = np.asarray(flat.is_null().to_numpy(zero_copy_only=False))
+                token = int(np.flatnonzero(nulls)[0])
+                row = offset + int(np.searchsorted(np.cumsum(lengths), token, side="right"))
+                raise ValueError(
+                    f"row {row} of {path} holds a null token in column {self.column!r}: token "
+                    f"ids are integers; fill or drop the nulls and write the file again"
+                )
+            offset += len(chunk)
+
+    def __repr__(self) -> str:
+        listed = [os.fspath(path) for path in self.files]
+        shown = listed[0] if len(listed) == 1 else listed
+        extra = "" if self.text or self.dtype == self.stored else f", dtype={str(self.dtype)!r}"
+        return f"ParquetStorage({shown!r}, column={self.column!r}{extra})"
+
+
+class _TextReader:
+    """The text documents of a :class:`ParquetStorage` over a string column: document
+    ``i`` is ``{"text": str}``, row ``i`` (the reader a ``DocumentDataset`` reads)."""
+
+    def __init__(self, storage: ParquetStorage) -> None:
+        self.storage = storage
+        self._files: list[_GroupFile] = []
+        self._starts: np.ndarray | None = None
+
+    def open(self) -> None:
+        """Read the files' footers (their row groups' rows); idempotent."""
+        if self._starts is not None:
+            return
+        _, pq, _ = pyarrow_modules()
+        cache = _Cache(self.storage.cache_bytes)
+        files, counts = [], []
+        for path in self.storage.files:
+            metadata = _open_file(pq, path).metadata
+            rows = np.array(
+                [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)],
+                dtype=np.int64,
+            )
+            files.append(_GroupFile(path, self.storage.column, rows, cache))
+            counts.extend(rows.tolist())
+        starts = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        self._files = files
+        #: the first row of each row group of every file, and the end
+        self._starts = starts
+        self._groups = np.cumsum([0] + [len(f.rows) for f in files])
+
+    def close(self) -> None:
+        for opened in self._files:
+            opened.close()
+        self._files = []
+        self._starts = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._starts is not None
+
+    def __enter__(self) -> _TextReader:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _checked(self) -> np.ndarray:
+        if self._starts is None:
+            raise RuntimeError(
+                f"the document reader of {self.storage!r} is not open; call open() or use it "
+                "in a `with` block"
+            )
+        return self._starts
+
+    @property
+    def total_length(self) -> int:
+        """Documents (rows) in the tables."""
+        return int(self._checked()[-1])
+
+    def __len__(self) -> int:
+        return self.total_length
+
+    @property
+    def num_shards(self) -> int:
+        self._checked()
+        return len(self._files)
+
+    def length(self, shard: int) -> int:
+        """Rows in file ``shard``."""
+        self._checked()
+        return int(self._files[check_int("shard", shard)].rows.sum())
+
+    def document_lengths(self) -> np.ndarray:
+        raise self.storage._needs_tokenizer("lengths to pack")
+
+    def fingerprint(self) -> dict[str, Any]:
+        self._checked()
+        digest = hashlib.blake2b(digest_size=8)
+        for path in self.storage.files:
+            digest.update(f"{path}\0{os.stat(path).st_size}\0".encode())
+        return {"shards": len(self._files), "sizes": digest.hexdigest(), "checksums": None}
+
+    def read(self, global_index: int) -> dict[str, str]:
+        """Document ``global_index`` as ``{"text": str}``."""
+        starts = self._checked()
+        index = check_int("global_index", global_index)
+        if not 0 <= index < int(starts[-1]):
+            raise IndexError(
+                f"document {index} out of range: the tables have {int(starts[-1])} rows"
+            )
+        group = int(np.searchsorted(starts, index, side="right")) - 1
+        shard = int(np.searchsorted(self._groups, group, side="right")) - 1
+        opened = self._files[shard]
+        opened.open()
+        local = group - int(self._groups[shard])
+        values = opened.group(local, self._decode)
+        text = values[index - int(starts[group])]
+        if text is None:
+            row = index - int(starts[int(self._groups[shard])])
+            raise ValueError(
+                f"row {row} of {opened.path} is null in column {self.storage.column!r}: a "
+                f"text document is a string; write an empty string, or drop the row"
+            )
+        return {"text": text}
+
+    @staticmethod
+    def _decode(chunked: Any, group: int) -> tuple[list[str | None], int]:
+        return chunked.to_pylist(), int(chunked.nbytes)
+
+    def read_many(self, global_indexes: Iterable[int] | np.ndarray) -> list[dict[str, str]]:
+        """The documents at ``global_indexes``, in that order."""
+        ids: Sequence[int] | np.ndarray = (
+            global_indexes if isinstance(global_indexes, np.ndarray) else list(global_indexes)
+        )
+        return [self.read(int(index)) for index in np.asarray(ids).tolist()]
+
+    def verify(self) -> dict[str, int]:
+        """Read every row once (a null one is refused): counts read."""
+        for index in range(self.total_length):
+            self.read(index)
+        return {"shards": self.num_shards, "documents": self.total_length}
+
+
+def _read_sidecar(path: Path, key: bytes, files: int) -> tuple[list[np.ndarray], np.ndarray] | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    head = len(_SIDECAR_MAGIC) + len(key)
+    if data[: len(_SIDECAR_MAGIC)] != _SIDECAR_MAGIC or data[len(_SIDECAR_MAGIC) : head] != key:
+        return None
+    if (len(data) - head) % 8:
+        return None
+    values = np.frombuffer(data, dtype="<i8", offset=head).astype(np.int64)
+    if len(values) < 1 + files or int(values[0]) != files:
+        return None
+    counts = values[1 : 1 + files]
+    at = 1 + files
+    total_groups = int(counts.sum())
+    if bool((counts < 0).any()) or len(values) < at + total_groups:
+        return None
+    rows, position = [], at
+    for count in counts.tolist():
+        rows.append(values[position : position + count].copy())
+        position += count
+    starts = values[position:].copy()
+    total_rows = sum(int(r.sum()) for r in rows)
+    if len(starts) != total_rows + 1 or int(starts[0]) != 0 or bool((np.diff(starts) < 0).any()):
+        return None
+    return rows, starts
+
+
+def _write_sidecar(path: Path, key: bytes, rows: list[np.ndarray], starts: np.ndarray) -> bool:
+    """Write the sidecar atomically (a temporary renamed into place); whether it was."""
+    values = np.concatenate(
+        [np.array([len(rows)], np.int64), np.array([len(r) for r in rows], np.int64), *rows, starts]
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(_SIDECAR_MAGIC + key + values.astype("<i8").tobytes())
+        os.chmod(temporary, 0o644)
+        os.replace(temporary, path)
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        return False
