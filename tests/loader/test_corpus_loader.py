@@ -1,5 +1,6 @@
 """Corpora of other tools in the loader: ``from_storage`` over a Megatron corpus (written by
-megatron-core) or numpy token files (``numpy.save``, documents split at an end token) reads
+megatron-core), numpy token files (``numpy.save``, documents split at an end token) or
+Parquet tables (written by pyarrow, row groups of a few rows) reads
 their windows and their documents in both orders, and a run stopped at any step resumes on
 another world size with exactly the batches of the uninterrupted run."""
 
@@ -10,13 +11,21 @@ from typing import Any
 
 import numpy as np
 import pytest
-from corpus_writers import megatron, megatron_read_back, random_documents, write_megatron
+from corpus_writers import (
+    megatron,
+    megatron_read_back,
+    parquet_read_back,
+    random_documents,
+    write_megatron,
+    write_parquet,
+)
 
 pytest.importorskip("torch")
 
 from guideloom_pipes import (
     MegatronIndexedStorage,
     NumpyTokensStorage,
+    ParquetStorage,
     StatefulDataLoader,
 )
 
@@ -28,7 +37,7 @@ def tokens_of(samples: list[Any]) -> list[tuple[int, ...]]:
     return [tuple(sample["tokens"].tolist()) for sample in samples]
 
 
-@pytest.fixture(scope="module", params=["megatron", "numpy"])
+@pytest.fixture(scope="module", params=["megatron", "numpy", "parquet"])
 def corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A corpus of two files (two shards, for the shard order on two ranks), and its
     documents as its writer reads them back."""
@@ -41,6 +50,13 @@ def corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         ]
         documents = [d for prefix in prefixes for d in megatron_read_back(prefix)[1]]
         return MegatronIndexedStorage(prefixes), documents
+    if request.param == "parquet":
+        paths = [
+            write_parquet(folder / f"{name}.parquet", [np.concatenate(d) for d in docs], "uint16")
+            for name, docs in zip("ab", written)
+        ]
+        rows = [np.array(row, np.uint16) for path in paths for row in parquet_read_back(path)]
+        return ParquetStorage(paths, "input_ids"), rows
     # documents end with token 0 (none inside one: the writer's ids start at 1)
     documents = [
         np.append(np.concatenate(d) % 60000 + 1, 0).astype(np.uint16)
