@@ -309,6 +309,9 @@ def test_a_text_column_reads_as_text_documents_and_refuses_windows(tmp_path: Pat
         PackedDataset(storage, 8).sync_reader().open()
     with pytest.raises(TypeError, match="drop dtype="):
         ParquetStorage(path, "text", dtype="int32")
+    categories = _table(tmp_path / "c.parquet", text=pa.array(texts).dictionary_encode())
+    with DocumentDataset(ParquetStorage(categories, "text")).sync_reader() as reader:
+        assert [sample["text"] for sample in reader] == texts
     nulls = _table(tmp_path / "n.parquet", text=pa.array(["a", None]))
     with pytest.raises(ValueError, match=r"row 1 of .*n\.parquet is null in column 'text'"):
         ParquetStorage(nulls, "text").verify()

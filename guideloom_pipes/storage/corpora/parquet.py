@@ -123,7 +123,10 @@ def column_kind(pa: Any, schema: Any, column: str, path: PurePath) -> np.dtype[A
             f"integers; cast the column (e.g. table.cast(...) with pyarrow.list_(pyarrow."
             f"int32())) and write the file again"
         )
-    if types.is_string(kind) or types.is_large_string(kind):
+    if types.is_dictionary(kind):  # (categorical strings: pandas' category dtype)
+        kind = kind.value_type
+    is_view = getattr(types, "is_string_view", None)
+    if types.is_string(kind) or types.is_large_string(kind) or (is_view and is_view(kind)):
         return None
     raise ValueError(
         f"column {column!r} of {os.fspath(path)} is {kind}: ParquetStorage reads a column of "
