@@ -166,6 +166,24 @@ def test_the_row_lengths_are_scanned_once_and_kept_in_a_sidecar(
     assert np.array_equal(windows.reshape(-1), stream[: windows.size]) and len(scans) == 2
 
 
+def test_storages_over_other_files_or_columns_keep_their_own_sidecars(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = _three_files(tmp_path)
+    scans = []
+    scan = ParquetStorage._scan_files
+
+    def counted(self: ParquetStorage) -> Any:
+        scans.append(len(self.files))
+        return scan(self)
+
+    monkeypatch.setattr(ParquetStorage, "_scan_files", counted)
+    for _ in range(2):  # (the second round reads both sidecars: neither overwrote the other)
+        assert _documents(ParquetStorage(paths, "input_ids")) == _rows(paths)
+        assert _documents(ParquetStorage(paths[:2], "input_ids")) == _rows(paths[:2])
+    assert scans == [3, 2] and len(_sidecars(tmp_path)) == 2
+
+
 def test_a_directory_it_cannot_write_keeps_the_sidecar_under_cache_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

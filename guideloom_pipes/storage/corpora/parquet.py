@@ -563,9 +563,14 @@ class ParquetStorage(TokenCorpus):
         return digest.digest()
 
     def _sidecars(self) -> list[Path]:
+        # (named after every file and the column: two storages over one first file keep
+        # their own sidecars rather than overwrite each other's)
         first = self.files[0].absolute()
-        digest = hashlib.sha256(os.fsencode(f"{os.fspath(first)}\0{self.column}")).hexdigest()
-        name = f".guideloom_pipes-parquet-{digest[:16]}.bin"
+        digest = hashlib.sha256()
+        for path in self.files:
+            digest.update(os.fsencode(os.fspath(path.absolute())) + b"\0")
+        digest.update(self.column.encode())
+        name = f".guideloom_pipes-parquet-{digest.hexdigest()[:16]}.bin"
         places = [first.parent / name]
         if self.sidecar_dir is not None:
             places.append(self.sidecar_dir / name)
