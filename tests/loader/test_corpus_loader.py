@@ -133,3 +133,33 @@ def test_windows_and_documents_through_the_loader_are_the_corpus(corpus: Any) ->
     got = Counter(d for batch in loader for d in batch)
     expected = Counter(tuple(d.tolist()) for d in documents)
     assert got <= expected and got.total() == len(documents) // 4 * 4
+
+
+def test_the_documents_of_a_parquet_text_column_through_the_loader_resume(tmp_path: Any) -> None:
+    # (text documents: the rows' strings, a batch a list of them; windows need a tokenizer)
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    texts = [f"document {i}" for i in range(11)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet", row_group_size=3)
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader.from_storage(
+            ParquetStorage(tmp_path / "t.parquet", "text"),
+            lambda samples: [sample["text"] for sample in samples],
+            local_batch_size=2,
+            shuffle=True,
+            shuffle_seed=3,
+            device="cpu",
+        )
+
+    whole = list(loader())
+    assert len(whole) == 5 and set(t for batch in whole for t in batch) < set(texts)
+    first = loader()
+    before = list(first.steps(2))
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    assert before + list(resumed) == whole
+    windows = StatefulDataLoader.from_storage(
+        ParquetStorage(tmp_path / "t.parquet", "text"), sequence_length=4, device="cpu"
+    )
+    with pytest.raises(TypeError, match="a tokenizer"):
+        next(iter(windows))
