@@ -19,7 +19,11 @@ from guideloom_pipes.opening import open_storage
 from guideloom_pipes.packing import PackedDataset
 from guideloom_pipes.parallel import WriteParallelError, WriteReport, write_parallel
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
-from guideloom_pipes.storage.corpora import MegatronIndexedStorage, NumpyTokensStorage
+from guideloom_pipes.storage.corpora import (
+    MegatronIndexedStorage,
+    NumpyTokensStorage,
+    ParquetStorage,
+)
 
 __version__ = "0.1.0"
 #: The GuideLoom release whose API, files, order and checkpoints this package reproduces.
@@ -73,6 +77,7 @@ __all__ = [
     "NumpyTokensStorage",
     "MixtureDataset",
     "PackedDataset",
+    "ParquetStorage",
     "StatefulDataLoader",
     "StreamDataset",
     "StreamNumpyFormat",

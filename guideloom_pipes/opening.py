@@ -15,8 +15,13 @@ import numpy as np
 
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
-from guideloom_pipes.storage.corpora import MegatronIndexedStorage, NumpyTokensStorage
+from guideloom_pipes.storage.corpora import (
+    MegatronIndexedStorage,
+    NumpyTokensStorage,
+    ParquetStorage,
+)
 from guideloom_pipes.storage.corpora.megatron import MAGIC as MEGATRON_MAGIC
+from guideloom_pipes.storage.corpora.parquet import pick_column
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.io import resolve_backend
 from guideloom_pipes.storage.names import (
@@ -253,6 +258,7 @@ def open_storage(
     cache_limit_bytes: int | None = None,
     dtype: Any = None,
     eos_id: int | None = None,
+    column: str | None = None,
 ) -> Any:
     """The storage of the dataset at ``path_or_url``, its format rebuilt from its records.
 
@@ -260,7 +266,11 @@ def open_storage(
     Megatron-LM indexed dataset's prefix (or its ``.bin`` / ``.idx``) gives a
     :class:`~guideloom_pipes.MegatronIndexedStorage`; an ``.npy`` file, or a directory of
     nothing but ``.npy`` files, a :class:`~guideloom_pipes.NumpyTokensStorage` (documents
-    split at ``eos_id``). ``dtype``: the dtype their tokens are read as (None: their own).
+    split at ``eos_id``); a ``.parquet`` file, or a directory of ``.parquet`` files, a
+    :class:`~guideloom_pipes.ParquetStorage` of ``column`` (None: the one list-of-integers
+    column ``input_ids`` or ``tokens``, else a string column ``text``; its sidecar goes
+    under ``cache_dir`` where the files' directory is read-only). ``dtype``: the dtype
+    their tokens are read as (None: their own).
 
     A dataset written by this package records its kind, stream dtype and format class in
     each shard's commit record, so ``open_storage("data/tokens")`` returns a
@@ -287,14 +297,21 @@ def open_storage(
         FileNotFoundError: no such directory, or no shard files in it.
         ValueError: the format cannot be rebuilt from the records: pass ``fmt=``.
     """
-    corpus = foreign_corpus(path_or_url, dtype=dtype, eos_id=eos_id, read_interface=read_interface)
+    corpus = foreign_corpus(
+        path_or_url,
+        dtype=dtype,
+        eos_id=eos_id,
+        read_interface=read_interface,
+        column=column,
+        cache_dir=cache_dir,
+    )
     if corpus is not None:
         return corpus
-    if dtype is not None or eos_id is not None:
+    if dtype is not None or eos_id is not None or column is not None:
         raise TypeError(
-            f"dtype= and eos_id= are for corpora written by other tools (a Megatron prefix, "
-            f".npy files); {path_or_url} is a dataset of ours, whose records give its dtype: "
-            f"drop them"
+            f"dtype=, eos_id= and column= are for corpora written by other tools (a Megatron "
+            f"prefix, .npy files, Parquet tables); {path_or_url} is a dataset of ours, whose "
+            f"records give its dtype: drop them"
         )
     remote = _remote(path_or_url)
     if remote and read_interface is not None:
@@ -316,16 +333,50 @@ def open_storage(
 
 
 def foreign_corpus(
-    path_or_url: Any, *, dtype: Any = None, eos_id: int | None = None, read_interface: Any = None
+    path_or_url: Any,
+    *,
+    dtype: Any = None,
+    eos_id: int | None = None,
+    read_interface: Any = None,
+    column: str | None = None,
+    cache_dir: Any = None,
 ) -> Any:
     """The read-only storage of a corpus another tool wrote at ``path_or_url``, or None
     where it is not one: a local Megatron prefix or its ``.bin`` / ``.idx``
     (:class:`~guideloom_pipes.MegatronIndexedStorage`), an ``.npy`` file or a directory of
     nothing but ``.npy`` files (:class:`~guideloom_pipes.NumpyTokensStorage`, in name
-    order, documents split at ``eos_id``)."""
+    order, documents split at ``eos_id``), a ``.parquet`` file or a directory of
+    ``.parquet`` files (:class:`~guideloom_pipes.ParquetStorage` of ``column``, in name
+    order; ``cache_dir``: where its sidecar goes if the directory is read-only)."""
     if _remote(path_or_url) or not isinstance(path_or_url, (str, os.PathLike)):
         return None
     path = local_path(path_or_url)
+    parquet_files = _parquet_files(path)
+    if parquet_files:
+        if eos_id is not None:
+            raise TypeError(
+                f"eos_id={eos_id} splits flat token files into documents; {path} is Parquet, "
+                f"whose rows are its documents: drop eos_id="
+            )
+        if read_interface is not None:
+            raise TypeError(f"{path} is Parquet, which pyarrow reads itself: drop read_interface=")
+        return ParquetStorage(
+            parquet_files,
+            pick_column(parquet_files[0]) if column is None else column,
+            dtype,
+            cache_dir=cache_dir,
+        )
+    corpus = _token_files(path, dtype, eos_id, read_interface)
+    if corpus is not None and column is not None:
+        raise TypeError(
+            f"column={column!r} names a column of a Parquet table; {path} is "
+            f"{corpus.description}: drop column="
+        )
+    return corpus
+
+
+def _token_files(path: Path, dtype: Any, eos_id: int | None, read_interface: Any) -> Any:
+    """The Megatron or numpy corpus at ``path``, or None."""
     numpy_files = _npy_files(path)
     if numpy_files:
         return NumpyTokensStorage(
@@ -339,6 +390,20 @@ def foreign_corpus(
         if handle.read(len(MEGATRON_MAGIC)) != MEGATRON_MAGIC:
             return None
     return MegatronIndexedStorage(prefix, dtype=dtype, read_interface=read_interface)
+
+
+def _parquet_files(path: Path) -> list[Path]:
+    """``[path]`` for a ``.parquet`` file; a directory's ``.parquet`` files if it holds
+    any and no shard files of ours (hidden files aside: a sidecar); else ``[]``."""
+    if path.suffix == ".parquet" and path.is_file():
+        return [path]
+    if not path.is_dir():
+        return []
+    names = sorted(name for name in os.listdir(path) if not name.startswith("."))
+    parquet = [name for name in names if name.endswith(".parquet")]
+    if not parquet or any(SHARD_NAME.match(name) for name in names):
+        return []
+    return [path / name for name in parquet]
 
 
 def _npy_files(path: Path) -> list[Path]:

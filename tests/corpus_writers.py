@@ -68,3 +68,36 @@ def megatron_read_back(prefix: Path) -> tuple[list[np.ndarray], list[np.ndarray]
         for a, b in itertools.pairwise(bounds)
     ]
     return sequences, documents
+
+
+def parquet() -> tuple[Any, Any]:
+    """``(pyarrow, pyarrow.parquet)`` (the test skips without pyarrow)."""
+    return pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+
+
+def write_parquet(
+    path: Path,
+    documents: list[np.ndarray],
+    dtype: Any,
+    *,
+    row_group_size: int = 4,
+    column: str = "input_ids",
+    large: bool = False,
+    **more: list[Any],
+) -> Path:
+    """A Parquet file written by pyarrow itself: ``column`` a list of ``dtype`` integers per
+    document (``large_list`` with ``large``), row groups of ``row_group_size`` rows, and
+    ``more`` columns as given. The path."""
+    pa, pq = parquet()
+    value = pa.from_numpy_dtype(np.dtype(dtype))
+    kind = pa.large_list(value) if large else pa.list_(value)
+    columns = {column: pa.array([np.asarray(d).tolist() for d in documents], type=kind)}
+    columns.update({name: pa.array(values) for name, values in more.items()})
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
+def parquet_read_back(path: Path, column: str = "input_ids") -> list[Any]:
+    """What pyarrow reads of ``column`` of ``path``: a list per row (or a string)."""
+    _, pq = parquet()
+    return pq.read_table(path, columns=[column]).column(0).to_pylist()

@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
         "tokens:int32,loss_mask:uint8, or a JSON field list",
     )
     typed.add_argument("--kind", choices=KINDS, help="the kind of dataset (default: detected)")
+    typed.add_argument(
+        "--column",
+        help="the column of a Parquet table to read (default: input_ids or tokens, a list of "
+        "integers; else text, a string)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     commands.required = True
     _add_info(commands, [common, typed])

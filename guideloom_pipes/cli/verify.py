@@ -335,7 +335,7 @@ def _verify_corpus(found: Any, args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "path": args.path,
-                    "kind": "stream",
+                    "kind": "stream" if result.get("tokens", 0) is not None else "document",
                     "checksummed": False,
                     **result,
                     "exit_status": status,
@@ -348,9 +348,14 @@ def _verify_corpus(found: Any, args: argparse.Namespace) -> int:
         print(f"NOT SOUND: 1 problem(s) in {args.path}")
         return status
     strict = " (--strict: exit status 1)" if args.strict else ""
+    read = (
+        f"{result['documents']} text documents"
+        if result["tokens"] is None
+        else f"{result['tokens']} tokens"
+    )
     print(
         f"no problems found, but a {type(found).__name__} has no checksums to verify{strict}: "
-        f"{result['shards']} files, {result['tokens']} tokens ({human_bytes(result['bytes'])}) "
+        f"{result['shards']} files, {read} ({human_bytes(result['bytes'])}) "
         f"read in {result['seconds']:.2f} s"
     )
     return status

@@ -1,5 +1,6 @@
 """Corpora of other tools in the loader: ``from_storage`` over a Megatron corpus (written by
-megatron-core) or numpy token files (``numpy.save``, documents split at an end token) reads
+megatron-core), numpy token files (``numpy.save``, documents split at an end token) or
+Parquet tables (written by pyarrow, row groups of a few rows) reads
 their windows and their documents in both orders, and a run stopped at any step resumes on
 another world size with exactly the batches of the uninterrupted run."""
 
@@ -10,13 +11,21 @@ from typing import Any
 
 import numpy as np
 import pytest
-from corpus_writers import megatron, megatron_read_back, random_documents, write_megatron
+from corpus_writers import (
+    megatron,
+    megatron_read_back,
+    parquet_read_back,
+    random_documents,
+    write_megatron,
+    write_parquet,
+)
 
 pytest.importorskip("torch")
 
 from guideloom_pipes import (
     MegatronIndexedStorage,
     NumpyTokensStorage,
+    ParquetStorage,
     StatefulDataLoader,
 )
 
@@ -28,7 +37,7 @@ def tokens_of(samples: list[Any]) -> list[tuple[int, ...]]:
     return [tuple(sample["tokens"].tolist()) for sample in samples]
 
 
-@pytest.fixture(scope="module", params=["megatron", "numpy"])
+@pytest.fixture(scope="module", params=["megatron", "numpy", "parquet"])
 def corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """A corpus of two files (two shards, for the shard order on two ranks), and its
     documents as its writer reads them back."""
@@ -41,6 +50,13 @@ def corpus(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         ]
         documents = [d for prefix in prefixes for d in megatron_read_back(prefix)[1]]
         return MegatronIndexedStorage(prefixes), documents
+    if request.param == "parquet":
+        paths = [
+            write_parquet(folder / f"{name}.parquet", [np.concatenate(d) for d in docs], "uint16")
+            for name, docs in zip("ab", written)
+        ]
+        rows = [np.array(row, np.uint16) for path in paths for row in parquet_read_back(path)]
+        return ParquetStorage(paths, "input_ids"), rows
     # documents end with token 0 (none inside one: the writer's ids start at 1)
     documents = [
         np.append(np.concatenate(d) % 60000 + 1, 0).astype(np.uint16)
@@ -117,3 +133,33 @@ def test_windows_and_documents_through_the_loader_are_the_corpus(corpus: Any) ->
     got = Counter(d for batch in loader for d in batch)
     expected = Counter(tuple(d.tolist()) for d in documents)
     assert got <= expected and got.total() == len(documents) // 4 * 4
+
+
+def test_the_documents_of_a_parquet_text_column_through_the_loader_resume(tmp_path: Any) -> None:
+    # (text documents: the rows' strings, a batch a list of them; windows need a tokenizer)
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    texts = [f"document {i}" for i in range(11)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet", row_group_size=3)
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader.from_storage(
+            ParquetStorage(tmp_path / "t.parquet", "text"),
+            lambda samples: [sample["text"] for sample in samples],
+            local_batch_size=2,
+            shuffle=True,
+            shuffle_seed=3,
+            device="cpu",
+        )
+
+    whole = list(loader())
+    assert len(whole) == 5 and set(t for batch in whole for t in batch) < set(texts)
+    first = loader()
+    before = list(first.steps(2))
+    resumed = loader()
+    resumed.load_state_dict(first.state_dict())
+    assert before + list(resumed) == whole
+    windows = StatefulDataLoader.from_storage(
+        ParquetStorage(tmp_path / "t.parquet", "text"), sequence_length=4, device="cpu"
+    )
+    with pytest.raises(TypeError, match="a tokenizer"):
+        next(iter(windows))

@@ -8,11 +8,13 @@ from guideloom_pipes.storage.corpora.megatron import (
     read_megatron_index,
 )
 from guideloom_pipes.storage.corpora.numpy_tokens import NumpyTokensStorage
+from guideloom_pipes.storage.corpora.parquet import ParquetStorage
 
 __all__ = [
     "MegatronIndex",
     "MegatronIndexedStorage",
     "NumpyTokensStorage",
+    "ParquetStorage",
     "TokenCorpus",
     "TokenFormat",
     "read_megatron_index",

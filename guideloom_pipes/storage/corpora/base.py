@@ -25,6 +25,7 @@ import numpy as np
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.formats import StreamNumpyFormat
 from guideloom_pipes.storage.errors import StorageError
+from guideloom_pipes.storage.io import resolve_backend
 from guideloom_pipes.storage.names import IN_BAND
 from guideloom_pipes.storage.shard_listing import ShardListing
 from guideloom_pipes.storage.stream import StreamStorage
@@ -101,6 +102,9 @@ class CorpusFiles:
     document_starts: np.ndarray | None = None
     #: other files each shard's version depends on (an index): their sizes, per shard
     extra_sizes: list[dict[str, int]] = field(default_factory=list)
+    #: the read backend that serves the token files as raw tokens (a corpus whose files
+    #: are decoded, such as Parquet tables), one per reader; None: the storage's own
+    backend: Any = None
 
 
 class TokenCorpus(StreamStorage[Any, Any, Any]):
@@ -180,6 +184,8 @@ class CorpusReader(StreamReader):
         if self._open:
             return
         found = self.storage._scan()
+        if found.backend is not None:
+            self._io = resolve_backend(found.backend)
         directory = self.storage.dir
         identities = {}
         for shard, name in enumerate(found.names):
