@@ -156,6 +156,30 @@ def run_steps(loader: StatefulDataLoader[Any, Any], count: int) -> Iterator[Any]
                 iterator._finish(*iterator._resume_point())
 
 
+def skip_steps(loader: StatefulDataLoader[Any, Any], count: int) -> None:
+    """``loader.skip(count)``: the position ``count`` global batches on, across epoch ends
+    as :func:`run_steps` goes (an epoch with no batch left moves to the next one), with
+    nothing read."""
+    here = loader._position
+    epoch, offset, batch = here.epoch, here.offset, here.batch
+    order, size = loader._order, loader.global_batch_size
+    left = count
+    while left:
+        steps = order.steps_left(loader, epoch, offset)
+        if left < steps:
+            offset, batch, left = offset + left * size, size, 0
+        elif steps == 0 and offset == 0:
+            raise ValueError(
+                f"epoch {epoch} of this loader has no batch (the dataset holds fewer samples "
+                f"than a global batch of {size}): there is nothing to skip"
+            )
+        else:
+            epoch, offset, batch, left = epoch + 1, 0, size, left - steps
+    if not order.steps_left(loader, epoch, offset):
+        epoch, offset = epoch + 1, 0  # (as steps() leaves an epoch whose batches ran out)
+    here.move(epoch, offset, batch)
+
+
 def close_failed_iterator(loader: StatefulDataLoader[Any, Any]) -> None:
     """Close the loader's active iterator if its last ``next()`` raised a batch's own error.
 

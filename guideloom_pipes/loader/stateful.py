@@ -27,6 +27,7 @@ from guideloom_pipes.loader.iterator import (
     close_failed_iterator,
     refuse_active,
     run_steps,
+    skip_steps,
 )
 from guideloom_pipes.loader.orders import make_order, tail_dropped
 from guideloom_pipes.loader.resources import LoaderResources
@@ -350,10 +351,8 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         return self.settings.local_batch_size * self.settings.world_size
 
     def __len__(self) -> int:
-        """Steps in a full epoch: ``n // G`` with ``drop_last``, else ``ceil(n / G)``.
-
-        With ``order="shards"``: the steps of the current epoch (ranks get whole shards,
-        so an epoch's steps depend on how its shuffled shards were dealt)."""
+        """Steps in a full epoch: ``n // G`` with ``drop_last``, else ``ceil(n / G)``; with
+        ``order="shards"``, the current epoch's (they depend on how its shards were dealt)."""
         return self._order.steps(self, self._current_epoch())
 
     def __repr__(self) -> str:
@@ -436,28 +435,29 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
     def steps(self, n: int) -> Iterator[BatchT]:
         """Exactly ``n`` batches from where the loader stands, across epoch ends.
 
-        Training loops count steps, not epochs: ``for batch in loader.steps(n)`` delivers
-        ``n`` batches from the current ``(epoch, offset)``, moving to ``(epoch + 1, 0)`` at
-        each epoch's end (each epoch in GuideLoom's order, as ``iter()`` gives it), and the
-        next call continues where this one stopped. ``state_dict()`` is the usual dict (it
-        stores no ``n``): after ``load_state_dict`` pass the steps still to run, on another
-        world size too. While the returned iterator is between batches the loader has an
-        active epoch iterator (``state_dict()`` reports what was delivered; ``iter()`` and
-        ``load_state_dict`` raise); it is closed as the last batch is handed over, or when
-        the returned iterator is closed (or dropped) early, keeping the position of what was
-        delivered. ``len(loader)`` and plain iteration are unchanged.
+        ``for batch in loader.steps(n)`` delivers ``n`` batches from the current ``(epoch,
+        offset)``, moving to ``(epoch + 1, 0)`` at each epoch's end (each epoch in
+        GuideLoom's order); the next call continues there. The state stores no ``n``: after
+        ``load_state_dict`` pass the steps still to run (on any world size). Between batches
+        the loader has an active epoch iterator (``iter()`` and ``load_state_dict`` raise);
+        it is closed as the last batch is handed over, or when the returned iterator is
+        closed early, keeping the position of what was delivered.
 
-        Args:
-            n: How many batches, >= 1.
-
-        Raises:
-            ValueError: ``n < 1``.
-            TypeError: ``n`` is not an int.
-            RuntimeError: An iterator of this loader is still active.
+        Raises ``ValueError`` (``n < 1``), ``TypeError`` (not an int), ``RuntimeError`` (an
+        iterator of this loader is still active).
         """
         count = _int_arg("n", n, 1)
         refuse_active(self, "steps()")
         return run_steps(self, count)
+
+    def skip(self, n: int) -> None:
+        """Move past ``n`` global batches unread, across epoch ends as :meth:`steps` goes (the
+        state says so, on any world size; the shard order re-reads a shuffle buffer's shards).
+        Raises as :meth:`steps` does (``RuntimeError`` while an iterator is active)."""
+        count = _int_arg("n", n, 1)
+        refuse_active(self, "skip()")
+        self.open()
+        skip_steps(self, count)
 
     # -- checkpoints ------------------------------------------------------------------------
 

@@ -151,6 +151,20 @@ def test_a_run_stopped_at_any_step_resumes_exactly(
             assert batches + rest == uninterrupted, (rank, k)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_skip_moves_past_batches_unread_and_the_rest_is_the_uninterrupted_runs(
+    storage: StreamStorage, world_size: int
+) -> None:
+    for rank in range(world_size):
+        whole = _loader(storage, rank=rank, world_size=world_size)
+        uninterrupted = _epoch(whole) + _epoch(whole)  # two epochs
+        for k in range(1, len(uninterrupted)):
+            loader = _loader(storage, rank=rank, world_size=world_size)
+            loader.skip(k)
+            rest = [_ids(batch) for batch in loader.steps(len(uninterrupted) - k)]
+            assert rest == uninterrupted[k:], (rank, k)
+
+
 def test_a_state_is_the_same_on_every_rank(storage: StreamStorage) -> None:
     states = []
     for rank in range(2):

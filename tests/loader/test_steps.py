@@ -144,3 +144,80 @@ def test_steps_resumed_mid_way_on_another_world_size_equal_the_uninterrupted_run
 def test_n_below_one_or_not_an_int_is_refused(n, error):
     with pytest.raises(error, match="n must be"):
         make().steps(n)
+
+
+# -- loader.skip(n) ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip", [1, 2, 3, 4, 7, 9])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_skip_moves_past_n_batches_unread_and_steps_go_on_with_the_rest(skip, drop_last):
+    expected = epochs(make(drop_last=drop_last), 5)
+    loader = make(drop_last=drop_last)
+    loader.skip(skip)
+    assert list(loader.steps(4)) == expected[skip : skip + 4]
+    resumed = make(drop_last=drop_last)
+    resumed.load_state_dict(loader.state_dict())
+    assert list(resumed.steps(2)) == expected[skip + 4 : skip + 6]
+
+
+def test_skip_between_steps_to_an_epoch_end_stands_at_the_next_epochs_start():
+    expected = epochs(make(), 4)
+    loader = make()
+    got = list(loader.steps(2))
+    loader.skip(1)  # (to the epoch's end: the next epoch's start)
+    state = loader.state_dict()
+    assert (state["epoch"], state["observation_offset"]) == (1, 0)
+    got += list(loader.steps(2))
+    assert got == expected[:2] + expected[3:5]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(4, 23),
+    before=st.sampled_from([(1, 4), (2, 2), (4, 1)]),
+    after=st.sampled_from([(1, 4), (2, 2), (4, 1)]),
+    skip=st.integers(1, 9),
+)
+def test_a_skip_resumed_on_another_world_size_reads_what_the_uninterrupted_run_reads_after(
+    n, before, after, skip
+):
+    # the skip is in global batches of the run that skips; the rest goes on in positions
+    def ranks(shape, state=None):
+        world_size, batch = shape
+        loaders = [
+            _rank_loader(n, local_batch_size=batch, rank=r, world_size=world_size)
+            for r in range(world_size)
+        ]
+        for loader in loaders:
+            if state is not None:
+                loader.load_state_dict(state)
+        return loaders
+
+    def flat(loaders, steps):
+        per_rank = [list(loader.steps(steps)) for loader in loaders]
+        return sorted(s for batches in per_rank for batch in batches for s in batch)
+
+    skipping = ranks(before)
+    for loader in skipping:
+        loader.skip(skip)
+    states = [loader.state_dict() for loader in skipping]
+    assert all(s == states[0] for s in states)
+    walked = ranks(before)
+    for loader in walked:
+        list(loader.steps(skip))
+    assert walked[0].state_dict() == states[0]
+    assert flat(ranks(after, states[0]), 2) == flat(ranks(after, walked[0].state_dict()), 2)
+
+
+def test_skip_is_refused_while_an_iterator_is_active_and_for_a_bad_n():
+    loader = make()
+    iterator = iter(loader)
+    next(iterator)
+    with pytest.raises(RuntimeError, match="skip"):
+        loader.skip(1)
+    iterator.close()
+    with pytest.raises(ValueError, match="n must be"):
+        loader.skip(0)
+    with pytest.raises(TypeError, match="n must be"):
+        loader.skip(1.5)
