@@ -262,15 +262,9 @@ def open_storage(
 ) -> Any:
     """The storage of the dataset at ``path_or_url``, its format rebuilt from its records.
 
-    A corpus written by another tool is recognised by its files and opened read-only: a
-    Megatron-LM indexed dataset's prefix (or its ``.bin`` / ``.idx``) gives a
-    :class:`~guideloom_pipes.MegatronIndexedStorage`; an ``.npy`` file, or a directory of
-    nothing but ``.npy`` files, a :class:`~guideloom_pipes.NumpyTokensStorage` (documents
-    split at ``eos_id``); a ``.parquet`` file, or a directory of ``.parquet`` files, a
-    :class:`~guideloom_pipes.ParquetStorage` of ``column`` (None: the one list-of-integers
-    column ``input_ids`` or ``tokens``, else a string column ``text``; its sidecar goes
-    under ``cache_dir`` where the files' directory is read-only). ``dtype``: the dtype
-    their tokens are read as (None: their own).
+    A corpus written by another tool (a Megatron-LM prefix or its ``.bin`` / ``.idx``,
+    ``.npy`` files, ``.parquet`` tables) is opened read-only by :func:`foreign_corpus`,
+    which says what ``dtype``, ``eos_id``, ``column`` and ``cache_dir`` mean there.
 
     A dataset written by this package records its kind, stream dtype and format class in
     each shard's commit record, so ``open_storage("data/tokens")`` returns a
@@ -347,7 +341,9 @@ def foreign_corpus(
     nothing but ``.npy`` files (:class:`~guideloom_pipes.NumpyTokensStorage`, in name
     order, documents split at ``eos_id``), a ``.parquet`` file or a directory of
     ``.parquet`` files (:class:`~guideloom_pipes.ParquetStorage` of ``column``, in name
-    order; ``cache_dir``: where its sidecar goes if the directory is read-only)."""
+    order; None: the one list-of-integers column ``input_ids`` or ``tokens``, else a
+    string column ``text``; ``cache_dir``: where its sidecar goes if the directory is
+    read-only). ``dtype``: the dtype their tokens are read as (None: their own)."""
     if _remote(path_or_url) or not isinstance(path_or_url, (str, os.PathLike)):
         return None
     path = local_path(path_or_url)

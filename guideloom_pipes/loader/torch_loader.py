@@ -22,7 +22,6 @@ from typing import Any, TypeVar
 
 import torch
 import torch.utils.data
-from torch.utils.data import IterDataPipe
 from torch.utils.data._utils.collate import default_collate as torch_default_collate
 from torchdata.nodes import BaseNode
 
@@ -31,11 +30,11 @@ from guideloom_pipes.loader.checkpoint import Position
 from guideloom_pipes.loader.datapipes import (
     SeedDataPipe,
     distributed_settings,
-    draw_shared_seed,
     is_datapipe,
     shard_in_worker,
     shard_inline,
 )
+from guideloom_pipes.loader.epoch_draws import start_epoch
 from guideloom_pipes.loader.iterable_order import IterableOrder
 from guideloom_pipes.loader.sampler_order import (
     KIND,
@@ -43,13 +42,11 @@ from guideloom_pipes.loader.sampler_order import (
     EpochStart,
     SamplerBatches,
     SamplerOrder,
-    replay_pass,
 )
 from guideloom_pipes.loader.settings import LoaderSettings
 from guideloom_pipes.loader.torch_iterator import TorchLoaderIterator, Unbatched
 from guideloom_pipes.pipes import PinMemory, ReadSamples, default_collate
 from guideloom_pipes.pipes.iterable import IterableReads
-from guideloom_pipes.pipes.workers.iteration import is_stateful
 from guideloom_pipes.pipes.workers.processes import ProcessPool
 
 __all__ = ["DataLoader"]
@@ -208,7 +205,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         epoch, offset = here.epoch, here.offset
         if self._iterable:
             return self._iter_iterable(resume, epoch, offset)
-        items, source_states = self._start_epoch(resume, offset)
+        items, source_states = start_epoch(self, resume, offset)
         source = SamplerBatches(
             items,
             self._index_sampler,
@@ -223,7 +220,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     ) -> Iterator[Any]:
         """An epoch of an IterableDataset: each worker's pass (resumed where ``resume``
         says), interleaved as torch interleaves them."""
-        self._start_epoch(resume, offset, replay=False)
+        start_epoch(self, resume, offset, replay=False)
         order = self._order
         assert isinstance(order, IterableOrder)
         records, turn = None, 0
@@ -260,69 +257,6 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         iterator = TorchLoaderIterator(self, node, epoch, offset, source, own)
         self._live = weakref.ref(iterator)
         return iterator
-
-    def _start_epoch(
-        self, resume: Mapping[str, Any] | None, offset: int, *, replay: bool = True
-    ) -> tuple[Any, bool]:
-        """Start the index sampler's pass (resumed where ``resume`` says), drawing the
-        epoch's base seed as torch does; its iterator, and whether to keep its states.
-        Without ``replay`` a resumed pass does not skip what was delivered (an
-        IterableDataset's workers skip it themselves)."""
-        sampler = self._index_sampler
-        stateful = is_stateful(sampler)
-        persistent_drawn = self.persistent_workers and self._pool is not None
-        if resume is not None and offset and stateful and resume.get("sampler_state") is not None:
-            sampler.load_state_dict(resume["sampler_state"])
-            self.base_seed, self._drew_base_seed = resume["base_seed"], False
-            return iter(sampler), True
-        if resume is not None and (offset or resume.get("started")):
-            # (mid-epoch, or at the start of a pass already drawn: the same draws again)
-            start = EpochStart.of_state(resume["generators"], self)
-            self.base_seed = resume["base_seed"]
-            self._drew_base_seed = bool(resume.get("drew_base_seed"))
-            self._epoch_start = start
-            if replay:
-                return replay_pass(self, sampler, start, resume, offset), stateful
-            caller = torch.default_generator.get_state()
-            start.restore(self, default=True)
-            try:
-                self._shared_seed = self._draw_shared_seed()
-                if resume.get("drew_base_seed"):
-                    self._draw_base_seed()  # (what it drew from generator=)
-                    self._draw_worker_shared_seed()
-            finally:
-                torch.default_generator.set_state(caller)
-            return iter(()), stateful
-        if resume is not None and resume.get("generators") is not None:
-            # the epoch's start as the saved run stood at it: its sampler generators
-            EpochStart.of_state(resume["generators"], self).restore(self, default=False)
-        self._epoch_start = EpochStart.now(self)
-        self._shared_seed = self._draw_shared_seed()  # (before the rest, as torch draws it)
-        items = iter(sampler)
-        if not persistent_drawn:
-            self.base_seed = self._draw_base_seed()
-            self._drew_base_seed = True
-            self._draw_worker_shared_seed()
-        else:
-            self._drew_base_seed = False
-        return items, stateful
-
-    def _draw_shared_seed(self) -> int | None:
-        """An IterDataPipe's shared seed for the epoch, drawn as torch draws it (None for
-        any other dataset: nothing is drawn)."""
-        if not isinstance(self.dataset, IterDataPipe):
-            return None
-        world_size, _ = distributed_settings()
-        if world_size > 1 and self._datapipe_group is None:
-            self._datapipe_group = torch.distributed.new_group(backend="gloo")
-        return draw_shared_seed(self.generator, self._datapipe_group)
-
-    def _draw_worker_shared_seed(self) -> None:
-        """The shared seed torch's worker-process iterator draws again at its start, after
-        the base seed (for its next epoch; it is not used): drawn, so the generators stand
-        where torch's do."""
-        if self.num_workers:
-            self._draw_shared_seed()
 
     def _draw_base_seed(self) -> int:
         """torch's draw of an iterator's base seed (from ``generator``, else the global one)."""
