@@ -92,6 +92,9 @@ class IterableReads(BaseNode[Any]):
         self._started: list[bool] = []
         self._token = -1
         self._open = False
+        #: An error met sending the next jobs after a batch was taken: raised at the next
+        #: ``next()``, so the batch already read is delivered first.
+        self._deferred: Exception | None = None
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -148,6 +151,12 @@ class IterableReads(BaseNode[Any]):
             raise StopIteration
         if self._pool is None:
             return self._next_inline()
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            try:
+                raise deferred
+            finally:
+                del deferred
         pool = self._pool
         while self._in_flight:
             index, job = self._in_flight[0]
@@ -177,7 +186,10 @@ class IterableReads(BaseNode[Any]):
                 continue
             self.records[index] = step.record
             self.turn = (index + 1) % len(self.records)
-            self._fill()
+            try:
+                self._fill()
+            except Exception as error:  # (a worker found dead on sending: after this batch)
+                self._deferred = error
             return step.batch
         self._release()
         raise StopIteration
@@ -201,6 +213,7 @@ class IterableReads(BaseNode[Any]):
         return {"records": [r.as_dict() for r in self.records], "turn": self.turn}
 
     def _release(self) -> None:
+        self._deferred = None
         self._in_flight.clear()
         if self._pool is not None and not self._pool.closed:
             self._pool.release()
