@@ -15,11 +15,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from corpus_writers import megatron_read_back, random_documents, write_megatron
+from corpus_writers import (
+    megatron_read_back,
+    parquet_read_back,
+    random_documents,
+    write_megatron,
+    write_parquet,
+)
 from tokenizer_helpers import expected, texts, train_tokenizer
 
 from guideloom_pipes import (
     DocumentDataset,
+    DocumentPickleFormat,
     DocumentStorage,
     StreamNumpyFormat,
     StreamStorage,
@@ -153,6 +160,50 @@ def test_a_dataset_of_ours_is_converted_too(tmp_path: Path) -> None:
     report = convert(tmp_path / "ours", tmp_path / "out", dtype="uint8", shard_tokens=4, **SERIAL)
     assert len(report.written) == 9  # (three shards of 10 tokens, in pieces of at most 4)
     assert _stream(tmp_path / "out").tolist() == list(range(30))
+
+
+def test_a_parquet_token_column_is_copied_with_eos_appended(tmp_path: Path) -> None:
+    documents = [np.array(d[0]) for d in random_documents(4, 11, "int32", longest=6)]
+    write_parquet(tmp_path / "t.parquet", documents, "int32", row_group_size=3)
+    read = parquet_read_back(tmp_path / "t.parquet")
+    report = convert(
+        tmp_path / "t.parquet", tmp_path / "out", eos_id=0, shard_documents=4, **SERIAL
+    )
+    assert report.written == [0, 1, 2]
+    assert _stream(tmp_path / "out").tolist() == [t for row in read for t in [*row, 0]]
+
+
+def test_text_documents_of_ours_are_tokenized_too(tmp_path: Path, tokenizer_file: Path) -> None:
+    documents = texts(3, 7)
+    source = DocumentStorage(tmp_path / "ours", DocumentPickleFormat())
+    with source.sync_writer() as writer:
+        for index, text in enumerate(documents):
+            writer.append(index % 2, {"text": text})
+    convert(tmp_path / "ours", tmp_path / "out", tokenizer=tokenizer_file, eos_id=1, **SERIAL)
+    with DocumentDataset(source).sync_reader() as reader:
+        read = [document["text"] for document in reader]  # (shard 0's, then shard 1's)
+    want = expected(load_tokenizer(tokenizer_file), read, eos=1)
+    assert _stream(tmp_path / "out").tolist() == [t for ids in want for t in ids]
+
+
+def test_each_worker_loads_the_tokenizer_once(
+    tmp_path: Path, tokenizer_file: Path, table: tuple[Path, list[str]], monkeypatch: Any
+) -> None:
+    import tokenizers
+
+    folder, _ = table
+    loads = []
+    real = tokenizers.Tokenizer.from_file
+
+    def counted(path: str) -> Any:
+        loads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", counted)
+    report = convert(
+        folder, tmp_path / "out", tokenizer=tokenizer_file, shard_documents=2, **SERIAL
+    )
+    assert len(report.written) == 12 and loads == [str(tokenizer_file)]
 
 
 def test_a_large_file_is_split_into_shards_of_at_most_shard_documents(
