@@ -160,6 +160,8 @@ def test_a_dataset_of_ours_is_converted_too(tmp_path: Path) -> None:
     report = convert(tmp_path / "ours", tmp_path / "out", dtype="uint8", shard_tokens=4, **SERIAL)
     assert len(report.written) == 9  # (three shards of 10 tokens, in pieces of at most 4)
     assert _stream(tmp_path / "out").tolist() == list(range(30))
+    with pytest.raises(ValueError, match=r"eos_id=0 is appended to each document, but .* is a "):
+        convert(tmp_path / "ours", tmp_path / "out", eos_id=0, **SERIAL)
 
 
 def test_a_parquet_token_column_is_copied_with_eos_appended(tmp_path: Path) -> None:

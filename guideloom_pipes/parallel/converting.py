@@ -159,7 +159,7 @@ def convert(
     out_dtype = _output_dtype(source, dtype, text, tokenizer_file)
     if eos is not None:
         check_fits(np.array([eos]), out_dtype, f"eos_id={eos}")
-    items = _items(source, documents, shard_documents, shard_tokens, src)
+    items = _items(source, documents, shard_documents, shard_tokens, src, eos)
     if documents:
         storage: Any = DocumentStorage(os.fspath(dst), DocumentPickleFormat())
     else:
@@ -232,7 +232,12 @@ def _token_field(source: StreamStorage[Any, Any, Any]) -> tuple[str, np.dtype[An
 
 
 def _items(
-    source: Any, documents: bool, shard_documents: int, shard_tokens: int, src: Any
+    source: Any,
+    documents: bool,
+    shard_documents: int,
+    shard_tokens: int,
+    src: Any,
+    eos_id: int | None,
 ) -> list[ConvertItem]:
     """The work items: each file's documents (or tokens) in ranges of at most
     ``shard_documents`` (``shard_tokens``)."""
@@ -246,6 +251,12 @@ def _items(
         raise ValueError(
             f"{src} has no document boundaries, so documents=True cannot find its documents: "
             f"give eos_id= the token that ends each (flat token files), or write a stream"
+        )
+    if eos_id is not None:
+        raise ValueError(
+            f"eos_id={eos_id} is appended to each document, but {src} is a stream without "
+            f"document boundaries (its documents, if any, end with their EOS already): drop "
+            f"eos_id="
         )
     with source.sync_reader() as reader:
         counts = [reader.length(s) for s in range(reader.num_shards)]
