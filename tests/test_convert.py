@@ -130,6 +130,11 @@ def test_a_megatron_corpus_is_written_as_megatron_reads_it_with_eos_appended(
     convert(prefix, tmp_path / "stream", **SERIAL)  # (no eos_id: the tokens as they are)
     stream = _stream(tmp_path / "stream")
     assert stream.dtype == np.uint16 and stream.tolist() == np.concatenate(read).tolist()
+    with cf.ProcessPoolExecutor(2) as pool:
+        options = {"eos_id": 7, "dtype": "int32", "documents": True, "shard_documents": 6}
+        convert(prefix, tmp_path / "serial", **options, **SERIAL)
+        convert(prefix, tmp_path / "pool", **options, executor=pool, progress=False)
+    assert _files(tmp_path / "pool") == _files(tmp_path / "serial")
 
 
 def test_numpy_token_files_are_copied_and_split_at_their_eos(tmp_path: Path) -> None:
@@ -150,6 +155,11 @@ def test_numpy_token_files_are_copied_and_split_at_their_eos(tmp_path: Path) -> 
     assert _documents(tmp_path / "docs") == [[5, 6, 0], [7, 8, 9, 0], [1, 2, 3, 0], [4]]
     with pytest.raises(ValueError, match=r"no document boundaries.*give eos_id="):
         convert(tmp_path / "npy", tmp_path / "nope", documents=True, **SERIAL)
+    with cf.ProcessPoolExecutor(2) as pool:
+        options = {"eos_id": 0, "documents": True, "shard_documents": 1}
+        convert(tmp_path / "npy", tmp_path / "serial", **options, **SERIAL)
+        convert(tmp_path / "npy", tmp_path / "pool", **options, executor=pool, progress=False)
+    assert _files(tmp_path / "pool") == _files(tmp_path / "serial")
 
 
 def test_a_dataset_of_ours_is_converted_too(tmp_path: Path) -> None:
