@@ -69,6 +69,8 @@ class _Settings:
     eos_id: int | None
     dtype: np.dtype[Any]
     text: bool
+    #: a stream is written: a batch of documents is one record (their tokens back to back)
+    stream: bool = False
 
 
 def convert(
@@ -165,7 +167,7 @@ def convert(
     else:
         stream = StreamNumpyFormat(np.dtype([("tokens", out_dtype)]))
         storage = StreamStorage(os.fspath(dst), stream)
-    settings = _Settings(tokenizer_file, eos, out_dtype, text)
+    settings = _Settings(tokenizer_file, eos, out_dtype, text, stream=not documents)
     identity = _source_identity(source, tokenizer_file)
     return write_parallel(
         storage,
@@ -344,9 +346,23 @@ def _documents(settings: _Settings, item: ConvertItem) -> Iterator[dict[str, np.
                 arrays = [
                     _tokens(sample, int(i), item.source, tail) for sample, i in zip(samples, ids)
                 ]
+            if settings.stream and arrays:  # (one record, one check: no per-document cost)
+                tokens = np.concatenate(arrays)
+                if _fits(tokens, settings.dtype):
+                    yield {"tokens": tokens.astype(settings.dtype)}
+                    continue
             for tokens, index in zip(arrays, ids.tolist()):
                 check_fits(tokens, settings.dtype, f"document {index} of {item.source!r}")
-                yield {"tokens": tokens.astype(settings.dtype)}
+                if not settings.stream:
+                    yield {"tokens": tokens.astype(settings.dtype)}
+
+
+def _fits(tokens: np.ndarray, dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` holds every id of ``tokens``."""
+    if not tokens.size or np.can_cast(tokens.dtype, dtype, "safe"):
+        return True
+    info = np.iinfo(dtype)
+    return bool(tokens.min() >= info.min and tokens.max() <= info.max)
 
 
 def _text(sample: Any, index: int, source: Any) -> str:
