@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 documents=args.documents,
                 column=args.column,
                 shard_documents=args.shard_documents,
+                shard_tokens=args.shard_tokens,
                 executor=executor,
                 max_workers=None if executor is not None else args.workers,
                 progress=not args.no_progress,

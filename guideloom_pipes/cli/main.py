@@ -14,7 +14,7 @@ from typing import Any
 
 from guideloom_pipes.cli import convert, head, info, recover, verify
 from guideloom_pipes.cli.dataset import KINDS, UsageError
-from guideloom_pipes.parallel.converting import DEFAULT_SHARD_DOCUMENTS
+from guideloom_pipes.parallel.converting import DEFAULT_SHARD_DOCUMENTS, DEFAULT_SHARD_TOKENS
 
 #: exit statuses
 OK, NOT_SOUND, USAGE = 0, 1, 2
@@ -183,6 +183,13 @@ def _add_convert(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         type=_positive,
         default=DEFAULT_SHARD_DOCUMENTS,
         help=f"most documents per shard (default {DEFAULT_SHARD_DOCUMENTS})",
+    )
+    p.add_argument(
+        "--shard-tokens",
+        type=_positive,
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"most tokens per shard of a stream without documents (default "
+        f"{DEFAULT_SHARD_TOKENS})",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     p.add_argument("--no-resume", action="store_true", help="rewrite every shard")

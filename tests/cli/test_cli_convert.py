@@ -75,3 +75,13 @@ def test_bad_usage_is_one_line_naming_the_fix(
     assert narrow.stderr.startswith("guideloom-pipes: error: WriteParallelError: ")
     assert "does not fit dtype=uint8" in narrow.stderr
     assert len(narrow.stderr.strip().splitlines()) == 1
+
+
+def test_shard_tokens_splits_a_stream_without_documents(tmp_path: Path) -> None:
+    np.save(tmp_path / "tokens.npy", np.arange(10, dtype=np.uint16))
+    out = tmp_path / "out"
+    done = cli("convert", tmp_path / "tokens.npy", out, "--shard-tokens", 4, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["written"] == [0, 1, 2]
+    with open_storage(out).sync_reader() as reader:
+        assert reader.read(0, reader.total_length)["tokens"].tolist() == list(range(10))
