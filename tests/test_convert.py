@@ -172,6 +172,8 @@ def test_a_dataset_of_ours_is_converted_too(tmp_path: Path) -> None:
     assert _stream(tmp_path / "out").tolist() == list(range(30))
     with pytest.raises(ValueError, match=r"eos_id=0 is appended to each document, but .* is a "):
         convert(tmp_path / "ours", tmp_path / "out", eos_id=0, **SERIAL)
+    with pytest.raises(ValueError, match=r"is the source itself: .* give another directory"):
+        convert(tmp_path / "ours", str(tmp_path / "ours"), **SERIAL)
 
 
 def test_a_parquet_token_column_is_copied_with_eos_appended(tmp_path: Path) -> None:

@@ -141,6 +141,11 @@ def convert(
             f"shard_documents and shard_tokens must be >= 1, got {shard_documents} and "
             f"{shard_tokens}"
         )
+    if isinstance(src, (str, os.PathLike)) and os.path.realpath(src) == os.path.realpath(dst):
+        raise ValueError(
+            f"dst {os.fspath(dst)!r} is the source itself: convert writes a new dataset, give "
+            f"another directory"
+        )
     source = _open_source(src, column, eos_id)
     text = bool(getattr(source, "text", False)) or _holds_text(source)
     tokenizer_file = None if tokenizer is None else os.path.abspath(os.fspath(tokenizer))
