@@ -17,13 +17,14 @@ from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.mixture import MixtureDataset
 from guideloom_pipes.opening import open_storage
 from guideloom_pipes.packing import PackedDataset
-from guideloom_pipes.parallel import WriteParallelError, WriteReport, write_parallel
+from guideloom_pipes.parallel import WriteParallelError, WriteReport, convert, write_parallel
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
 from guideloom_pipes.storage.corpora import (
     MegatronIndexedStorage,
     NumpyTokensStorage,
     ParquetStorage,
 )
+from guideloom_pipes.tokenizing import TokenizedDataset
 
 __version__ = "0.1.0"
 #: The GuideLoom release whose API, files, order and checkpoints this package reproduces.
@@ -83,10 +84,12 @@ __all__ = [
     "StreamNumpyFormat",
     "StreamStorage",
     "StreamWithMetaStorage",
+    "TokenizedDataset",
     "WriteParallelError",
     "WriteReport",
     "__version__",
     "collate_packed",
+    "convert",
     "get_worker_info",
     "io",
     "open_storage",

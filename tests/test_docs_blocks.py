@@ -11,9 +11,9 @@ otherwise; several directives may share one comment, separated by ``;``:
     the block runs after the one before it, in the same working directory (its files are
     there) but in a new process: what a restarted program sees (the tutorial's resume).
 ``<!-- needs: cuda -->``, ``<!-- needs: s3 -->``, ``<!-- needs: dask -->``,
-``<!-- needs: megatron -->``, ``<!-- needs: parquet -->``
+``<!-- needs: megatron -->``, ``<!-- needs: parquet -->``, ``<!-- needs: tokenizers -->``
     the block needs what this machine may not have (a GPU, the ``[dask]`` extra,
-    megatron-core, pyarrow); without it
+    megatron-core, pyarrow, Hugging Face tokenizers); without it
     the block is skipped, and the skip, with its reason, is listed in the test report
     (``-rs``). An ``s3`` block runs against moto's S3 server started here (``docs_s3``),
     its credentials and endpoint in the environment (``AWS_ENDPOINT_URL``, ...).
@@ -49,7 +49,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^`]*)$")
 _COMMENT = re.compile(r"^\s*<!--(?P<body>.*?)-->\s*$")
-_NEEDS = {"cuda", "s3", "dask", "megatron", "parquet"}
+_NEEDS = {"cuda", "s3", "dask", "megatron", "parquet", "tokenizers"}
 _TORCH_WORDS = re.compile(
     r"\bimport torch\b|\bfrom torch\b|StatefulDataLoader|collate_packed|pad_collate|"
     r"guideloom_pipes\.pipes|\bfrom guideloom_pipes import pipes\b"
@@ -100,8 +100,8 @@ def _directives(comment: str, where: str) -> Block:
         else:
             raise ValueError(
                 f"{where}: unknown directive {directive!r} before a python block (known: "
-                "continues, continues in a new process, needs: cuda|s3|dask|megatron|parquet, "
-                "run: torchrun, file: NAME)"
+                "continues, continues in a new process, needs: "
+                "cuda|s3|dask|megatron|parquet|tokenizers, run: torchrun, file: NAME)"
             )
     return block
 
@@ -197,6 +197,8 @@ def _skip_reason(chain: list[Block]) -> str | None:
         return "needs megatron-core: pip install -e '.[corpora-test]'"
     if "parquet" in needs and importlib.util.find_spec("pyarrow") is None:
         return "needs pyarrow: pip install -e '.[parquet]'"
+    if "tokenizers" in needs and importlib.util.find_spec("tokenizers") is None:
+        return "needs tokenizers: pip install -e '.[tokenizers]'"
     return None
 
 

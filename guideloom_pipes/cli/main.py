@@ -1,6 +1,6 @@
 """The ``guideloom-pipes`` command line (also ``python -m guideloom_pipes``): the argument
-parser of ``info``, ``verify``, ``head`` and ``recover``, and the exit statuses. An error is
-one line on stderr naming the path and the fix, never a traceback unless ``--debug``:
+parser of ``info``, ``verify``, ``head``, ``recover`` and ``convert``, and the exit statuses.
+An error is one line on stderr naming the path and the fix, never a traceback unless ``--debug``:
 exit status 2 for bad usage or a path that is missing or not a dataset, 1 for a dataset
 that is not sound (or another failure), 0 otherwise."""
 
@@ -12,8 +12,9 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from guideloom_pipes.cli import head, info, recover, verify
+from guideloom_pipes.cli import convert, head, info, recover, verify
 from guideloom_pipes.cli.dataset import KINDS, UsageError
+from guideloom_pipes.parallel.converting import DEFAULT_SHARD_DOCUMENTS, DEFAULT_SHARD_TOKENS
 
 #: exit statuses
 OK, NOT_SOUND, USAGE = 0, 1, 2
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(commands, [common, typed])
     _add_head(commands, [common, typed])
     _add_recover(commands, [common])
+    _add_convert(commands, [common])
     return parser
 
 
@@ -140,6 +142,58 @@ def _add_recover(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("path", metavar="DIR")
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.set_defaults(run=recover.run)
+
+
+def _add_convert(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``convert`` command: a corpus written as a dataset of ours."""
+    p = commands.add_parser(
+        "convert",
+        parents=parents,
+        help="write a corpus (ours, Megatron, .npy, Parquet tokens or text) as a dataset of ours",
+        description="Write SRC (anything info reads: a dataset of ours, a Megatron prefix, .npy "
+        "files, Parquet tables of token ids or of text) into DST as a stream of token ids (or "
+        "documents, --documents), text tokenized on the way, in parallel. Rerun the same "
+        "command to resume: committed shards are skipped.",
+    )
+    p.add_argument("src", metavar="SRC")
+    p.add_argument("dst", metavar="DST")
+    p.add_argument(
+        "--tokenizer", metavar="TOKENIZER_JSON", help="a Hugging Face tokenizer.json (text)"
+    )
+    p.add_argument(
+        "--dtype", help="output token dtype (default: the source's; text: uint16 if it fits)"
+    )
+    p.add_argument(
+        "--eos-id",
+        metavar="ID_OR_TOKEN",
+        help="appended to each document: a token id, or a token of the tokenizer (</s>)",
+    )
+    p.add_argument("--documents", action="store_true", help="write documents, not a stream")
+    p.add_argument("--column", help="the column of a Parquet table (default: detected)")
+    p.add_argument("--workers", type=_positive, help="worker processes (default: one per CPU)")
+    p.add_argument(
+        "--dask",
+        nargs="?",
+        const="",
+        metavar="ADDRESS",
+        help="run on a Dask cluster: its scheduler's address, or none for a local one",
+    )
+    p.add_argument(
+        "--shard-documents",
+        type=_positive,
+        default=DEFAULT_SHARD_DOCUMENTS,
+        help=f"most documents per shard (default {DEFAULT_SHARD_DOCUMENTS})",
+    )
+    p.add_argument(
+        "--shard-tokens",
+        type=_positive,
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"most tokens per shard of a stream without documents (default "
+        f"{DEFAULT_SHARD_TOKENS})",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    p.add_argument("--no-resume", action="store_true", help="rewrite every shard")
+    p.set_defaults(run=convert.run)
 
 
 def _one_line(error: BaseException) -> str:
