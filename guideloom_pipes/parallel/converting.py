@@ -129,49 +129,18 @@ def convert(
         The :class:`~guideloom_pipes.WriteReport` of the write.
 
     Raises:
-        TypeError: text without ``tokenizer``, a tokenizer for tokens, a source of another
-            kind (documents that are not tokens or text, a stream without ``tokens``).
-        ValueError: a token id, or ``eos_id``, that does not fit ``dtype``; documents asked
-            of a source without document boundaries.
+        TypeError: text without ``tokenizer``, a tokenizer for tokens, another kind of source.
+        ValueError: an id or ``eos_id`` past ``dtype``; documents of a stream without them.
         ImportError: text, and ``tokenizers`` is not installed.
         WriteParallelError: some items failed (their shards are not committed; rerun).
     """
-    if shard_documents < 1 or shard_tokens < 1:
-        raise ValueError(
-            f"shard_documents and shard_tokens must be >= 1, got {shard_documents} and "
-            f"{shard_tokens}"
-        )
-    if isinstance(src, (str, os.PathLike)) and os.path.realpath(src) == os.path.realpath(dst):
-        raise ValueError(
-            f"dst {os.fspath(dst)!r} is the source itself: convert writes a new dataset, give "
-            f"another directory"
-        )
+    _check_arguments(src, dst, shard_documents, shard_tokens)
     source = _open_source(src, column, eos_id)
-    text = bool(getattr(source, "text", False)) or _holds_text(source)
-    tokenizer_file = None if tokenizer is None else os.path.abspath(os.fspath(tokenizer))
-    if text and tokenizer_file is None:
-        raise TypeError(
-            f"{src} holds text, which is written as token ids: give tokenizer= a Hugging Face "
-            f"tokenizer.json (the CLI's --tokenizer)"
-        )
-    if not text and tokenizer_file is not None:
-        raise TypeError(
-            f"{src} holds token ids already, so no tokenizer is run on it: drop tokenizer="
-        )
-    if tokenizer_file is not None:
-        load_tokenizer(tokenizer_file)  # (missing, unreadable: refused before any work)
-    eos = resolve_eos(eos_id, tokenizer_file)
-    if isinstance(source, NumpyTokensStorage):
-        eos = None  # (its documents end with it already)
+    text, tokenizer_file = _tokenizing(src, source, tokenizer)
     out_dtype = _output_dtype(source, dtype, text, tokenizer_file)
-    if eos is not None:
-        check_fits(np.array([eos]), out_dtype, f"eos_id={eos}")
+    eos = _eos(eos_id, tokenizer_file, source, out_dtype)
     items = _items(source, documents, shard_documents, shard_tokens, src, eos)
-    if documents:
-        storage: Any = DocumentStorage(os.fspath(dst), DocumentPickleFormat())
-    else:
-        stream = StreamNumpyFormat(np.dtype([("tokens", out_dtype)]))
-        storage = StreamStorage(os.fspath(dst), stream)
+    storage = _destination(dst, documents, out_dtype)
     settings = _Settings(tokenizer_file, eos, out_dtype, text, stream=not documents)
     identity = _source_identity(source, tokenizer_file)
     return write_parallel(
@@ -184,6 +153,57 @@ def convert(
         resume=resume,
         fingerprint=functools.partial(_item_print, identity),
     )
+
+
+def _check_arguments(src: Any, dst: Any, shard_documents: int, shard_tokens: int) -> None:
+    """Refuse shard sizes below 1 and a destination that is the source."""
+    if shard_documents < 1 or shard_tokens < 1:
+        raise ValueError(
+            f"shard_documents and shard_tokens must be >= 1, got {shard_documents} and "
+            f"{shard_tokens}"
+        )
+    if isinstance(src, (str, os.PathLike)) and os.path.realpath(src) == os.path.realpath(dst):
+        raise ValueError(
+            f"dst {os.fspath(dst)!r} is the source itself: convert writes a new dataset, give "
+            f"another directory"
+        )
+
+
+def _tokenizing(src: Any, source: Any, tokenizer: Any) -> tuple[bool, str | None]:
+    """Whether ``source`` holds text, and the tokenizer file's absolute path (checked to
+    load: refused before any work), a tokenizer being required for text and refused for
+    tokens."""
+    text = bool(getattr(source, "text", False)) or _holds_text(source)
+    tokenizer_file = None if tokenizer is None else os.path.abspath(os.fspath(tokenizer))
+    if text and tokenizer_file is None:
+        raise TypeError(
+            f"{src} holds text, which is written as token ids: give tokenizer= a Hugging Face "
+            f"tokenizer.json (the CLI's --tokenizer)"
+        )
+    if not text and tokenizer_file is not None:
+        raise TypeError(
+            f"{src} holds token ids already, so no tokenizer is run on it: drop tokenizer="
+        )
+    if tokenizer_file is not None:
+        load_tokenizer(tokenizer_file)
+    return text, tokenizer_file
+
+
+def _eos(eos_id: Any, tokenizer_file: str | None, source: Any, dtype: np.dtype[Any]) -> Any:
+    """The id appended to each document (None: none), checked to fit ``dtype``."""
+    eos = resolve_eos(eos_id, tokenizer_file)
+    if isinstance(source, NumpyTokensStorage):
+        eos = None  # (its documents end with it already)
+    if eos is not None:
+        check_fits(np.array([eos]), dtype, f"eos_id={eos}")
+    return eos
+
+
+def _destination(dst: Any, documents: bool, dtype: np.dtype[Any]) -> Any:
+    """The storage written: documents of ``{"tokens": array}``, or a stream of ``tokens``."""
+    if documents:
+        return DocumentStorage(os.fspath(dst), DocumentPickleFormat())
+    return StreamStorage(os.fspath(dst), StreamNumpyFormat(np.dtype([("tokens", dtype)])))
 
 
 def _open_source(src: Any, column: str | None, eos_id: int | str | None) -> Any:
