@@ -117,13 +117,12 @@ class DatasetIteration:
         iterator = iter(dataset)
         self._own = iterator is dataset
         self._stateful_iterator = is_stateful(iterator)
-        if self._stateful_iterator and self._own and start.iterator_state is None:
-            # (an iterator-dataset's state as an older release saved it, or given alone)
-            if saved is not None:
-                iterator.load_state_dict(saved)
-        elif start.iterator_state is not None and self._stateful_iterator:
-            iterator.load_state_dict(start.iterator_state)
-        elif saved is not None:
+        pass_state = start.iterator_state
+        if self._own:  # (its one state; an older release saved it as the dataset's too)
+            pass_state, saved = (saved if pass_state is None else pass_state), None
+        if pass_state is not None and self._stateful_iterator:
+            iterator.load_state_dict(pass_state)
+        if saved is not None:
             dataset.load_state_dict(saved)  # (its __next__ is not its iterator's)
         if start.yielded and not self._stateful_dataset and not self._stateful_iterator:
             for skipped in range(start.yielded):
