@@ -168,7 +168,7 @@ class IterableReads(BaseNode[Any]):
                     self.records[index] = outcomes[1]
                     self._known_ended[index] = outcomes[1].ended
                     self.turn = (index + 1) % len(self.records)
-                    self._fill()
+                    self._fill_after_taking()
                     error = failed_batch_error(step)
                 else:  # the pass could not start (a bad state, iter() raised): it ends here
                     error = step.raised()
@@ -186,13 +186,18 @@ class IterableReads(BaseNode[Any]):
                 continue
             self.records[index] = step.record
             self.turn = (index + 1) % len(self.records)
-            try:
-                self._fill()
-            except Exception as error:  # (a worker found dead on sending: after this batch)
-                self._deferred = error
+            self._fill_after_taking()
             return step.batch
         self._release()
         raise StopIteration
+
+    def _fill_after_taking(self) -> None:
+        """:meth:`_fill` once a batch (or a batch's own failure) was taken: an error sending
+        the next jobs (a worker found dead) is raised at the next ``next()``, after it."""
+        try:
+            self._fill()
+        except Exception as error:
+            self._deferred = error
 
     def _next_inline(self) -> Any:
         iteration = self._inline

@@ -12,6 +12,7 @@ pytest.importorskip("torch")
 
 from guideloom_pipes.pipes.iterable import IterableReads
 from guideloom_pipes.pipes.workers.iteration import IterationStep, WorkerRecord
+from guideloom_pipes.pipes.workers.tasks import Failed
 
 
 class _Pool:
@@ -21,8 +22,9 @@ class _Pool:
     num_workers = 2
     closed = False
 
-    def __init__(self, dies_at: int) -> None:
+    def __init__(self, dies_at: int, bad_sample: int = -1) -> None:
         self.dies_at = dies_at
+        self.bad_sample = bad_sample
         self.sent = 0
         self.given = [0, 0]
 
@@ -38,7 +40,10 @@ class _Pool:
     def result(self, job: int, timeout: Any) -> tuple[list[Any], float, None]:
         self.given[job] += 1
         sample = job + 2 * (self.given[job] - 1)
-        return [IterationStep([sample], WorkerRecord(self.given[job]))], 0.0, None
+        record = WorkerRecord(self.given[job])
+        if sample == self.bad_sample:  # (the batch's own failure, as a worker answers it)
+            return [Failed(ValueError(f"sample {sample} is bad")), record], 0.0, None
+        return [IterationStep([sample], record)], 0.0, None
 
     def release(self) -> None:
         pass
@@ -50,6 +55,18 @@ def test_a_worker_found_dead_when_sending_ahead_fails_after_the_batch_already_re
     reads.reset()
     assert reads.next() == [0]
     assert reads.next() == [1]  # read before the failed send: delivered, not lost
+    assert [r.yielded for r in reads.records] == [1, 1]
+    with pytest.raises(BrokenProcessPool):
+        reads.next()
+
+
+def test_a_batchs_own_failure_is_raised_before_a_worker_found_dead_after_it() -> None:
+    pool = _Pool(dies_at=4, bad_sample=1)
+    reads = IterableReads([], None, 1, False, pool=pool, max_in_flight=2)  # type: ignore[arg-type]
+    reads.reset()
+    assert reads.next() == [0]
+    with pytest.raises(ValueError, match="sample 1 is bad"):  # (it counts as delivered)
+        reads.next()
     assert [r.yielded for r in reads.records] == [1, 1]
     with pytest.raises(BrokenProcessPool):
         reads.next()
