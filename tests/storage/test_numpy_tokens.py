@@ -108,18 +108,18 @@ def test_the_document_ends_are_scanned_once_and_kept_beside_the_files(
 def test_a_directory_it_cannot_write_keeps_the_sidecar_under_cache_dir(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from guideloom_pipes.storage.corpora import numpy_tokens
+    from guideloom_pipes.storage.corpora import sidecar
 
     data = tmp_path / "data"
     data.mkdir()
     np.save(data / "t.npy", _tokens(5, 300, "int32"))
-    write = numpy_tokens._write_sidecar
+    write = sidecar._write
 
-    def refused_in_data(path: Path, key: bytes, starts: np.ndarray) -> bool:
+    def refused_in_data(path: Path, data_bytes: bytes) -> bool:
         # (as a read-only directory refuses it; the tests may run as root, who is never refused)
-        return False if path.parent == data else write(path, key, starts)
+        return False if path.parent == data else write(path, data_bytes)
 
-    monkeypatch.setattr(numpy_tokens, "_write_sidecar", refused_in_data)
+    monkeypatch.setattr(sidecar, "_write", refused_in_data)
     with pytest.warns(UserWarning, match="could not keep the document ends"):
         assert _documents(NumpyTokensStorage(data / "t.npy", eos_id=EOS))
     cache = tmp_path / "cache"

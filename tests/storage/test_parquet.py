@@ -26,7 +26,7 @@ from guideloom_pipes import (  # noqa: E402
     open_storage,
 )
 from guideloom_pipes.storage import CorruptShardError, StorageError  # noqa: E402
-from guideloom_pipes.storage.corpora import parquet as parquet_module  # noqa: E402
+from guideloom_pipes.storage.corpora import sidecar  # noqa: E402
 
 
 def _documents_of(seed: int, count: int, dtype: str, empty: bool = True) -> list[np.ndarray]:
@@ -190,13 +190,13 @@ def test_a_directory_it_cannot_write_keeps_the_sidecar_under_cache_dir(
     data = tmp_path / "data"
     data.mkdir()
     path = write_parquet(data / "t.parquet", _documents_of(8, 10, "int32"), "int32")
-    write = parquet_module._write_sidecar
+    write = sidecar._write
 
     def refused_in_data(where: Path, *args: Any) -> bool:
         # (as a read-only directory refuses it; the tests may run as root, who is never refused)
         return False if where.parent == data else write(where, *args)
 
-    monkeypatch.setattr(parquet_module, "_write_sidecar", refused_in_data)
+    monkeypatch.setattr(sidecar, "_write", refused_in_data)
     with pytest.warns(UserWarning, match="could not keep the row lengths"):
         assert _documents(ParquetStorage(path, "input_ids")) == parquet_read_back(path)
     cache = tmp_path / "cache"

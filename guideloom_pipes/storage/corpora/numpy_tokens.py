@@ -11,10 +11,8 @@ that later opens read instead.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import tempfile
 import warnings
 from pathlib import Path, PurePath
 from typing import Any
@@ -28,6 +26,7 @@ from guideloom_pipes.storage.corpora.base import (
     local_paths,
     token_dtype,
 )
+from guideloom_pipes.storage.corpora.sidecar import keep_values, read_values
 from guideloom_pipes.storage.errors import CorruptShardError
 from guideloom_pipes.storage.io import resolve_backend
 
@@ -256,7 +255,7 @@ class NumpyTokensStorage(TokenCorpus):
     def _document_starts(self, sizes: list[int]) -> np.ndarray:
         key = self._key(sizes)
         for place in self._sidecars():
-            found = _read_sidecar(place, key)
+            found = read_values(place, _SIDECAR_MAGIC, key)
             if found is not None:
                 return found
         ends = self._scan_ends(sizes)
@@ -264,10 +263,7 @@ class NumpyTokensStorage(TokenCorpus):
         if not len(ends) or int(ends[-1]) != total:
             ends = np.append(ends, np.int64(total)) if total else ends
         starts = np.concatenate([np.zeros(1, dtype=np.int64), ends])
-        for place in self._sidecars():
-            if _write_sidecar(place, key, starts):
-                break
-        else:
+        if not keep_values(self._sidecars(), _SIDECAR_MAGIC, key, starts):
             warnings.warn(
                 f"NumpyTokensStorage could not keep the document ends of {self.files[0]} in a "
                 f"sidecar (its directory is read-only): every open scans the files again. "
@@ -305,35 +301,3 @@ class NumpyTokensStorage(TokenCorpus):
         if self.eos_id is not None:
             extra += f", eos_id={self.eos_id}"
         return f"NumpyTokensStorage({shown!r}{extra})"
-
-
-def _read_sidecar(path: Path, key: bytes) -> np.ndarray | None:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    head = len(_SIDECAR_MAGIC) + len(key)
-    if data[: len(_SIDECAR_MAGIC)] != _SIDECAR_MAGIC or data[len(_SIDECAR_MAGIC) : head] != key:
-        return None
-    if (len(data) - head) % 8:
-        return None
-    return np.frombuffer(data, dtype="<i8", offset=head).copy()
-
-
-def _write_sidecar(path: Path, key: bytes, starts: np.ndarray) -> bool:
-    """Write the sidecar atomically (a temporary renamed into place); whether it was."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    except OSError:
-        return False
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(_SIDECAR_MAGIC + key + starts.astype("<i8").tobytes())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-        return True
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        return False

@@ -19,10 +19,8 @@ reading itself (the row-group cache, the read backend, the text reader) is in
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ from guideloom_pipes.storage.corpora.parquet_reading import (
     open_file,
     pyarrow_modules,
 )
+from guideloom_pipes.storage.corpora.sidecar import keep_values, read_values
 from guideloom_pipes.storage.errors import DatasetChangedError
 
 __all__ = [
@@ -235,15 +234,13 @@ class ParquetStorage(TokenCorpus):
         key = self._key(stats)
         found = None
         for place in self._sidecars():
-            found = _read_sidecar(place, key, len(self._names))
+            values = read_values(place, _SIDECAR_MAGIC, key)
+            found = None if values is None else _decode_sidecar(values, len(self._names))
             if found is not None:
                 break
         if found is None:
             found = self._scan_files()
-            for place in self._sidecars():
-                if _write_sidecar(place, key, *found):
-                    break
-            else:
+            if not keep_values(self._sidecars(), _SIDECAR_MAGIC, key, _encode_sidecar(*found)):
                 warnings.warn(
                     f"ParquetStorage could not keep the row lengths of {self.files[0]} in a "
                     f"sidecar (its directory is read-only): every open scans the files again. "
@@ -356,17 +353,9 @@ class ParquetStorage(TokenCorpus):
         return f"ParquetStorage({shown!r}, column={self.column!r}{extra})"
 
 
-def _read_sidecar(path: Path, key: bytes, files: int) -> tuple[list[np.ndarray], np.ndarray] | None:
-    try:
-        data = path.read_bytes()
-    except OSError:
-        return None
-    head = len(_SIDECAR_MAGIC) + len(key)
-    if data[: len(_SIDECAR_MAGIC)] != _SIDECAR_MAGIC or data[len(_SIDECAR_MAGIC) : head] != key:
-        return None
-    if (len(data) - head) % 8:
-        return None
-    values = np.frombuffer(data, dtype="<i8", offset=head).astype(np.int64)
+def _decode_sidecar(values: np.ndarray, files: int) -> tuple[list[np.ndarray], np.ndarray] | None:
+    """``(row lengths per row group of each file, row starts)`` of a sidecar's values, or
+    None where they do not hold together."""
     if len(values) < 1 + files or int(values[0]) != files:
         return None
     counts = values[1 : 1 + files]
@@ -385,23 +374,8 @@ def _read_sidecar(path: Path, key: bytes, files: int) -> tuple[list[np.ndarray],
     return rows, starts
 
 
-def _write_sidecar(path: Path, key: bytes, rows: list[np.ndarray], starts: np.ndarray) -> bool:
-    """Write the sidecar atomically (a temporary renamed into place); whether it was."""
-    values = np.concatenate(
+def _encode_sidecar(rows: list[np.ndarray], starts: np.ndarray) -> np.ndarray:
+    """The values :func:`_decode_sidecar` reads back."""
+    return np.concatenate(
         [np.array([len(rows)], np.int64), np.array([len(r) for r in rows], np.int64), *rows, starts]
     )
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(prefix=path.name + ".", dir=path.parent)
-    except OSError:
-        return False
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(_SIDECAR_MAGIC + key + values.astype("<i8").tobytes())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-        return True
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        return False
