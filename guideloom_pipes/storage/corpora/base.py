@@ -18,7 +18,7 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -31,7 +31,13 @@ from guideloom_pipes.storage.shard_listing import ShardListing
 from guideloom_pipes.storage.stream import StreamStorage
 from guideloom_pipes.storage.stream_reader import StreamReader
 
-__all__ = ["CorpusFiles", "TokenCorpus", "TokenFormat", "token_dtype"]
+__all__ = [
+    "CorpusFiles",
+    "DocumentReaderBase",
+    "TokenCorpus",
+    "TokenFormat",
+    "token_dtype",
+]
 
 #: The integer dtypes tokens may be read as (``dtype=``).
 _INTEGER_KINDS = "iu"
@@ -264,7 +270,51 @@ class CorpusReader(StreamReader):
         return {"shards": self.num_shards, "tokens": self._total}
 
 
-class CorpusDocumentReader:
+_Reader = TypeVar("_Reader", bound="DocumentReaderBase")
+
+
+class DocumentReaderBase:
+    """What the corpora's document readers share: open while ``_starts`` (what the open
+    found: document or row-group starts) is set, a context manager, ``len()`` the
+    documents (:attr:`total_length`)."""
+
+    storage: Any
+    _starts: np.ndarray | None
+
+    def open(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def total_length(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def is_open(self) -> bool:
+        return self._starts is not None
+
+    def __enter__(self: _Reader) -> _Reader:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return self.total_length
+
+    def _checked(self) -> np.ndarray:
+        if self._starts is None:
+            raise RuntimeError(
+                f"the document reader of {self.storage!r} is not open; call open() or use it "
+                "in a `with` block"
+            )
+        return self._starts
+
+
+class CorpusDocumentReader(DocumentReaderBase):
     """The documents of a :class:`TokenCorpus`: document ``i`` is ``{"tokens": array}``,
     the tokens from its start to the next document's. The reader a ``DocumentDataset``
     reads through, as it reads a document storage's."""
@@ -296,34 +346,12 @@ class CorpusDocumentReader:
         self._stream.close()
         self._starts = None
 
-    @property
-    def is_open(self) -> bool:
-        return self._starts is not None
-
-    def __enter__(self) -> CorpusDocumentReader:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _checked(self) -> np.ndarray:
-        if self._starts is None:
-            raise RuntimeError(
-                f"the document reader of {self.storage!r} is not open; call open() or use it "
-                "in a `with` block"
-            )
-        return self._starts
-
     # -- what a document storage's reader offers ----------------------------------------------
 
     @property
     def total_length(self) -> int:
         """Documents in the corpus."""
         return len(self._checked()) - 1
-
-    def __len__(self) -> int:
-        return self.total_length
 
     @property
     def num_shards(self) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.backend_base import BackendBase
+from guideloom_pipes.storage.corpora.base import DocumentReaderBase
 from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError
 from guideloom_pipes.types import IOSyncReaderAbstract
 
@@ -333,7 +334,7 @@ class TokenFile(IOSyncReaderAbstract):
         return values, int(values.nbytes)
 
 
-class TextReader:
+class TextReader(DocumentReaderBase):
     """The text documents of a :class:`ParquetStorage` over a string column: document
     ``i`` is ``{"text": str}``, row ``i`` (the reader a ``DocumentDataset`` reads)."""
 
@@ -371,31 +372,9 @@ class TextReader:
         self._starts = None
 
     @property
-    def is_open(self) -> bool:
-        return self._starts is not None
-
-    def __enter__(self) -> TextReader:
-        self.open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _checked(self) -> np.ndarray:
-        if self._starts is None:
-            raise RuntimeError(
-                f"the document reader of {self.storage!r} is not open; call open() or use it "
-                "in a `with` block"
-            )
-        return self._starts
-
-    @property
     def total_length(self) -> int:
         """Documents (rows) in the tables."""
         return int(self._checked()[-1])
-
-    def __len__(self) -> int:
-        return self.total_length
 
     @property
     def num_shards(self) -> int:
