@@ -89,7 +89,8 @@ def convert(
     progress: bool = True,
     resume: bool = True,
 ) -> WriteReport:
-    """Write the corpus at ``src`` as a dataset of ours at ``dst``, in parallel.
+    """Write the corpus at ``src`` as a dataset of ours at ``dst``, in parallel; returns
+    the write's :class:`~guideloom_pipes.WriteReport`.
 
     ``src`` is anything :func:`~guideloom_pipes.open_storage` opens: a dataset of ours (a
     stream of token ids, or documents of ``{"tokens": ...}`` / ``{"text": str}``), a
@@ -121,12 +122,11 @@ def convert(
             ``text``).
         shard_documents: most source documents per output shard (>= 1).
         shard_tokens: most tokens per output shard of a source without documents (>= 1).
-        executor, max_workers, progress, resume: as for
-            :func:`~guideloom_pipes.write_parallel` (a Dask cluster:
-            ``client.get_executor()``).
-
-    Returns:
-        The :class:`~guideloom_pipes.WriteReport` of the write.
+        executor: where to run, as for :func:`~guideloom_pipes.write_parallel` (a Dask
+            cluster: ``client.get_executor()``).
+        max_workers: as for :func:`~guideloom_pipes.write_parallel`.
+        progress: as for :func:`~guideloom_pipes.write_parallel`.
+        resume: as for :func:`~guideloom_pipes.write_parallel`.
 
     Raises:
         TypeError: text without ``tokenizer``, a tokenizer for tokens, another kind of source.
