@@ -42,9 +42,9 @@ def random_documents(
 def write_megatron(prefix: Path, documents: list[list[np.ndarray]], dtype: Any) -> Path:
     """``PREFIX.bin`` / ``PREFIX.idx`` written by megatron-core's ``IndexedDatasetBuilder``:
     each document's sequences, then the document's end. The prefix."""
+    module = megatron()  # (skips first without torch: megatron-core needs it)
     import torch
 
-    module = megatron()
     builder = module.IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.dtype(dtype).type)
     for document in documents:
         for sequence in document:
