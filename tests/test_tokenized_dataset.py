@@ -71,6 +71,7 @@ def test_bad_arguments_and_samples_are_refused_naming_the_fix(tokenizer_file: Pa
 
 
 def _loader(dataset: Any, **options: Any) -> Any:
+    pytest.importorskip("torch")
     from guideloom_pipes import StatefulDataLoader, pad_collate
 
     return StatefulDataLoader(

@@ -179,6 +179,7 @@ def test_an_http_data_file_answering_403_mid_epoch_is_a_permission_error(
 def test_the_loader_delivers_a_403_mid_epoch_from_its_worker_processes_as_a_permission_error(
     http: HttpServer,
 ) -> None:
+    pytest.importorskip("torch")
     from guideloom_pipes import StatefulDataLoader
 
     directory, url = _dataset(http, "forbidden-loader")
