@@ -3,7 +3,9 @@ opens the source (a stream's reader, or the documents' reader and their prefix s
 from a sidecar or built and stored), locates a batch's windows (in the stream, or through the
 sums) and packs them (:mod:`guideloom_pipes.packing_columns`) into an output slab of its own
 per batch, recycled once the batch's last array is gone; ``read_arrays_many`` packs a chunk
-of batches together.
+of batches together. With ``packing="best_fit"`` (or ``"first_fit"``) it also loads (or
+computes and stores) the window plan, and assembles each window from its pieces and padding
+(:mod:`guideloom_pipes.packing_plan`).
 """
 
 from __future__ import annotations
