@@ -115,5 +115,33 @@ def main():
         print("resumed steps match:", head + tail == whole)
 
 
+# -- best-fit packing (issue 30) ------------------------------------------------------------
+# packing="best_fit" fits whole documents into windows (a document that fits is never cut)
+# and pads the rest of each window with pad_token: a sequence of its own in cu_seqlens,
+# labelled -100. See docs/packing.md#best-fit-packing.
+
+PAD = -1
+
+
+def best_fit():
+    with tempfile.TemporaryDirectory() as tmp:
+        books = PackedDataset(
+            write_documents(Path(tmp) / "books", 50),
+            SEQUENCE_LENGTH,
+            eos_token=EOS,
+            seed=7,
+            packing="best_fit",
+            pad_token=PAD,
+        )
+        batch = next(loader(books, 1, 0).steps(1))
+        print("best fit:", len(books), "windows of whole documents")
+        print("best-fit padding in the first batch:", int((batch["tokens"] == PAD).sum()))
+        print("best-fit cu_seqlens:", batch["cu_seqlens"].tolist())
+
+
+# -- end of best-fit packing ----------------------------------------------------------------
+
+
 if __name__ == "__main__":
     main()
+    best_fit()

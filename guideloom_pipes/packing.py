@@ -17,6 +17,11 @@ next token; ``-100`` across a document boundary and at the last position), all i
   file sizes: a sidecar of a dataset that changed is refused and rebuilt. Listing,
   ``verify`` and the readers ignore these files (their names are not shard names).
 
+With ``packing="best_fit"`` (or ``"first_fit"``), documents are not cut to fill windows:
+whole documents are fitted into windows (a plan computed once from the prefix sums and kept
+as a sidecar beside them, see :mod:`guideloom_pipes.packing_plan`), the rest of each window
+filled with ``pad_token``, a sequence of its own labelled ``-100``.
+
 A reader computes a batch of windows at once (:func:`pack_columns`: a few numpy passes over
 the whole ``(B, L)`` batch) into one output block per read, reused once the read's last
 array is gone; ``read_arrays`` gives the batch as a :class:`~guideloom_pipes.batch.Batch`
@@ -48,6 +53,7 @@ from guideloom_pipes.packing_columns import (
 )
 from guideloom_pipes.packing_columns import known_sequences as known_sequences
 from guideloom_pipes.packing_index import SIDECAR_PREFIX
+from guideloom_pipes.packing_plan import check_packing
 from guideloom_pipes.packing_reader import PackedReader
 from guideloom_pipes.reader_base import _AsyncDatasetReader
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
@@ -70,9 +76,11 @@ class PackedDataset:
     """Fixed windows over concatenated documents, with document boundaries.
 
     ``len`` is the total number of tokens // ``sequence_length`` (a trailing partial
-    window is dropped). Each sample is a dict of four ``(sequence_length,)`` int64 arrays:
-    ``tokens``, ``position_ids``, ``document_ids`` and ``labels`` (see the module
-    docstring); :func:`guideloom_pipes.collate_packed` batches them into the inputs of
+    window is dropped); with ``packing="best_fit"`` (or ``"first_fit"``), the number of
+    windows of its plan (every token once, nothing dropped). Each sample is a dict of
+    four ``(sequence_length,)`` int64 arrays: ``tokens``, ``position_ids``,
+    ``document_ids`` and ``labels`` (see the module docstring);
+    :func:`guideloom_pipes.collate_packed` batches them into the inputs of
     flash-attention's varlen kernels. Works in ``StatefulDataLoader`` and as a component of
     a ``MixtureDataset``.
 
@@ -90,6 +98,15 @@ class PackedDataset:
         field: The stream's field, or the documents' dict key, holding the tokens.
         cache_dir: Where to keep the prefix-sum sidecar when the dataset's directory is
             read-only or remote (by default: next to the dataset, else in memory only).
+        packing: ``"concat"`` (the default): the documents concatenated and cut into
+            windows. ``"best_fit"``: whole documents fitted into windows without cutting
+            them (best-fit decreasing over ``lookahead`` documents at a time; a document
+            longer than a window is split at multiples of it), the rest of each window
+            padded; ``"first_fit"``: the same with first fit. A fit needs documents (not a
+            stream); see :mod:`guideloom_pipes.packing_plan`.
+        pad_token: The token that fills a fitted window's free space (required for a fit,
+            refused for ``"concat"``): its own sequence, labelled ``-100``.
+        lookahead: Documents sorted and fitted together (>= 1; a fit only; default 1024).
     """
 
     def __init__(
@@ -101,9 +118,13 @@ class PackedDataset:
         seed: int | None = None,
         field: str = "tokens",
         cache_dir: str | os.PathLike[str] | None = None,
+        packing: str = "concat",
+        pad_token: int | None = None,
+        lookahead: int | None = None,
     ) -> None:
         self.sequence_length = check_int("sequence_length", sequence_length, minimum=1)
         self.eos_token = _check_token(eos_token, "eos_token")
+        self.packing, self.pad_token, self.lookahead = check_packing(packing, pad_token, lookahead)
         self.field = field
         self.cache_dir = None if cache_dir is None else Path(cache_dir)
         if isinstance(source, (StreamDataset,)):
@@ -123,6 +144,12 @@ class PackedDataset:
             source = DocumentDataset(source)
         self.source = source
         self.stream = isinstance(source, StreamStorage)
+        if self.stream and self.packing != "concat":
+            raise ValueError(
+                f"packing={self.packing!r} places whole documents, so it needs their lengths "
+                f"up front: pass a dataset of documents (a DocumentStorage, DocumentDataset "
+                f"or a list of token arrays); a stream packs with packing='concat'"
+            )
         if self.stream:
             if self.eos_token is None:
                 raise ValueError(
@@ -174,9 +201,15 @@ class PackedDataset:
             return reader[index]
 
     def __repr__(self) -> str:
+        fit = (
+            ""
+            if self.packing == "concat"
+            else f", packing={self.packing!r}, pad_token={self.pad_token}, "
+            f"lookahead={self.lookahead}"
+        )
         return (
             f"PackedDataset({self.source!r}, sequence_length={self.sequence_length}, "
-            f"eos_token={self.eos_token}, seed={self.seed}, field={self.field!r})"
+            f"eos_token={self.eos_token}, seed={self.seed}, field={self.field!r}{fit})"
         )
 
     # -- sidecars ---------------------------------------------------------------------------
@@ -190,12 +223,25 @@ class PackedDataset:
     def sidecar_paths(self) -> list[Path]:
         """Where this dataset's prefix sums are looked for, first to last (documents of a
         local ``DocumentStorage``: next to the dataset, then under ``cache_dir``)."""
+        return self._paths(self._variant())
+
+    def plan_paths(self) -> list[Path]:
+        """Where the window plan of ``packing="best_fit"`` or ``"first_fit"`` is looked
+        for, first to last (beside the prefix sums; empty for ``"concat"``)."""
+        if self.packing == "concat":
+            return []
+        return self._paths(f"{self._variant()}-{self._plan_variant()}")
+
+    def _plan_variant(self) -> str:
+        return f"{self.packing}-L{self.sequence_length}-k{self.lookahead}"
+
+    def _paths(self, variant: str) -> list[Path]:
         paths = []
         storage = getattr(self.source, "storage", None)
         if isinstance(storage, DocumentStorage) and storage._resolve_io().local:
-            paths.append(Path(storage.dir) / f".{SIDECAR_PREFIX}-{self._variant()}.bin")
+            paths.append(Path(storage.dir) / f".{SIDECAR_PREFIX}-{variant}.bin")
         if self.cache_dir is not None and isinstance(storage, DocumentStorage):
             where = hashlib.sha256(os.fsencode(os.path.abspath(os.fspath(storage.dir))))
-            name = f"{SIDECAR_PREFIX}-{where.hexdigest()[:16]}-{self._variant()}.bin"
+            name = f"{SIDECAR_PREFIX}-{where.hexdigest()[:16]}-{variant}.bin"
             paths.append(self.cache_dir / name)
         return paths

@@ -2,6 +2,8 @@
 the file format (a JSON header with version, the dataset's fingerprint, the count and the CRC-32
 of the sums, then the int64 sums, 64-aligned), its atomic write and its checked read, the
 fingerprint of a document storage that keys a sidecar, and the seeded document order's key.
+The window plans of best-fit packing (:mod:`guideloom_pipes.packing_plan`) are written and
+their headers read with the same helpers.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import hashlib
 import json
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +86,10 @@ class _Damaged(Exception):
 _CHECKED: set[tuple[int, int, int, int]] = set()
 
 
-def _read_sidecar(path: Path, fingerprint: str, documents: int) -> _I64 | None:
-    """The prefix sums in ``path`` if it exists and was built from ``fingerprint`` (None:
-    no such file, or one of another version or of another state of the dataset, rebuilt
-    quietly). Raises :class:`_Damaged` when its fingerprint matches but its contents do not
-    hold: a header that does not parse, a size or count other than ``documents + 1``
-    values, a CRC-32 other than the one written, a first value other than 0 or a decrease
-    (checked once per process for an unchanged file)."""
+def _read_header(path: Path) -> tuple[dict[str, Any], bytes, os.stat_result] | None:
+    """The JSON header of the sidecar at ``path``, its bytes (the data follows them) and the
+    file's status; None if there is no such file. Raises :class:`_Damaged` when the header
+    does not parse as a JSON object."""
     try:
         with open(path, "rb") as file:
             header = file.readline(4096)
@@ -103,6 +102,20 @@ def _read_sidecar(path: Path, fingerprint: str, documents: int) -> _I64 | None:
             raise ValueError("the header is not a JSON object")
     except ValueError as error:
         raise _Damaged(f"its header does not parse ({error})") from None
+    return meta, header, info
+
+
+def _read_sidecar(path: Path, fingerprint: str, documents: int) -> _I64 | None:
+    """The prefix sums in ``path`` if it exists and was built from ``fingerprint`` (None:
+    no such file, or one of another version or of another state of the dataset, rebuilt
+    quietly). Raises :class:`_Damaged` when its fingerprint matches but its contents do not
+    hold: a header that does not parse, a size or count other than ``documents + 1``
+    values, a CRC-32 other than the one written, a first value other than 0 or a decrease
+    (checked once per process for an unchanged file)."""
+    found = _read_header(path)
+    if found is None:
+        return None
+    meta, header, info = found
     if meta.get("version") != _SIDECAR_VERSION or meta.get("fingerprint") != fingerprint:
         return None  # another version of the dataset: refused, rebuilt by the caller
     try:
@@ -148,15 +161,21 @@ def _write_sidecar(path: Path, fingerprint: str, sums: _I64) -> bool:
     """Write ``sums`` to ``path`` atomically (temporary file, fsync, rename), with the CRC-32
     of their bytes in the header; False if the directory cannot be written."""
     data = np.ascontiguousarray(sums, dtype="<i8").tobytes()
-    meta = json.dumps(
-        {
-            "version": _SIDECAR_VERSION,
-            "fingerprint": fingerprint,
-            "count": len(sums),
-            "crc32": zlib.crc32(data),
-        }
-    ).encode()
-    header = meta + b" " * (-(len(meta) + 1) % 64) + b"\n"  # the data starts 64-aligned
+    meta = {
+        "version": _SIDECAR_VERSION,
+        "fingerprint": fingerprint,
+        "count": len(sums),
+        "crc32": zlib.crc32(data),
+    }
+    return _write_atomic(path, meta, [data])
+
+
+def _write_atomic(path: Path, meta: dict[str, Any], chunks: Sequence[Any]) -> bool:
+    """Write a sidecar to ``path`` atomically (temporary file, fsync, rename): ``meta`` as
+    its one-line JSON header, padded so that the data starts 64-aligned, then the bytes of
+    ``chunks`` (buffers) one after the other; False if the directory cannot be written."""
+    text = json.dumps(meta).encode()
+    header = text + b" " * (-(len(text) + 1) % 64) + b"\n"  # the data starts 64-aligned
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, temporary = _create_temporary(path)
@@ -165,7 +184,8 @@ def _write_sidecar(path: Path, fingerprint: str, sums: _I64) -> bool:
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(header)
-            file.write(data)
+            for chunk in chunks:
+                file.write(chunk)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)

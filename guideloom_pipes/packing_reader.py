@@ -3,7 +3,9 @@ opens the source (a stream's reader, or the documents' reader and their prefix s
 from a sidecar or built and stored), locates a batch's windows (in the stream, or through the
 sums) and packs them (:mod:`guideloom_pipes.packing_columns`) into an output slab of its own
 per batch, recycled once the batch's last array is gone; ``read_arrays_many`` packs a chunk
-of batches together.
+of batches together. With ``packing="best_fit"`` (or ``"first_fit"``) it also loads (or
+computes and stores) the window plan, and assembles each window from its pieces and padding
+(:mod:`guideloom_pipes.packing_plan`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from guideloom_pipes.datasets import StreamDataset
 from guideloom_pipes.packing_columns import (
     _I64,
     FIELDS,
+    IGNORE_INDEX,
     _pack_many,
     _remember_sequences,
     _samples,
@@ -33,6 +36,13 @@ from guideloom_pipes.packing_index import (
     _order_key,
     _read_sidecar,
     _write_sidecar,
+)
+from guideloom_pipes.packing_plan import (
+    PackingPlan,
+    check_pad_dtype,
+    fitted_windows,
+    load_plan,
+    plan_meta,
 )
 from guideloom_pipes.reader_base import (
     BatchReads,
@@ -72,6 +82,7 @@ class PackedReader(DatasetReaderBase):
         self._read: Any = None
         self._sums: _I64 | None = None  # prefix sums in the packing order (documents)
         self._permutation: FeistelPermutation | None = None
+        self._plan: PackingPlan | None = None  # the windows of a fit (best_fit, first_fit)
         self._sidecars: list[Path] = []  # where the sums were looked for (documents)
         self._lock = threading.Lock()
         # the batches' (4, B, L) int64 output slabs, recycled once no array of a batch is
@@ -109,7 +120,43 @@ class PackedReader(DatasetReaderBase):
         documents = len(sums) - 1
         if dataset.seed is not None and documents > 0:
             self._permutation = FeistelPermutation(documents, _order_key(dataset.seed))
-        self._length = int(sums[-1]) // dataset.sequence_length
+        if dataset.packing == "concat":
+            self._length = int(sums[-1]) // dataset.sequence_length
+            return
+        try:
+            self._plan = self._load_plan(source, sums)
+        except BaseException:
+            self.close()
+            raise
+        self._length = self._plan.windows
+
+    def _load_plan(self, source: Any, sums: _I64) -> PackingPlan:
+        """The window plan of a fit, from its sidecar or computed (and the pad token checked
+        against the first document's dtype)."""
+        dataset = self.dataset
+        assert dataset.pad_token is not None and dataset.lookahead is not None
+        if len(sums) > 1:
+            first = self._read(np.zeros(1, dtype=np.int64))[0]
+            check_pad_dtype(
+                dataset.pad_token, token_array(_document_tokens(first, dataset.field)).dtype
+            )
+        fingerprint = _fingerprint(source)
+        paths = dataset.plan_paths() if fingerprint is not None else []
+        meta = None
+        if fingerprint is not None:
+            variant = f"{dataset._variant()}-{dataset._plan_variant()}"
+            meta = plan_meta(
+                fingerprint,
+                variant,
+                dataset.packing,
+                dataset.sequence_length,
+                dataset.lookahead,
+                sums,
+            )
+        self._sidecars += paths
+        return load_plan(
+            sums, dataset.packing, dataset.sequence_length, dataset.lookahead, paths, meta
+        )
 
     def close(self) -> None:
         """Close the source reader (if opened here) and drop the prefix sums."""
@@ -118,6 +165,7 @@ class PackedReader(DatasetReaderBase):
             source.close()
         self._sums = None
         self._permutation = None
+        self._plan = None
         self._slabs.clear()
         self._length = -1
 
@@ -324,6 +372,22 @@ class PackedReader(DatasetReaderBase):
         if dataset.stream:
             windows = self._source.storage_reader._windows(ids * length, length)
             packed = _pack_many(windows[dataset.field], dataset.eos_token, None, outs)
+        elif self._plan is not None:
+            assert self._sums is not None and dataset.pad_token is not None
+            tokens, starts, padding = fitted_windows(
+                self._plan,
+                ids,
+                self._sums,
+                length,
+                dataset.pad_token,
+                dataset.eos_token,
+                self._document_arrays,
+            )
+            packed = _pack_many(tokens, None, starts, outs)
+            row = 0
+            for (columns, _, _), rows in zip(packed, sizes):
+                columns["labels"][padding[row : row + rows]] = IGNORE_INDEX
+                row += rows
         else:
             tokens, starts = self._document_windows(ids)
             packed = _pack_many(tokens, None, starts, outs)
@@ -337,6 +401,34 @@ class PackedReader(DatasetReaderBase):
         """A ``(4, rows, length)`` int64 slab that nothing else uses, owned by a lease (whose
         note :func:`_remember_sequences` sets)."""
         return self._slabs.take((len(FIELDS), rows, length), _INT64, leased=True)
+
+    def _document_arrays(self, order: _I64, expected: _I64) -> list[np.ndarray]:
+        """The documents at positions ``order`` of the packing order, as token arrays
+        (without the EOS); a ``RuntimeError`` naming the first whose tokens (and EOS) are not
+        ``expected``, after the sidecars it contradicts are removed."""
+        dataset = self.dataset
+        doc_ids = order if self._permutation is None else self._permutation(order)
+        extra = dataset.eos_token is not None
+        arrays = []
+        for k, document in enumerate(self._read(doc_ids)):
+            array = token_array(_document_tokens(document, dataset.field))
+            size = len(array) + extra
+            if size != expected[k]:
+                removed = self._discard_sidecars()
+                raise RuntimeError(
+                    f"document {int(doc_ids[k])} has {size} tokens, but the prefix sums "
+                    f"count {int(expected[k])}: the dataset changed after they were built"
+                    + (
+                        f", or their sidecar contradicts the documents (removed: "
+                        f"{', '.join(removed)}; the next open rebuilds it)"
+                        if removed
+                        else ""
+                    )
+                    + ". Open the PackedDataset again (a sidecar of a changed DocumentStorage "
+                    "is rebuilt; an in-memory dataset must not change while it is read)"
+                )
+            arrays.append(array)
+        return arrays
 
     def _document_windows(self, ids: _I64) -> tuple[_I64, _I64]:
         dataset = self.dataset
@@ -356,28 +448,10 @@ class PackedReader(DatasetReaderBase):
         owner = np.repeat(np.arange(rows, dtype=np.int64), counts)
         rank = np.arange(total, dtype=np.int64) - group_start[owner]
         order = first[owner] + rank  # positions in the packing order
-        doc_ids = order if self._permutation is None else self._permutation(order)
         expected = sums[order + 1] - sums[order]
-        documents = self._read(doc_ids)
         eos = dataset.eos_token
         pieces: list[Any] = []
-        for k, document in enumerate(documents):
-            array = token_array(_document_tokens(document, dataset.field))
-            size = len(array) + (eos is not None)
-            if size != expected[k]:
-                removed = self._discard_sidecars()
-                raise RuntimeError(
-                    f"document {int(doc_ids[k])} has {size} tokens, but the prefix sums "
-                    f"count {int(expected[k])}: the dataset changed after they were built"
-                    + (
-                        f", or their sidecar contradicts the documents (removed: "
-                        f"{', '.join(removed)}; the next open rebuilds it)"
-                        if removed
-                        else ""
-                    )
-                    + ". Open the PackedDataset again (a sidecar of a changed DocumentStorage "
-                    "is rebuilt; an in-memory dataset must not change while it is read)"
-                )
+        for array in self._document_arrays(order, expected):
             pieces.append(array)
             if eos is not None:
                 pieces.append(np.array([eos]))

@@ -111,6 +111,7 @@ def test_mix_and_pack_example_resumes_a_blend_of_packed_corpora_on_another_world
     stdout = _run([sys.executable, str(EXAMPLES / "mix_and_pack.py")], tmp_path)
     assert "resumed steps match: True" in stdout
     assert "cu_seqlens of the first batch: [0," in stdout
+    assert "windows of whole documents" in stdout and "best-fit cu_seqlens: [0," in stdout
 
 
 @pytest.mark.timeout(240)

@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.packing": 3,
     "guideloom_pipes.packing_columns": 3,
     "guideloom_pipes.packing_index": 3,
+    "guideloom_pipes.packing_plan": 3,
     "guideloom_pipes.packing_reader": 3,
     "guideloom_pipes.shuffle": 3,
     "guideloom_pipes.opening": 3,

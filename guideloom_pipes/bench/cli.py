@@ -114,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("train-loop", bench.train_loop_scenario),
             ("mixture", bench.mixture_scenario),
             ("packed", bench.packed_scenario),
+            ("packed-fit", bench.packed_fit_scenario),
             ("parallel-write", bench.parallel_write_scenario),
             ("remote-cache", bench.remote_cache_scenario),
             ("remote-range", bench.remote_range_scenario),

@@ -82,6 +82,7 @@ SCENARIOS = (
     "train-loop",
     "mixture",
     "packed",
+    "packed-fit",
     "parallel-write",
     "remote-cache",
     "remote-range",
@@ -492,6 +493,13 @@ class Bench:
             for kind, dataset, collate in kinds
         ]
         self.rows += measure("packed", contenders, self.sizes, self.log)
+
+    def packed_fit_scenario(self) -> None:
+        """Best-fit packing against cut-and-concatenate on documents of log-normal lengths:
+        padding and documents split, and the speed through the loader (``bench/fitting.py``)."""
+        from guideloom_pipes.bench.fitting import packed_fit_rows
+
+        self.rows += packed_fit_rows(self.root, self.sizes, self.log, self.extra)
 
     def parallel_write_scenario(self) -> None:
         """``write_parallel`` of a CPU-bound conversion: 2 worker processes against 1, on a

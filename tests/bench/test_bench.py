@@ -57,6 +57,7 @@ THROUGHPUT = (
     "shuffle",
     "mixture",
     "packed",
+    "packed-fit",
     "shard-order",
     "dataloader-tokens",
     "dataloader-documents",
@@ -206,6 +207,8 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "mixture: blend of 3 streams / single stream, workers=2",
         "packed: packed windows / plain windows, workers=0",
         "packed: packed windows / plain windows, workers=2",
+        "packed-fit: best fit / concat, workers=0",
+        "packed-fit: best fit / concat, workers=2",
         "parallel-write: process pool, 2 workers / 1",
         "dataloader-tokens: ours / torch's, workers=0",
         "dataloader-tokens: ours / torch's, workers=2",
@@ -255,6 +258,51 @@ def test_parallel_write_rows_are_positive_and_dask_is_measured_when_installed(
     for row in rows:
         for key in ("samples_per_s", "tokens_per_s", "ratio_to_baseline"):
             assert _positive(row[key]), (key, row)
+
+
+def test_the_packing_figures_count_padding_and_split_documents_by_hand() -> None:
+    """Documents of 3, 5, 2 and 9 tokens in windows of 5: concatenated, 19 tokens make 3
+    windows (4 dropped), documents 1 (tokens 3-7), 2 (8-9: not split) and 3 split; fitted
+    (look-ahead 1024): only the 9 is split, 4 windows of which 1 token is padding."""
+    from guideloom_pipes.bench import fitting
+
+    lengths = np.array([3, 5, 2, 9])
+    concat = fitting.concat_figures(lengths, 5)
+    assert concat == {
+        "windows": 3,
+        "padding_fraction": 0.0,
+        "documents_split": 2,
+        "tokens_dropped": 4,
+    }
+    for packing in ("first_fit", "best_fit"):
+        fit = fitting.fit_figures(lengths, 5, packing)
+        assert fit["windows"] == 4 and fit["documents_split"] == 1
+        assert fit["padding_fraction"] == 1 / 20 and fit["tokens_dropped"] == 0
+
+
+def test_the_packed_fit_scenario_reports_its_corpus_its_packings_and_its_rows(
+    tmp_path: Path,
+) -> None:
+    from guideloom_pipes.bench import fitting
+    from guideloom_pipes.bench.harness import Sizes
+
+    sizes = Sizes(documents=300, shards=2, rounds=1, round_seconds=0.02, warmup_seconds=0.01)
+    extra: dict[str, Any] = {}
+    rows = fitting.packed_fit_rows(tmp_path, sizes, lambda message: None, extra)
+    assert [row.contender for row in rows] == [
+        fitting.row(packing, workers) for workers in (0, 2) for packing in ("concat", "best_fit")
+    ]
+    assert all(_positive(row.samples_per_s) for row in rows)
+    figures = extra[fitting.SCENARIO]
+    assert figures["documents"] == 300 and figures["median_length"] <= figures["mean_length"]
+    longer = figures["longer_than_window"]
+    for packing in ("first_fit", "best_fit"):
+        assert figures[packing]["documents_split"] == longer  # only the documents too long
+        assert 0 < figures[packing]["padding_fraction"] < 0.05
+        assert figures[packing]["tokens_dropped"] == 0
+    assert figures["concat"]["documents_split"] > longer
+    lines = fitting.figure_lines(extra)
+    assert any("best_fit, lookahead=1024" in line[1] for line in lines)
 
 
 def test_hand_loop_crosses_shard_boundaries(tmp_path: Path) -> None:
