@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from guideloom_pipes.datasets import open_reader, reader_fingerprint
 from guideloom_pipes.loader.iterator import refuse_active
-from guideloom_pipes.loader.orders import GLOBAL_BATCH_KEY, ORDER_KEY
+from guideloom_pipes.loader.orders import GLOBAL_BATCH_KEY, ORDER_KEY, mixture_epoch
 from guideloom_pipes.loader.settings import SEED_WORD_LIMIT, _int_arg
 from guideloom_pipes.mixture import MixtureDataset
 from guideloom_pipes.mixture_weights import Part, legacy_history
@@ -110,6 +110,7 @@ def state_of(loader: StatefulDataLoader[Any, Any]) -> dict[str, Any]:
     if fingerprint is not None:
         state[FINGERPRINT_KEY] = fingerprint
     if isinstance(loader.dataset, MixtureDataset):
+        mixture_epoch(loader, epoch)  # (a later epoch than a loaded history's: none)
         # positions delivered in order (no shuffle): the weights history up to them
         delivered = None if settings.shuffle else min(offset, len(loader.dataset))
         state[MIXTURE_KEY] = loader.dataset.schedule_state(delivered)
