@@ -10,7 +10,7 @@ one piece from 0 (exactly the fixed-weight schedule).
 
 **The cuts.** Each part (a schedule from a position on) is cut into intervals: one per step
 phase (between two points), ``K`` of equal length per linear ramp (``K`` = the ramp's length
-up to 1,024 and ``sqrt(length / 8)`` beyond, at most 16,384), and the last phase, open-ended.
+up to 64 and ``sqrt(length / 8)`` beyond, at most 16,384), and the last phase, open-ended.
 At the end ``e`` of each closed interval the components' counts are apportioned from the
 integrated target ``T_c(e)`` (exact rationals): ``floor(T_c(e))`` or one more, by largest
 remainder, and never fewer than at the interval's start, so they never decrease and stay
@@ -41,9 +41,10 @@ _QUOTA_LIMIT = 1 << 30
 #: Intervals a linear ramp is cut into: its length up to the first, ``sqrt(length / 8)``
 #: beyond (the curvature then moves a count by at most the ramp's change of proportion),
 #: at most the second.
-_RAMP_MIN, _RAMP_MAX = 1024, 16384
-#: Built ``_Schedule`` s a routing keeps (least recently used go first).
-_KEPT = 256
+_RAMP_MIN, _RAMP_MAX = 64, 16384
+#: Pieces whose routing is kept built (least recently used go first), and the length up
+#: to which a piece keeps a table of its positions (4 bytes each) rather than its schedule.
+_KEPT, _TABLE_LIMIT = 256, 4096
 
 
 def apportion(
@@ -204,6 +205,33 @@ def _piece_counts(base: Sequence[int], weights: Sequence[int], m: int) -> list[i
     return out
 
 
+class _PieceRoute:
+    """How one piece routes its positions: by a table (component, draw) of its positions
+    when it holds at most ``_TABLE_LIMIT`` of them, else by its schedule."""
+
+    def __init__(self, start: int, base: _I64, weights: _I64, length: int | None) -> None:
+        self.start, self.base = start, base
+        index = np.flatnonzero(weights > 0)
+        schedule = _Schedule(weights[index].tolist())
+        self.schedule: _Schedule | None = schedule
+        self.index = index
+        if length is not None and length <= _TABLE_LIMIT and len(weights) < 1 << 15:
+            component, draw = schedule.route(np.arange(length, dtype=np.int64))
+            self.components = index[component].astype(np.int16)
+            self.draws = draw.astype(np.int16)
+            self.schedule = None
+
+    def route(self, positions: _I64) -> tuple[_I64, _I64]:
+        """``(component, draw)`` of positions of this piece."""
+        m = positions - self.start
+        if self.schedule is None:
+            component = self.components[m].astype(np.int64)
+            return component, self.draws[m] + self.base[component]
+        component, draw = self.schedule.route(m)
+        component = self.index[component]
+        return component, draw + self.base[component]
+
+
 class Routing:
     """Position -> ``(component, draw)`` over pieces (see the module docstring), vectorised;
     thread-safe. Built from the parts of a mixture (``Routing.of``)."""
@@ -219,7 +247,9 @@ class Routing:
         plain = len(starts) == 1 and bool(positive.all()) and not self.bases.any()
         #: the fixed-weight schedule, when this routing is one (the same function, as fast)
         self.plain = _Schedule(weights[0]) if plain else None
-        self._kept: OrderedDict[int, tuple[_Schedule, _I64]] = OrderedDict()
+        self._starts: list[int] = list(starts)
+        self._ends: list[float] = [*starts[1:], float("inf")]
+        self._kept: OrderedDict[int, _PieceRoute] = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
@@ -246,13 +276,19 @@ class Routing:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _schedule(self, piece: int) -> tuple[_Schedule, _I64]:
-        """The schedule of a piece's components with a weight, and their numbers."""
+    def _piece(self, piece: int) -> _PieceRoute:
+        """How a piece routes (built on first use; the last ``_KEPT`` used are kept)."""
         with self._lock:
             found = self._kept.get(piece)
             if found is None:
-                index = np.flatnonzero(self.weights[piece] > 0)
-                found = (_Schedule(self.weights[piece][index].tolist()), index)
+                end = int(self.starts[piece + 1]) if piece + 1 < len(self.starts) else None
+                start = int(self.starts[piece])
+                found = _PieceRoute(
+                    start,
+                    self.bases[piece],
+                    self.weights[piece],
+                    None if end is None else end - start,
+                )
                 self._kept[piece] = found
                 if len(self._kept) > _KEPT:
                     self._kept.popitem(last=False)
@@ -261,10 +297,7 @@ class Routing:
             return found
 
     def _route_piece(self, piece: int, positions: _I64) -> tuple[_I64, _I64]:
-        schedule, index = self._schedule(piece)
-        component, draw = schedule.route(positions - self.starts[piece])
-        component = index[component]
-        return component, draw + self.bases[piece][component]
+        return self._piece(piece).route(positions)
 
     def route(self, positions: _I64) -> tuple[_I64, _I64]:
         """``(component, draw)`` of each position (int64 arrays >= 0)."""
@@ -272,9 +305,10 @@ class Routing:
             return self.plain.route(positions)
         if len(self.starts) == 1 or not len(positions):
             return self._route_piece(0, positions)
+        first = bisect_right(self._starts, int(positions.min())) - 1
+        if int(positions.max()) < self._ends[first]:  # (a batch in order: mostly one piece)
+            return self._route_piece(first, positions)
         piece = np.searchsorted(self.starts, positions, side="right") - 1
-        if piece.min() == piece.max():
-            return self._route_piece(int(piece[0]), positions)
         component, draw = np.empty_like(positions), np.empty_like(positions)
         single = self.single[piece]
         one = single >= 0
@@ -295,7 +329,7 @@ class Routing:
         """How many of the first ``k`` positions go to each component (exact ints)."""
         if self.plain is not None:
             return self.plain.prefix_counts(k)
-        piece = bisect_right(self.starts.tolist(), k) - 1
+        piece = bisect_right(self._starts, k) - 1
         return _piece_counts(
             self.bases[piece].tolist(), self.weights[piece].tolist(), k - int(self.starts[piece])
         )
