@@ -8,7 +8,10 @@ by a stable hash of the name), so an upsampled component uses all its samples be
 repeats. See ``docs/mixtures.md`` for the semantics and the proof of the prefix bound.
 
 The schedule (a Huffman tree over the weights realised as integers, and its prefix bound) is
-:mod:`guideloom_pipes.mixture_schedule`'s; the reader, :mod:`guideloom_pipes.mixture_reader`.
+:mod:`guideloom_pipes.mixture_schedule`'s; weights that change with the position
+(:class:`~guideloom_pipes.mixture_weights.WeightSchedule`, and the history a resumed run keeps)
+are :mod:`guideloom_pipes.mixture_weights`'s, routed by :mod:`guideloom_pipes.mixture_routing`;
+the reader, :mod:`guideloom_pipes.mixture_reader`.
 """
 
 from __future__ import annotations
@@ -87,7 +90,9 @@ class MixtureDataset:
     how many draws of that component came before it, ``j``; the sample is
     ``perm(seed, name, pass=j // len_c)[j % len_c]`` with GuideLoom's Feistel permutation.
     The loader's shuffle reorders positions per epoch, so ``StatefulDataLoader(mixture,
-    ...)`` and its ``state_dict()`` resume a blend exactly, on another world size too.
+    ...)`` and its ``state_dict()`` resume a blend exactly, on another world size too; read
+    in order (``shuffle=False``), a run resumes with other weights from where each component
+    stood (:meth:`resume_history`).
 
     Component lengths are read once, here; a reader refuses components whose length has
     changed since (build the mixture again: see ``docs/mixtures.md``). Samples of all
@@ -100,7 +105,9 @@ class MixtureDataset:
             with ``len`` and ``[i]``; or another ``MixtureDataset``). The order of the
             mapping numbers the components (``locate`` returns these numbers).
         weights: name -> weight, exactly the names of ``components``; each finite and > 0
-            (normalised to sum to 1).
+            (normalised to sum to 1). Or a :class:`~guideloom_pipes.WeightSchedule`: weights
+            that change with the position (it needs ``num_samples``, and a loader that
+            does not shuffle: ``docs/mixtures.md``, "Weight schedules").
         seed: An int >= 0; fixes the Feistel permutation of every pass of every component.
         num_samples: Length of the mixture; ``None`` is the sum of the components' lengths.
             Set it to cover a run that should see more of a downsampled component.
@@ -369,4 +376,5 @@ class MixtureDataset:
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n!r}: {self.weights[n]:.4g}" for n in self.names)
-        return f"MixtureDataset({{{parts}}}, seed={self.seed}, num_samples={self.num_samples})"
+        weights = f"{{{parts}}}" if self.schedule is None else repr(self.schedule)
+        return f"MixtureDataset({weights}, seed={self.seed}, num_samples={self.num_samples})"

@@ -328,14 +328,14 @@ def _check_agreement(saved: list[Part], given: Part, position: int, names: list[
         )
         if same:
             continue
-        shown = _shown(ours, names) if ours else "no point"
-        expected = _shown(theirs, names) if theirs else "no point"
+        shown = f"point {k} ({_shown(ours, names)})" if ours else f"no point {k}"
+        expected = f"({_shown(theirs, names)})" if theirs else "none"
         raise ValueError(
-            f"the WeightSchedule's point {k} ({shown}) differs from the run's history before "
-            f"position {position}, which has {expected} there: the positions before "
-            f"{position} were read with the history's weights. Give a schedule whose points "
-            f"before {position} are the history's, or plain weights (a mapping), which apply "
-            f"from {position} on (docs/mixtures.md, 'Changing the weights at a restart')"
+            f"the WeightSchedule's {shown} differs from the run's history before position "
+            f"{position}, whose point {k} is {expected}: the positions before {position} were "
+            f"read with the history's weights. Give a schedule whose points before {position} "
+            f"are the history's, or plain weights (a mapping), which apply from {position} on "
+            f"(docs/mixtures.md, 'Changing the weights at a restart')"
         )
 
 
