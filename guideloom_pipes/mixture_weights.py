@@ -265,8 +265,10 @@ def parts_of_state(history: Any, names: list[str]) -> list[Part]:
                     f"{weights!r} sum to 0 or past 2**30"
                 )
             points.append((position, ints))
-        if points[0][0] > start:
-            raise ValueError(f"{what}: no point at or before its start {start}")
+        if points[0][0] > start or (not parts and start):
+            raise ValueError(
+                f"{what}: no point at or before its start {start} (the first part starts at 0)"
+            )
         parts.append(Part(start, tuple(points), entry["interpolation"] == "linear"))
     return parts
 

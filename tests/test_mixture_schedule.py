@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import guideloom
 from guideloom_pipes import MixtureDataset, WeightSchedule
+from guideloom_pipes.mixture_routing import apportion
 from guideloom_pipes.mixture_schedule import _integer_weights, _Schedule
 
 
@@ -131,6 +132,33 @@ def test_fixed_weights_route_exactly_as_the_fixed_schedule(weights, positions):
     assert mixture.schedule is None and one_point.prefix_bounds == {}
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), count=st.integers(1, 9), denominator=st.integers(1, 10**6))
+def test_apportioned_counts_sum_to_the_seats_never_decrease_and_stay_within_one(
+    data, count, denominator
+):
+    seats = data.draw(st.integers(0, 10**4))
+    cuts = sorted(
+        data.draw(
+            st.lists(st.integers(0, seats * denominator), min_size=count - 1, max_size=count - 1)
+        )
+    )
+    numerators = [b - a for a, b in zip([0, *cuts], [*cuts, seats * denominator])]
+    previous = [data.draw(st.integers(0, seats)) for _ in range(count)]
+    while sum(previous) > seats:
+        previous[previous.index(max(previous))] -= 1
+    counts = apportion(previous, numerators, denominator, seats)
+    assert sum(counts) == seats
+    assert all(c >= p for c, p in zip(counts, previous))
+    floors = [n // denominator for n in numerators]
+    ceilings = [-(-n // denominator) for n in numerators]
+    # the usual case: the counts before within 1 of (older, so lower) targets, leaving room
+    if all(p <= c for p, c in zip(previous, ceilings)) and (
+        sum(max(p, f) for p, f in zip(previous, floors)) <= seats
+    ):
+        assert all(f <= c <= top for f, c, top in zip(floors, counts, ceilings))
+
+
 def test_weight_schedule_is_exported_under_both_names():
     assert guideloom.WeightSchedule is WeightSchedule
     schedule = WeightSchedule([(0, {"a": 1})], interpolation="linear")
@@ -139,22 +167,14 @@ def test_weight_schedule_is_exported_under_both_names():
 
 
 def test_a_step_schedule_changes_the_shares_at_its_points():
-    schedule = WeightSchedule([(0, {"web": 8, "code": 2}), (500, {"web": 1, "code": 1})])
-    mixture = MixtureDataset(_components(2, 400) | {}, _rename(schedule), seed=0, num_samples=1000)
+    schedule = WeightSchedule([(0, {"c0": 8, "c1": 2}), (500, {"c0": 1, "c1": 1})])
+    mixture = MixtureDataset(_components(2, 400), schedule, seed=0, num_samples=1000)
     assert mixture.prefix_counts(500) == {"c0": 400, "c1": 100}
     assert mixture.prefix_counts(1000) == {"c0": 650, "c1": 350}
     assert mixture.weights == {"c0": 0.8, "c1": 0.2}
     assert mixture.weights_at(499) == {"c0": 0.8, "c1": 0.2}
     assert mixture.weights_at(500) == {"c0": 0.5, "c1": 0.5}
-
-
-def _rename(schedule: WeightSchedule) -> WeightSchedule:
-    """A schedule over web/code as one over c0/c1."""
-    names = {"web": "c0", "code": "c1"}
-    return WeightSchedule(
-        [(p, {names[k]: v for k, v in w.items()}) for p, w in schedule.points],
-        schedule.interpolation,
-    )
+    assert repr(mixture).startswith("MixtureDataset(WeightSchedule([(0, {'c0': 8, 'c1': 2})")
 
 
 def test_a_linear_ramp_moves_the_shares_gradually():
@@ -393,6 +413,10 @@ def test_a_second_resume_keeps_both_changes_and_a_schedule_naming_them_agrees():
         (
             [{"from": 5, "interpolation": "step", "points": [[6, {"c0": 1, "c1": 1}]]}],
             "no point at or before its start 5",
+        ),
+        (
+            [{"from": 5, "interpolation": "step", "points": [[0, {"c0": 1, "c1": 1}]]}],
+            "the first part starts at 0",
         ),
     ],
 )
