@@ -251,6 +251,8 @@ def parts_of_state(history: Any, names: list[str]) -> list[Part]:
             raise ValueError(f"{what} has interpolation {entry['interpolation']!r} or no points")
         points: list[Point] = []
         for pair in entry["points"]:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"{what}: a point must be [position, weights], got {pair!r}")
             position = check_int(f"{what}: a point's position", pair[0], minimum=0)
             weights = pair[1]
             if not isinstance(weights, Mapping) or set(weights) != set(names):

@@ -418,6 +418,10 @@ def test_a_second_resume_keeps_both_changes_and_a_schedule_naming_them_agrees():
             [{"from": 5, "interpolation": "step", "points": [[0, {"c0": 1, "c1": 1}]]}],
             "the first part starts at 0",
         ),
+        (
+            [{"from": 0, "interpolation": "step", "points": [[0]]}],
+            r"a point must be \[position, weights\], got \[0\]",
+        ),
     ],
 )
 def test_a_malformed_history_is_refused(history, match):
