@@ -6,7 +6,9 @@ stream, and a document storage), packs each into windows with document boundarie
 steps (``loader.steps(n)``) with the inputs of flash-attention's varlen kernels
 (``collate_packed``: ``cu_seqlens``, ``max_seqlen``). Halfway it checkpoints, then a fresh
 loader on another world size resumes from that state and delivers the same samples as the
-uninterrupted run. Run::
+uninterrupted run. Then an annealing run (a ``WeightSchedule``: more code in its last steps,
+read in order) is stopped and restarted on another world size with other weights: each corpus
+goes on from where it stood, no window read twice. Run::
 
     python mix_and_pack.py
 """
@@ -24,6 +26,7 @@ from guideloom_pipes import (
     StatefulDataLoader,
     StreamNumpyFormat,
     StreamStorage,
+    WeightSchedule,
     collate_packed,
 )
 
@@ -55,29 +58,34 @@ def write_documents(directory, documents):
     return storage
 
 
-def build(root):
+def corpora(root):
+    """The three corpora, packed into windows of SEQUENCE_LENGTH tokens."""
     web = PackedDataset(write_stream(root / "web", 1000, 60), SEQUENCE_LENGTH, eos_token=EOS)
     code = PackedDataset(write_stream(root / "code", 3000, 40), SEQUENCE_LENGTH, eos_token=EOS)
     books = PackedDataset(
         write_documents(root / "books", 50), SEQUENCE_LENGTH, eos_token=EOS, seed=7
     )
+    return {"web": web, "code": code, "books": books}
+
+
+def blend(components, weights):
     return MixtureDataset(
-        {"web": web, "code": code, "books": books},
-        {"web": 0.6, "code": 0.3, "books": 0.1},
+        components,
+        weights,
         seed=1234,
         num_samples=STEPS * GLOBAL_BATCH,  # the run's length: every step reads new draws
     )
 
 
-def loader(mixture, world_size, rank):
+def loader(mixture, world_size, rank, shuffle=True):
     return StatefulDataLoader(
         mixture,
         collate_packed,
         local_batch_size=GLOBAL_BATCH // world_size,
         rank=rank,
         world_size=world_size,
-        shuffle=True,
-        shuffle_seed=42,
+        shuffle=shuffle,
+        shuffle_seed=42 if shuffle else None,
         device="cpu",
     )
 
@@ -88,7 +96,8 @@ def first_tokens(batch):
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        mixture = build(Path(tmp))
+        components = corpora(Path(tmp))
+        mixture = blend(components, {"web": 0.6, "code": 0.3, "books": 0.1})
         component, index = mixture.locate(np.arange(8))
         names = [mixture.names[c] for c in component.tolist()]
         print("positions 0-7 come from", list(zip(names, index.tolist())))
@@ -113,6 +122,33 @@ def main():
             for zero, one in zip(*per_rank)
         ]
         print("resumed steps match:", head + tail == whole)
+        anneal_and_restart(components)
+
+
+def anneal_and_restart(components):
+    """More code in the last third of the run (positions: step s starts at s * GLOBAL_BATCH),
+    read in order; stopped after 3 steps and restarted on 2 ranks with more books."""
+    schedule = WeightSchedule(
+        [
+            (0, {"web": 0.6, "code": 0.3, "books": 0.1}),
+            (4 * GLOBAL_BATCH, {"web": 0.3, "code": 0.6, "books": 0.1}),
+        ]
+    )
+    first = loader(blend(components, schedule), 1, 0, shuffle=False)
+    for _ in first.steps(3):  # train_step(batch)
+        pass
+    state = first.state_dict()
+    print("weights history at position", state["observation_offset"], state["mixture"]["history"])
+    more_books = blend(components, {"web": 0.4, "code": 0.2, "books": 0.4})
+    ranks = [loader(more_books, 2, rank, shuffle=False) for rank in range(2)]
+    for rank_loader in ranks:
+        rank_loader.load_state_dict(state)
+        for _ in rank_loader.steps(STEPS - 3):  # train_step(batch)
+            pass
+    # which window of which corpus each position of the run read: no window twice
+    component, index = more_books.locate(np.arange(STEPS * GLOBAL_BATCH))
+    read = list(zip(component.tolist(), index.tolist()))
+    print("windows read twice after the restart:", len(read) - len(set(read)))
 
 
 # -- best-fit packing (issue 30) ------------------------------------------------------------

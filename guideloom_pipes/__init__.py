@@ -15,6 +15,7 @@ from guideloom_pipes.batch import Batch
 from guideloom_pipes.datasets import DocumentDataset, StreamDataset
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
 from guideloom_pipes.mixture import MixtureDataset
+from guideloom_pipes.mixture_weights import WeightSchedule
 from guideloom_pipes.opening import open_storage
 from guideloom_pipes.packing import PackedDataset
 from guideloom_pipes.parallel import WriteParallelError, WriteReport, convert, write_parallel
@@ -85,6 +86,7 @@ __all__ = [
     "StreamStorage",
     "StreamWithMetaStorage",
     "TokenizedDataset",
+    "WeightSchedule",
     "WriteParallelError",
     "WriteReport",
     "__version__",

@@ -8,12 +8,14 @@ by a stable hash of the name), so an upsampled component uses all its samples be
 repeats. See ``docs/mixtures.md`` for the semantics and the proof of the prefix bound.
 
 The schedule (a Huffman tree over the weights realised as integers, and its prefix bound) is
-:mod:`guideloom_pipes.mixture_schedule`'s; the reader, :mod:`guideloom_pipes.mixture_reader`.
+:mod:`guideloom_pipes.mixture_schedule`'s; weights that change with the position
+(:class:`~guideloom_pipes.mixture_weights.WeightSchedule`, and the history a resumed run keeps)
+are :mod:`guideloom_pipes.mixture_weights`'s, routed by :mod:`guideloom_pipes.mixture_routing`;
+the reader, :mod:`guideloom_pipes.mixture_reader`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -22,11 +24,15 @@ import numpy.typing as npt
 
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.mixture_reader import _SAMPLE, MixtureReader, _array_dtypes
-from guideloom_pipes.mixture_schedule import (
-    _integer_weights,
-    _name_key,
-    _PassPermutations,
-    _Schedule,
+from guideloom_pipes.mixture_routing import Routing
+from guideloom_pipes.mixture_schedule import _name_key, _PassPermutations, _Schedule
+from guideloom_pipes.mixture_weights import (
+    Part,
+    WeightSchedule,
+    history_state,
+    part_of,
+    parts_of_state,
+    resumed_parts,
 )
 from guideloom_pipes.reader_base import _as_ids, _AsyncDatasetReader, batch_read_fn, open_reader
 
@@ -41,41 +47,6 @@ def _check_seed(seed: Any) -> int:
     return check_int("seed", seed, minimum=0)
 
 
-def _check_weights(names: list[str], weights: Any) -> list[float]:
-    if not isinstance(weights, Mapping):
-        raise TypeError(
-            f"weights must be a mapping name -> weight with the components' names {names}, "
-            f"got {type(weights).__name__}"
-        )
-    missing = [name for name in names if name not in weights]
-    extra = [name for name in weights if name not in names]
-    if missing or extra:
-        raise ValueError(
-            f"weights must have exactly the components' names {names}: "
-            + "; ".join(
-                part
-                for part in (
-                    f"missing {missing}" if missing else "",
-                    f"unknown {extra}" if extra else "",
-                )
-                if part
-            )
-        )
-    out = []
-    for name in names:
-        value = weights[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise ValueError(f"weight of {name!r} must be a number > 0, got {value!r}")
-        value = float(value)
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(
-                f"weight of {name!r} must be finite and > 0, got {value!r}; drop the component "
-                f"instead of giving it weight 0"
-            )
-        out.append(value)
-    return out
-
-
 def _field_signature(value: Any, fixed: bool) -> str:
     if isinstance(value, np.ndarray):
         shape = f"shape {value.shape}" if fixed else f"{value.ndim}-D"
@@ -87,6 +58,21 @@ def _signature(sample: Any, fixed: bool) -> dict[str, str]:
     if isinstance(sample, Mapping):
         return {str(key): _field_signature(value, fixed) for key, value in sample.items()}
     return {_SAMPLE: _field_signature(sample, fixed)}
+
+
+def _check_schedule_length(schedule: WeightSchedule, num_samples: int | None) -> None:
+    """A schedule's points must fall within the run: ``num_samples`` given, and above them."""
+    if num_samples is None:
+        raise ValueError(
+            "a WeightSchedule needs num_samples: its points are positions of the run, so "
+            "the run's length must be set (e.g. steps * global batch size)"
+        )
+    last = schedule.points[-1][0]
+    if last >= num_samples:
+        raise ValueError(
+            f"the WeightSchedule has a point at position {last}, at or after num_samples="
+            f"{num_samples}: it would never apply. Drop it, or raise num_samples to cover it"
+        )
 
 
 def _is_fixed_length(dataset: Any) -> bool:
@@ -104,7 +90,9 @@ class MixtureDataset:
     how many draws of that component came before it, ``j``; the sample is
     ``perm(seed, name, pass=j // len_c)[j % len_c]`` with GuideLoom's Feistel permutation.
     The loader's shuffle reorders positions per epoch, so ``StatefulDataLoader(mixture,
-    ...)`` and its ``state_dict()`` resume a blend exactly, on another world size too.
+    ...)`` and its ``state_dict()`` resume a blend exactly, on another world size too; read
+    in order (``shuffle=False``), a run resumes with other weights from where each component
+    stood (:meth:`resume_history`).
 
     Component lengths are read once, here; a reader refuses components whose length has
     changed since (build the mixture again: see ``docs/mixtures.md``). Samples of all
@@ -117,7 +105,9 @@ class MixtureDataset:
             with ``len`` and ``[i]``; or another ``MixtureDataset``). The order of the
             mapping numbers the components (``locate`` returns these numbers).
         weights: name -> weight, exactly the names of ``components``; each finite and > 0
-            (normalised to sum to 1).
+            (normalised to sum to 1). Or a :class:`~guideloom_pipes.WeightSchedule`: weights
+            that change with the position (it needs ``num_samples``, and a loader that
+            does not shuffle: ``docs/mixtures.md``, "Weight schedules").
         seed: An int >= 0; fixes the Feistel permutation of every pass of every component.
         num_samples: Length of the mixture; ``None`` is the sum of the components' lengths.
             Set it to cover a run that should see more of a downsampled component.
@@ -126,7 +116,7 @@ class MixtureDataset:
     def __init__(
         self,
         components: Mapping[str, Any],
-        weights: Mapping[str, float],
+        weights: Mapping[str, float] | WeightSchedule,
         *,
         seed: int,
         num_samples: int | None = None,
@@ -145,25 +135,25 @@ class MixtureDataset:
         self.seed = _check_seed(seed)
         self.names: list[str] = names
         self.components: dict[str, Any] = dict(components)
-        given = _check_weights(names, weights)
-        self._integer_weights = _integer_weights(given)
-        tiny = [c for c, w in enumerate(self._integer_weights) if w == 0]
-        if tiny:
-            raise ValueError(
-                f"weight of {names[tiny[0]]!r} is below 2**-30 of the total ({given[tiny[0]]!r} "
-                f"of {sum(given)!r}): the schedule cannot give it a share; raise it or drop the "
-                f"component"
-            )
-        denominator = sum(self._integer_weights)
-        #: the realised proportions ``W_c / D`` (:mod:`guideloom_pipes.mixture_schedule`), by name
-        self.weights: dict[str, float] = {
-            name: w / denominator for name, w in zip(names, self._integer_weights)
-        }
-        self._schedule = _Schedule(self._integer_weights)
+        #: the ``WeightSchedule`` given for ``weights`` (None: fixed weights)
+        self.schedule: WeightSchedule | None = None
+        self._given = part_of(names, weights)  # (checked, realised)
+        if isinstance(weights, WeightSchedule):
+            self.schedule = weights
+        first = self._given.points[0][1]
+        #: the realised proportions ``W_c / D`` (:mod:`guideloom_pipes.mixture_schedule`) by
+        #: name; of the schedule's first point for a ``WeightSchedule``
+        self.weights: dict[str, float] = {name: w / sum(first) for name, w in zip(names, first)}
+        #: the parts the positions are routed by: the given weights from 0, and after
+        #: :meth:`resume_history` the run's history before them
+        self._parts: list[Part] = [self._given]
+        self._routing = Routing.of(self._parts, len(names))
         #: each component's bound on ``|count_c(k) - k * w_c|`` over every prefix ``k``
-        self.prefix_bounds: dict[str, float] = {
-            name: self._schedule.bound(c) for c, name in enumerate(names)
-        }
+        #: (fixed weights; empty for a schedule: see ``docs/mixtures.md``)
+        self.prefix_bounds: dict[str, float] = {}
+        if self.schedule is None:
+            self._schedule = _Schedule(list(first))
+            self.prefix_bounds = {name: self._schedule.bound(c) for c, name in enumerate(names)}
         self._keys = [_name_key(name) for name in names]
         #: field (``"(sample)"`` for an array sample) -> dtype of the first component's
         #: sample 0: every batch's samples are checked against it (``MixtureReader``)
@@ -172,6 +162,8 @@ class MixtureDataset:
         self.lengths: list[int] = self._check_components()
         self._lengths_array = np.array(self.lengths, dtype=np.int64)
         num_samples = check_int("num_samples", num_samples, minimum=1, allow_none=True)
+        if self.schedule is not None:
+            _check_schedule_length(self.schedule, num_samples)
         if num_samples is None:
             num_samples = sum(self.lengths)
         if num_samples >= _MAX_SAMPLES:
@@ -280,7 +272,7 @@ class MixtureDataset:
         """
         shape = np.shape(ids)
         flat = self._check_ids(np.reshape(np.asarray(ids), -1) if shape else [ids])
-        component, draw = self._schedule.route(flat)
+        component, draw = self._routing.route(flat)
         index = self._sample_indexes(component, draw, _PassPermutations(self))
         return component.reshape(shape), index.reshape(shape)
 
@@ -290,12 +282,28 @@ class MixtureDataset:
         pass_, offset = np.divmod(draw, lengths)
         return passes.apply(component, pass_, offset)
 
-    def schedule_state(self) -> dict[str, Any]:
+    def schedule_state(self, position: int | None = None) -> dict[str, Any]:
         """What fixes the schedule besides the components: ``{"seed": ..., "weights":
-        {name: realised weight, ...}}`` (in the components' order), and ``"components"``:
-        name -> this dict of each nested ``MixtureDataset``. A loader's ``state_dict()``
-        records it, and ``load_state_dict`` refuses a state taken with another one."""
+        {name: realised weight, ...}}`` (in the components' order; a schedule's first
+        point's), ``"schedule"`` for a ``WeightSchedule`` (its interpolation and points, with
+        realised integer weights), and ``"components"``: name -> this dict of each nested
+        ``MixtureDataset``. A loader's ``state_dict()`` records it.
+
+        Args:
+            position: With a position (a loader that does not shuffle passes the positions
+                it delivered), ``"weights"`` are those in force there and ``"history"`` is
+                :meth:`weights_history` up to it.
+        """
         state: dict[str, Any] = {"seed": self.seed, "weights": dict(self.weights)}
+        if self.schedule is not None:
+            points = self._given.points
+            state["schedule"] = {
+                "interpolation": self.schedule.interpolation,
+                "points": [[p, dict(zip(self.names, w))] for p, w in points],
+            }
+        if position is not None:
+            state["weights"] = self.weights_at(position)
+            state["history"] = self.weights_history(position)
         nested = {
             name: component.schedule_state()
             for name, component in self.components.items()
@@ -304,6 +312,55 @@ class MixtureDataset:
         if nested:
             state["components"] = nested
         return state
+
+    def weights_at(self, position: int) -> dict[str, float]:
+        """The realised proportions in force at ``position`` (interpolated on a linear ramp;
+        after :meth:`resume_history`, the run's)."""
+        position = check_int("position", position, minimum=0)
+        part = [part for part in self._parts if part.start <= position][-1]
+        return dict(zip(self.names, map(float, part.proportions_at(position))))
+
+    def weights_history(self, position: int) -> list[dict[str, Any]]:
+        """The weights the positions before ``position`` are read with, JSON-friendly: a
+        list of parts ``{"from": position, "interpolation": "step" | "linear", "points":
+        [[position, {name: integer weight}], ...]}``, each applying from its ``"from"`` to
+        the next one's (the first from 0, one more for each resume with other weights),
+        with the points that fix its routing there (its points before the end, and the
+        first at or after it). Empty at position 0."""
+        position = check_int("position", position, minimum=0)
+        return history_state(self._parts, self.names, position)
+
+    def history_parts(self, history: Any, position: int) -> list[Part]:
+        """The parts of a run resumed at ``position`` with this mixture's weights: the saved
+        ``history`` (:meth:`weights_history`) before ``position``, then these weights (or
+        this schedule) from there. Checks only; :meth:`use_parts` applies them.
+
+        Raises:
+            ValueError: A malformed history, or a ``WeightSchedule`` whose points before
+                ``position`` are not the history's (naming the first that differs).
+        """
+        position = check_int("position", position, minimum=0)
+        saved = parts_of_state(history, self.names)
+        return resumed_parts(saved, self._given, self.schedule is not None, position, self.names)
+
+    def use_parts(self, parts: list[Part]) -> bool:
+        """Route by ``parts`` (from :meth:`history_parts`) from now on; whether that changes
+        the routing (a loader then restarts its worker processes, which hold a copy)."""
+        if parts == self._parts:
+            return False
+        self._parts = list(parts)
+        self._routing = Routing.of(self._parts, len(self.names))
+        return True
+
+    def resume_history(self, history: Any, position: int) -> bool:
+        """Go on from a saved run: the positions before ``position`` keep the weights of
+        ``history`` (:meth:`weights_history` of that run), and this mixture's weights apply
+        from there, so each component goes on from where its draws stood (within a pass no
+        sample repeats and none is skipped). ``StatefulDataLoader.load_state_dict`` calls
+        it; call it yourself when you feed positions to the mixture in your own loop.
+        ``resume_history([], 0)`` goes back to the weights alone. Returns whether the
+        routing changed. Raises as :meth:`history_parts`."""
+        return self.use_parts(self.history_parts(history, position))
 
     def prefix_counts(self, k: int) -> dict[str, int]:
         """How many of positions ``0 .. k-1`` each component gets (exact).
@@ -315,8 +372,9 @@ class MixtureDataset:
             name -> count; the counts sum to ``k``.
         """
         k = check_int("k", k, minimum=0)
-        return dict(zip(self.names, self._schedule.prefix_counts(k)))
+        return dict(zip(self.names, self._routing.prefix_counts(k)))
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{n!r}: {self.weights[n]:.4g}" for n in self.names)
-        return f"MixtureDataset({{{parts}}}, seed={self.seed}, num_samples={self.num_samples})"
+        weights = f"{{{parts}}}" if self.schedule is None else repr(self.schedule)
+        return f"MixtureDataset({weights}, seed={self.seed}, num_samples={self.num_samples})"

@@ -111,10 +111,10 @@ class MixtureReader(DatasetReaderBase):
         self._check_open()
         dataset = self.dataset
         positions = dataset._check_ids(ids)
-        component, draw = dataset._schedule.route(positions)
+        component, draw = dataset._routing.route(positions)
         indexes = dataset._sample_indexes(component, draw, self._passes)
         reads = self._array_reads if arrays else self._reads
-        if dataset._schedule.num_components == 1:
+        if len(dataset.names) == 1:
             found = reads[0](indexes)
             self._check_dtypes(found, 0, indexes)
             return found if type(found) is Batch else list(found)

@@ -233,7 +233,7 @@ class _PassPermutations:
         """``perm(component, pass)[offset]`` for each element (int64 arrays of one shape)."""
         if not len(offset):
             return np.empty(0, dtype=np.int64)
-        count = self._dataset._schedule.num_components
+        count = len(self._dataset.names)
         key = pass_ * count + component
         pairs, inverse = np.unique(key, return_inverse=True)
         with self._lock:

@@ -112,6 +112,8 @@ def test_mix_and_pack_example_resumes_a_blend_of_packed_corpora_on_another_world
     assert "resumed steps match: True" in stdout
     assert "cu_seqlens of the first batch: [0," in stdout
     assert "windows of whole documents" in stdout and "best-fit cu_seqlens: [0," in stdout
+    assert "weights history at position 12 [{'from': 0, 'interpolation': 'step'" in stdout
+    assert "windows read twice after the restart: 0" in stdout
 
 
 @pytest.mark.timeout(240)

@@ -34,6 +34,8 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.mixture": 3,
     "guideloom_pipes.mixture_schedule": 3,
     "guideloom_pipes.mixture_reader": 3,
+    "guideloom_pipes.mixture_routing": 3,
+    "guideloom_pipes.mixture_weights": 3,
     "guideloom_pipes.packing": 3,
     "guideloom_pipes.packing_columns": 3,
     "guideloom_pipes.packing_index": 3,

@@ -37,7 +37,9 @@ alternating rounds (A B C A B C ...), reporting the median round:
     of the step that wants it back).
 ``mixture``
     a ``MixtureDataset`` of three token streams (weights 0.5/0.3/0.2, a third of the tokens
-    each) against the single stream of the same size, ``L=2048`` batch 8, 0 and 2 threads.
+    each) against the single stream of the same size, ``L=2048`` batch 8, 0 and 2 threads;
+    and, both read in order (``shuffle=False``), the blend with a ``WeightSchedule`` (a
+    linear ramp over the first half of its positions) against the fixed-weight blend.
 ``packed``
     a ``PackedDataset`` of a stream whose documents average 1,000 tokens, with
     ``collate_packed``, against plain windows of the same stream, ``L=2048`` batch 8, 0 and 2

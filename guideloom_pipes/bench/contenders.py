@@ -42,6 +42,9 @@ SLOW_PREAD = "ours workers=32 threads prefetch=32, sleep then pread"
 #: The kinds of rows of the mixture and packed scenarios (see ``dataset_row``).
 SINGLE = "single stream"
 BLEND = "blend of 3 streams"
+#: The mixture scenario's blends read in order (issue 30): fixed weights, and a schedule.
+FIXED_IN_ORDER = "fixed-weight blend in order"
+SCHEDULED = "scheduled blend in order"
 PLAIN = "plain windows"
 PACKED = "packed windows"
 

@@ -11,6 +11,7 @@ from guideloom_pipes.bench.contenders import (
     BLEND,
     CEILING_2P,
     COPY_LIMIT,
+    FIXED_IN_ORDER,
     OURS_0,
     OURS_0_ARRAYS,
     OURS_2,
@@ -18,6 +19,7 @@ from guideloom_pipes.bench.contenders import (
     OURS_2P,
     PACKED,
     PLAIN,
+    SCHEDULED,
     SINGLE,
     _slow_name,
     dataset_row,
@@ -101,7 +103,12 @@ def targets(rows: list[Row], extra: dict[str, Any]) -> list[Target]:
         resume = extra["resume"]
         out.append(Target("resume: near end / offset 0", resume["resume_ratio"], 2.0, False))
     # issue 10: a blend as fast as one stream, packing at most twice the cost of windows
-    pairs = (("mixture", BLEND, SINGLE, 0.8), ("packed", PACKED, PLAIN, 0.5))
+    # issue 30: a weight schedule as fast as fixed weights (both read in order)
+    pairs = (
+        ("mixture", BLEND, SINGLE, 0.8),
+        ("mixture", SCHEDULED, FIXED_IN_ORDER, 0.9),
+        ("packed", PACKED, PLAIN, 0.5),
+    )
     for scenario, kind, base, floor in pairs:
         if scenario not in scenarios:
             continue

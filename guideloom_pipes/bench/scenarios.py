@@ -23,6 +23,7 @@ from guideloom_pipes.bench.contenders import (
     BLEND,
     COPY_LIMIT,
     CPU,
+    FIXED_IN_ORDER,
     OURS_0,
     OURS_0_ARRAYS,
     OURS_0_PAD,
@@ -34,6 +35,7 @@ from guideloom_pipes.bench.contenders import (
     OURS_INLINE_ARRAYS,
     PACKED,
     PLAIN,
+    SCHEDULED,
     SINGLE,
     SLOW_PREAD,
     CopyLimit,
@@ -427,6 +429,7 @@ class Bench:
         """A blend of three token streams (L=2048, batch 8, shuffled) against the single
         stream of the same total size."""
         from guideloom_pipes.mixture import MixtureDataset
+        from guideloom_pipes.mixture_weights import WeightSchedule
 
         started = time.perf_counter()
         names = ("web", "code", "books")
@@ -456,6 +459,37 @@ class Bench:
                         num_workers=workers,
                         parallel_method="thread",
                         prefetch=4,
+                    )
+                )
+        # issue 30: a weight schedule costs no throughput. Both blends in order (a schedule
+        # needs shuffle=False), the schedule a linear ramp over the first half of the
+        # positions (the rounds read there: a piece every few hundred positions)
+        windows = {name: StreamDataset(part, length) for name, part in zip(names, parts)}
+        total = sum(len(window) for window in windows.values())
+        fixed = MixtureDataset(
+            windows, {"web": 0.5, "code": 0.3, "books": 0.2}, seed=SEED, num_samples=total
+        )
+        ramp = WeightSchedule(
+            [
+                (0, {"web": 0.8, "code": 0.1, "books": 0.1}),
+                (total // 2, {"web": 0.2, "code": 0.5, "books": 0.3}),
+            ],
+            interpolation="linear",
+        )
+        scheduled = MixtureDataset(windows, ramp, seed=SEED, num_samples=total)
+        for workers in (0, 2):
+            for kind, dataset in ((FIXED_IN_ORDER, fixed), (SCHEDULED, scheduled)):
+                contenders.append(
+                    _ours_dataset_contender(
+                        dataset_row(kind, workers),
+                        dataset,
+                        collate_tokens,
+                        count,
+                        local_batch_size=batch,
+                        num_workers=workers,
+                        parallel_method="thread",
+                        prefetch=4,
+                        shuffle=False,
                     )
                 )
         self.rows += measure("mixture", contenders, self.sizes, self.log)

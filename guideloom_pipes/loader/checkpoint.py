@@ -15,15 +15,16 @@ delivered to the caller, never what was read ahead.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from guideloom_pipes.datasets import open_reader, reader_fingerprint
 from guideloom_pipes.loader.iterator import refuse_active
-from guideloom_pipes.loader.orders import GLOBAL_BATCH_KEY, ORDER_KEY
+from guideloom_pipes.loader.orders import GLOBAL_BATCH_KEY, ORDER_KEY, mixture_epoch
 from guideloom_pipes.loader.settings import SEED_WORD_LIMIT, _int_arg
 from guideloom_pipes.mixture import MixtureDataset
+from guideloom_pipes.mixture_weights import Part, legacy_history
 from guideloom_pipes.pipes.fingerprints import fingerprint_changes
 
 if TYPE_CHECKING:
@@ -39,7 +40,9 @@ FINGERPRINT_KEY = "dataset_fingerprint"
 #: Extra key of ours: the base seed (workers' and batches' seeds; the unseeded shuffle's).
 BASE_SEED_KEY = "base_seed"
 #: Extra key of ours for a ``MixtureDataset``: its seed and weights (``schedule_state()``),
-#: so a state is not resumed on another blend (its positions would mean other samples).
+#: so a state is not resumed on another blend (its positions would mean other samples), and
+#: when the loader does not shuffle, the history of the weights before the state's position
+#: (``MixtureDataset.weights_history``), so a resume with other weights goes on from there.
 MIXTURE_KEY = "mixture"
 # (GLOBAL_BATCH_KEY, from orders: the global batch size of the run that reached the
 # offset. Padding takes an offset past the dataset's end by less than that, so it bounds
@@ -62,6 +65,9 @@ class Position:
     #: ``(epoch, global position)`` an iterator was closed early at, until state_dict()
     #: warns that the state taken then restarts the epoch.
     closed_early: tuple[int, int] | None = None
+    #: The epoch a loaded mixture weights history belongs to: a later epoch reads the
+    #: mixture's own weights from position 0 (``orders.mixture_epoch``).
+    mixture_epoch: int | None = None
 
     def move(self, epoch: int, offset: int, batch: int) -> None:
         """Stand at ``(epoch, offset)``, reached with global batches of ``batch``."""
@@ -104,7 +110,10 @@ def state_of(loader: StatefulDataLoader[Any, Any]) -> dict[str, Any]:
     if fingerprint is not None:
         state[FINGERPRINT_KEY] = fingerprint
     if isinstance(loader.dataset, MixtureDataset):
-        state[MIXTURE_KEY] = loader.dataset.schedule_state()
+        mixture_epoch(loader, epoch)  # (a later epoch than a loaded history's: none)
+        # positions delivered in order (no shuffle): the weights history up to them
+        delivered = None if settings.shuffle else min(offset, len(loader.dataset))
+        state[MIXTURE_KEY] = loader.dataset.schedule_state(delivered)
     state.update(loader._order.state(loader))
     return state
 
@@ -152,8 +161,9 @@ def load_into(loader: StatefulDataLoader[Any, Any], state_dict: Mapping[str, Any
             f"order={order!r}: the position means other samples in the other order. "
             f"Build the loader with order={saved_order!r} to resume it"
         )
-    if MIXTURE_KEY in state_dict:
-        check_mixture(loader, state_dict[MIXTURE_KEY], epoch)
+    use_mixture = None
+    if isinstance(loader.dataset, MixtureDataset) or MIXTURE_KEY in state_dict:
+        use_mixture = check_mixture(loader, state_dict, epoch, offset)
     seed_before = loader.shuffle_seed
     _compare_order_keys(loader, state_dict)
     try:
@@ -161,6 +171,8 @@ def load_into(loader: StatefulDataLoader[Any, Any], state_dict: Mapping[str, Any
     except BaseException:
         loader.shuffle_seed = seed_before  # a refused state changes nothing
         raise
+    if use_mixture is not None:
+        use_mixture()
 
 
 def _compare_order_keys(loader: StatefulDataLoader[Any, Any], state: Mapping[str, Any]) -> None:
@@ -248,26 +260,68 @@ def _load_position(
         loader._held.stop_processes()
 
 
-def check_mixture(loader: StatefulDataLoader[Any, Any], saved: Any, epoch: int) -> None:
-    """Refuse a state taken on a ``MixtureDataset`` with other weights or another seed
-    (its positions would draw other samples: some repeated, some never seen)."""
+def check_mixture(
+    loader: StatefulDataLoader[Any, Any], state: Mapping[str, Any], epoch: int, offset: int
+) -> Callable[[], None]:
+    """Check a state's ``mixture`` entry against the loader's ``MixtureDataset``; return what
+    makes the mixture route as the state says (called once the state is taken).
+
+    Another seed, other components or another nested mixture are refused (the positions
+    read would draw other samples); so are other weights when the state or the loader
+    shuffles. Without shuffling, the state's weights history stands before its position and
+    the mixture's weights (or schedule) apply from there (``MixtureDataset.history_parts``).
+    """
     dataset = loader.dataset
+    saved = state.get(MIXTURE_KEY)
     if not isinstance(dataset, MixtureDataset):
         raise ValueError(
             f"this state was taken on a MixtureDataset ({MIXTURE_KEY!r}: {saved!r}), "
             f"this loader reads a {type(dataset).__name__}: resume on the same mixture"
         )
     now = dataset.schedule_state()
-    if same_schedule(saved, now):
-        return
-    raise ValueError(
-        f"this state was taken on a MixtureDataset with {schedule_changes(saved, now)}. "
-        "Resuming would draw other samples for the positions already read (repeating "
-        "some, skipping others). Build the MixtureDataset with the state's weights and "
-        "seed to resume it; changing the blend mid-run is not supported yet. To start "
-        f"the new blend afresh, load {{'epoch': {epoch + 1}, 'observation_offset': 0}} "
-        f"with the state's other keys and without {MIXTURE_KEY!r}"
-    )
+    if saved is None:  # GuideLoom's keys, or a state of another dataset: the weights alone
+        return _use_history(loader, dataset.history_parts([], 0), epoch)
+    changes = schedule_changes(saved, now, blend_only=True)
+    if changes:
+        raise ValueError(
+            f"this state was taken on a MixtureDataset with {changes}. Resuming would draw "
+            "other samples for the positions already read (repeating some, skipping "
+            "others). Build the MixtureDataset with the state's seed and components to "
+            "resume it. To start a new blend afresh, load {'epoch': "
+            f"{epoch + 1}, 'observation_offset': 0}} with the state's other keys and without "
+            f"{MIXTURE_KEY!r}"
+        )
+    history = saved.get("history")
+    if loader.settings.shuffle or state.get("shuffle") or history is None:
+        if same_schedule(saved, now):
+            return _use_history(loader, dataset.history_parts([], 0), epoch)
+        if history is None and not loader.settings.shuffle and not state.get("shuffle"):
+            history = legacy_history(saved["weights"])  # a state of before the histories
+        else:
+            raise ValueError(
+                f"this state was taken on a MixtureDataset with {schedule_changes(saved, now)}, "
+                "and the state or this loader shuffles: a shuffled epoch delivers positions "
+                "scattered over the whole epoch, so no prefix of them is done and other "
+                "weights would draw other samples for positions already read (repeating "
+                "some, skipping others). Resume with the state's weights; to change the "
+                "weights mid-run, read the mixture with shuffle=False (it shuffles each "
+                "component itself: docs/mixtures.md). To start the new blend afresh, load "
+                f"{{'epoch': {epoch + 1}, 'observation_offset': 0}} with the state's other "
+                f"keys and without {MIXTURE_KEY!r}"
+            )
+    position = min(offset, len(dataset))
+    return _use_history(loader, dataset.history_parts(history, position), epoch)
+
+
+def _use_history(
+    loader: StatefulDataLoader[Any, Any], parts: list[Part], epoch: int
+) -> Callable[[], None]:
+    def use() -> None:
+        if loader.dataset.use_parts(parts):
+            loader._held.stop_processes()  # (they hold a copy of the mixture)
+        loader._position.mixture_epoch = epoch
+
+    return use
 
 
 def check_fingerprint(loader: StatefulDataLoader[Any, Any], saved: Any) -> None:
@@ -287,37 +341,36 @@ def check_fingerprint(loader: StatefulDataLoader[Any, Any], saved: Any) -> None:
     )
 
 
-def same_schedule(saved: Any, now: Mapping[str, Any]) -> bool:
-    """Whether a saved ``schedule_state()`` is ``now``'s: the same seed, the same weights in
-    the same order (the order numbers the components), the same nested ones."""
-    if not isinstance(saved, Mapping) or not isinstance(saved.get("weights"), Mapping):
-        return False
-    if saved.get("seed") != now["seed"]:
-        return False
-    if list(saved["weights"].items()) != list(now["weights"].items()):
-        return False
-    before, after = saved.get("components") or {}, now.get("components") or {}
-    return (
-        isinstance(before, Mapping)
-        and set(before) == set(after)
-        and all(same_schedule(before[name], after[name]) for name in after)
-    )
+def same_schedule(saved: Any, now: Mapping[str, Any], blend_only: bool = False) -> bool:
+    """Whether a saved ``schedule_state()`` is ``now``'s: the same seed, the same weights
+    (and schedule) in the same order (the order numbers the components), the same nested
+    ones; with ``blend_only``, the same seed and components, whatever the weights."""
+    return not schedule_changes(saved, now, blend_only=blend_only)
 
 
-def schedule_changes(saved: Any, now: Mapping[str, Any], prefix: str = "") -> str:
-    """What differs between two ``schedule_state()`` dicts, in words."""
+def schedule_changes(
+    saved: Any, now: Mapping[str, Any], prefix: str = "", blend_only: bool = False
+) -> str:
+    """What differs between two ``schedule_state()`` dicts, in words (empty: nothing); with
+    ``blend_only``, only the seed, the components and the nested mixtures count."""
     if not isinstance(saved, Mapping) or not isinstance(saved.get("weights"), Mapping):
         return f"{prefix}a schedule state {saved!r} that is not one (now {dict(now)!r})"
     parts = []
     if saved.get("seed") != now["seed"]:
         parts.append(f"{prefix}seed={saved.get('seed')!r}, this one has seed={now['seed']!r}")
     weights, here = dict(saved["weights"]), dict(now["weights"])
-    if weights != here:
-        parts.append(f"{prefix}weights {weights}, this one has weights {here}")
+    if set(weights) != set(here):
+        parts.append(f"{prefix}the components {list(weights)}, this one has {list(here)}")
     elif list(weights) != list(here):
         parts.append(
             f"{prefix}the components in the order {list(weights)}, this one in the order "
             f"{list(here)} (the order numbers them)"
+        )
+    elif not blend_only and weights != here:
+        parts.append(f"{prefix}weights {weights}, this one has weights {here}")
+    elif not blend_only and saved.get("schedule") != now.get("schedule"):
+        parts.append(
+            f"{prefix}the schedule {saved.get('schedule')!r}, this one has {now.get('schedule')!r}"
         )
     before, after = saved.get("components") or {}, now.get("components") or {}
     for name in sorted(set(before) | set(after), key=str):

@@ -22,6 +22,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.batch import draws_no_random, keeps_no_arrays
+from guideloom_pipes.mixture import MixtureDataset
 from guideloom_pipes.pipes import (
     Collate,
     PinMemory,
@@ -97,6 +98,7 @@ class GlobalOrder:
     def build(self, loader: StatefulDataLoader[Any, Any], epoch: int, offset: int) -> BaseNode[Any]:
         """positions -> shuffle -> read (and collate) -> pin -> prefetch -> device."""
         settings = loader.settings
+        mixture_epoch(loader, epoch)
         node = sample_ids(loader, epoch, offset)
         inline = settings.num_workers == 0 and settings.prefetch == 0
         seeds = batch_seeds(loader, epoch, offset)
@@ -299,6 +301,16 @@ class ShardOrder:
                 "another dataset or setting (or was changed)"
             )
         return True
+
+
+def mixture_epoch(loader: StatefulDataLoader[Any, Any], epoch: int) -> None:
+    """A mixture's weights history (from ``load_state_dict``) spans the epoch it was saved
+    in: a later epoch reads the mixture's own weights from position 0."""
+    here = loader._position
+    if here.mixture_epoch is not None and epoch > here.mixture_epoch:
+        here.mixture_epoch = None
+        if isinstance(loader.dataset, MixtureDataset) and loader.dataset.resume_history([], 0):
+            loader._held.stop_processes()  # (they hold a copy of the mixture)
 
 
 def make_order(name: str, shuffle_buffer: int | None) -> GlobalOrder | ShardOrder:

@@ -26,6 +26,7 @@ from guideloom_pipes.loader.torch_keywords import (
     note_snapshot_every_n_steps,
     reject_torch_keywords,
 )
+from guideloom_pipes.mixture import MixtureDataset
 from guideloom_pipes.opening import open_storage
 from guideloom_pipes.pipes import default_collate
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
@@ -198,6 +199,7 @@ def resolve_arguments(
     local_batch_size, world_size, rank = _ranks(local_batch_size, k.world_size, k.rank)
     _check_method(k.parallel_method, k.multiprocessing_context, num_workers)
     shuffle = _bool_arg("shuffle", False if k.shuffle is None else k.shuffle)
+    check_scheduled_mixture(dataset, shuffle)
     drop_last = _bool_arg("drop_last", drop_last)
     prefetch = _int_arg("prefetch", prefetch, 0)
     pin_memory = _bool_arg("pin_memory", k.pin_memory)
@@ -244,6 +246,17 @@ def resolve_arguments(
         in_order=k.in_order,
         pin_memory_device=k.pin_memory_device,
     )
+
+
+def check_scheduled_mixture(dataset: Any, shuffle: bool) -> None:
+    """Refuse to shuffle a ``MixtureDataset`` whose weights follow a ``WeightSchedule``."""
+    if shuffle and isinstance(dataset, MixtureDataset) and dataset.schedule is not None:
+        raise ValueError(
+            "a MixtureDataset with a WeightSchedule needs shuffle=False: the schedule's "
+            "points are positions of the run, and the loader's shuffle would scatter them "
+            "over the whole epoch. The mixture shuffles each component itself (a new "
+            "permutation per pass), so pass shuffle=False"
+        )
 
 
 def _check_collate_fn(collate_fn: Any) -> None:

@@ -43,7 +43,7 @@ from guideloom_pipes.loader.sampler_order import (
     SamplerBatches,
     SamplerOrder,
 )
-from guideloom_pipes.loader.settings import LoaderSettings
+from guideloom_pipes.loader.settings import LoaderSettings, check_scheduled_mixture
 from guideloom_pipes.loader.torch_iterator import TorchLoaderIterator, Unbatched
 from guideloom_pipes.pipes import PinMemory, ReadSamples, default_collate
 from guideloom_pipes.pipes.iterable import IterableReads
@@ -107,6 +107,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             in_order=in_order,
         )
         check_int("snapshot_every_n_steps", snapshot_every_n_steps, minimum=0, allow_none=True)
+        check_scheduled_mixture(dataset, isinstance(self.sampler, torch.utils.data.RandomSampler))
         #: torchdata's ``StatefulDataLoader`` keyword, taken so its callers run unchanged:
         #: ``state_dict()`` is exact after every batch whatever it says.
         self.snapshot_every_n_steps = snapshot_every_n_steps

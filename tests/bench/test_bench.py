@@ -205,6 +205,8 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "train-loop: documents, ours workers=2 processes prefetch=2: step / step alone",
         "mixture: blend of 3 streams / single stream, workers=0",
         "mixture: blend of 3 streams / single stream, workers=2",
+        "mixture: scheduled blend in order / fixed-weight blend in order, workers=0",
+        "mixture: scheduled blend in order / fixed-weight blend in order, workers=2",
         "packed: packed windows / plain windows, workers=0",
         "packed: packed windows / plain windows, workers=2",
         "packed-fit: best fit / concat, workers=0",
