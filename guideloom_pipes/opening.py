@@ -259,12 +259,14 @@ def open_storage(
     dtype: Any = None,
     eos_id: int | None = None,
     column: str | None = None,
+    progress: bool | None = None,
 ) -> Any:
     """The storage of the dataset at ``path_or_url``, its format rebuilt from its records.
 
     A corpus written by another tool (a Megatron-LM prefix or its ``.bin`` / ``.idx``,
     ``.npy`` files, ``.parquet`` tables) is opened read-only by :func:`foreign_corpus`,
-    which says what ``dtype``, ``eos_id``, ``column`` and ``cache_dir`` mean there.
+    which says what ``dtype``, ``eos_id``, ``column``, ``cache_dir`` and ``progress`` mean
+    there.
 
     A dataset written by this package records its kind, stream dtype and format class in
     each shard's commit record, so ``open_storage("data/tokens")`` returns a
@@ -298,6 +300,7 @@ def open_storage(
         read_interface=read_interface,
         column=column,
         cache_dir=cache_dir,
+        progress=progress,
     )
     if corpus is not None:
         return corpus
@@ -334,6 +337,7 @@ def foreign_corpus(
     read_interface: Any = None,
     column: str | None = None,
     cache_dir: Any = None,
+    progress: bool | None = None,
 ) -> Any:
     """The read-only storage of a corpus another tool wrote at ``path_or_url``, or None
     where it is not one: a local Megatron prefix or its ``.bin`` / ``.idx``
@@ -343,7 +347,9 @@ def foreign_corpus(
     ``.parquet`` files (:class:`~guideloom_pipes.ParquetStorage` of ``column``, in name
     order; None: the one list-of-integers column ``input_ids`` or ``tokens``, else a
     string column ``text``; ``cache_dir``: where its sidecar goes if the directory is
-    read-only). ``dtype``: the dtype their tokens are read as (None: their own)."""
+    read-only). ``dtype``: the dtype their tokens are read as (None: their own).
+    ``progress``: whether the first open's scan (for ``eos_id``, of a Parquet column) shows
+    progress (None: for 64 MiB and more)."""
     if _remote(path_or_url) or not isinstance(path_or_url, (str, os.PathLike)):
         return None
     path = local_path(path_or_url)
@@ -361,8 +367,9 @@ def foreign_corpus(
             pick_column(parquet_files[0]) if column is None else column,
             dtype,
             cache_dir=cache_dir,
+            progress=progress,
         )
-    corpus = _token_files(path, dtype, eos_id, read_interface)
+    corpus = _token_files(path, dtype, eos_id, read_interface, progress)
     if corpus is not None and column is not None:
         raise TypeError(
             f"column={column!r} names a column of a Parquet table; {path} is "
@@ -371,12 +378,18 @@ def foreign_corpus(
     return corpus
 
 
-def _token_files(path: Path, dtype: Any, eos_id: int | None, read_interface: Any) -> Any:
+def _token_files(
+    path: Path, dtype: Any, eos_id: int | None, read_interface: Any, progress: bool | None
+) -> Any:
     """The Megatron or numpy corpus at ``path``, or None."""
     numpy_files = _npy_files(path)
     if numpy_files:
         return NumpyTokensStorage(
-            numpy_files, dtype=dtype, eos_id=eos_id, read_interface=read_interface
+            numpy_files,
+            dtype=dtype,
+            eos_id=eos_id,
+            read_interface=read_interface,
+            progress=progress,
         )
     prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
     index = prefix.with_name(prefix.name + ".idx")

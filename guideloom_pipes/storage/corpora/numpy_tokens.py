@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from guideloom_pipes.progress import Progress, show_progress
 from guideloom_pipes.storage.corpora.base import (
     CorpusFiles,
     TokenCorpus,
@@ -154,6 +155,8 @@ class NumpyTokensStorage(TokenCorpus):
         cache_dir: where the sidecar goes when the first file's directory is read-only
             (by default: beside it, else in memory only).
         read_interface: the read backend (default memory-mapped).
+        progress: show the scan for ``eos_id`` (on stderr: a tqdm bar, else log lines):
+            True, False, or None (the default) for files of 64 MiB and more.
     """
 
     description = "flat numpy token files"
@@ -166,7 +169,11 @@ class NumpyTokensStorage(TokenCorpus):
         *,
         cache_dir: str | os.PathLike[str] | None = None,
         read_interface: Any = None,
+        progress: bool | None = None,
     ) -> None:
+        show_progress(progress, 0)  # (checked now)
+        #: whether the scan for ``eos_id`` shows progress (None: for 64 MiB and more)
+        self.progress = progress
         paths = local_paths(files, "files")
         self.files = paths
         self.eos_id = None if eos_id is None else int(eos_id)
@@ -276,20 +283,30 @@ class NumpyTokensStorage(TokenCorpus):
     def _scan_ends(self, sizes: list[int]) -> np.ndarray:
         """The stream positions just after each ``eos_id`` token (int64)."""
         pieces, offset = [], 0
-        for name, size in zip(self._names, sizes):
-            count = size // self.stored.itemsize
-            if not count:
-                continue
-            skip = self._offsets.get(os.fspath(self.dir / name), 0)
-            mapped = np.memmap(
-                self.dir / name, dtype=self.stored, mode="r", offset=skip, shape=(count,)
-            )
-            for start in range(0, count, _SCAN_BLOCK):
-                block = mapped[start : start + _SCAN_BLOCK]
-                ends = np.flatnonzero(block == self.eos_id).astype(np.int64)
-                pieces.append(ends + (offset + start + 1))
-            offset += count
-            del mapped
+        total = sum(sizes)
+        shown = Progress(
+            f"finding the documents (eos_id={self.eos_id}) of {self.files[0].name}"
+            + (f" and {len(self.files) - 1} more files" if len(self.files) > 1 else ""),
+            total,
+            "B",
+            enabled=show_progress(self.progress, total),
+        )
+        with shown:
+            for name, size in zip(self._names, sizes):
+                count = size // self.stored.itemsize
+                if not count:
+                    continue
+                skip = self._offsets.get(os.fspath(self.dir / name), 0)
+                mapped = np.memmap(
+                    self.dir / name, dtype=self.stored, mode="r", offset=skip, shape=(count,)
+                )
+                for start in range(0, count, _SCAN_BLOCK):
+                    block = mapped[start : start + _SCAN_BLOCK]
+                    ends = np.flatnonzero(block == self.eos_id).astype(np.int64)
+                    pieces.append(ends + (offset + start + 1))
+                    shown.update(int(block.nbytes))
+                offset += count
+                del mapped
         return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.int64)
 
     def __repr__(self) -> str:

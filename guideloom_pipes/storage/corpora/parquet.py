@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.checks import check_int
+from guideloom_pipes.progress import Progress, show_progress
 from guideloom_pipes.storage.corpora.base import (
     CorpusFiles,
     TokenCorpus,
@@ -127,6 +128,8 @@ class ParquetStorage(TokenCorpus):
             directory is read-only (by default: beside it, else in memory only).
         cache_bytes: most bytes of decoded row groups a reader keeps (least recently used
             dropped first; the row group being read is always kept).
+        progress: show the first open's scan of the column (on stderr: a tqdm bar, else log
+            lines): True, False, or None (the default) for tables of 64 MiB and more.
 
     Raises:
         ImportError: pyarrow is not installed.
@@ -146,7 +149,11 @@ class ParquetStorage(TokenCorpus):
         *,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        progress: bool | None = None,
     ) -> None:
+        show_progress(progress, 0)  # (checked now)
+        #: whether the scan of the column shows progress (None: for 64 MiB and more)
+        self.progress = progress
         if not isinstance(column, str):
             raise TypeError(f"column must be a column name (a str), got {column!r}")
         self.files = parquet_paths(paths)
@@ -239,7 +246,7 @@ class ParquetStorage(TokenCorpus):
             if found is not None:
                 break
         if found is None:
-            found = self._scan_files()
+            found = self._scan_files(sum(info.st_size for info in stats))
             if not keep_values(self._sidecars(), _SIDECAR_MAGIC, key, _encode_sidecar(*found)):
                 warnings.warn(
                     f"ParquetStorage could not keep the row lengths of {self.files[0]} in a "
@@ -289,33 +296,47 @@ class ParquetStorage(TokenCorpus):
             places.append(self.sidecar_dir / name)
         return places
 
-    def _scan_files(self) -> tuple[list[np.ndarray], np.ndarray]:
+    def _scan_files(self, size: int) -> tuple[list[np.ndarray], np.ndarray]:
         """Each file's row groups' rows, and every row's first token in the stream (and the
-        stream's end): one pass over the column, refusing null rows and null tokens."""
+        stream's end): one pass over the column (of tables of ``size`` bytes), refusing null
+        rows and null tokens."""
         pa, pq, pc = pyarrow_modules()
-        rows, lengths = [], []
-        for path in self.files:
-            opened = open_file(pq, path)
-            kind = column_kind(pa, opened.schema_arrow, self.column, path)
+        opened = [open_file(pq, path) for path in self.files]
+        rows: list[np.ndarray] = []
+        for path, table in zip(self.files, opened):
+            kind = column_kind(pa, table.schema_arrow, self.column, path)
             if kind != self.stored:
                 raise DatasetChangedError(
                     f"column {self.column!r} of {path} now holds "
                     f"{'strings' if kind is None else kind}, not {self.stored} as when the "
                     f"storage was made: make the ParquetStorage again"
                 )
-            metadata = opened.metadata
-            groups = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-            row = 0
-            for group in range(len(groups)):
-                chunked = opened.read_row_group(
-                    group, columns=[self.column], use_threads=False
-                ).column(0)
-                self._check_nulls(chunked, path, row)
-                for chunk in chunked.chunks:
-                    counts = pc.list_value_length(chunk).to_numpy(zero_copy_only=False)
-                    lengths.append(np.asarray(counts, dtype=np.int64))
-                row += groups[group]
-            rows.append(np.array(groups, dtype=np.int64))
+            metadata = table.metadata
+            counts = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            rows.append(np.array(counts, dtype=np.int64))
+        described = f"{self.files[0].name}" + (
+            f" and {len(self.files) - 1} more files" if len(self.files) > 1 else ""
+        )
+        shown = Progress(
+            f"scanning column {self.column!r} of {described}",
+            sum(int(counts.sum()) for counts in rows),
+            "rows",
+            enabled=show_progress(self.progress, size),
+        )
+        lengths = []
+        with shown:
+            for path, table, groups in zip(self.files, opened, rows):
+                row = 0
+                for group, count in enumerate(groups.tolist()):
+                    chunked = table.read_row_group(
+                        group, columns=[self.column], use_threads=False
+                    ).column(0)
+                    self._check_nulls(chunked, path, row)
+                    for chunk in chunked.chunks:
+                        counts = pc.list_value_length(chunk).to_numpy(zero_copy_only=False)
+                        lengths.append(np.asarray(counts, dtype=np.int64))
+                    row += count
+                    shown.update(count)
         every = np.concatenate(lengths) if lengths else np.empty(0, np.int64)
         starts = np.zeros(len(every) + 1, dtype=np.int64)
         np.cumsum(every, out=starts[1:])
