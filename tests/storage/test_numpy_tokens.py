@@ -92,7 +92,7 @@ def test_the_document_ends_are_scanned_once_and_kept_beside_the_files(
     sidecars = [p for p in tmp_path.iterdir() if p.name.startswith(".guideloom_pipes-eos-")]
     assert len(sidecars) == 1
 
-    def no_scan(self: NumpyTokensStorage, sizes: list[int]) -> np.ndarray:
+    def no_scan(self: NumpyTokensStorage, *args: object) -> np.ndarray:
         raise AssertionError("scanned again")
 
     with monkeypatch.context() as patched:

@@ -1,0 +1,290 @@
+"""Corpora at a URL (docs/corpora.md): Megatron indexed datasets, numpy token files and
+Parquet tables served by real servers on loopback (nginx over HTTP, moto's S3 server through
+s3fs), read in byte ranges pinned to the ETag the open found, exactly as the same files
+read locally; what a scan finds kept under ``cache_dir``, never beside the data.
+
+The tests skip when the ``[remote]`` packages or nginx are missing, except under
+``GUIDELOOM_PIPES_REQUIRE_SERVERS=1`` (CI), where a server that does not start fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from corpus_writers import megatron, random_documents, write_megatron
+from remote_servers import HttpServer, S3Server, moto_server, need_modules, nginx_server
+
+from guideloom_pipes import (
+    DocumentDataset,
+    MegatronIndexedStorage,
+    NumpyTokensStorage,
+    StreamDataset,
+)
+from guideloom_pipes.storage import DatasetChangedError
+from guideloom_pipes.storage.remote import FsspecIO, RetryPolicy
+
+#: These tests run against servers on loopback (nginx, moto).
+pytestmark = pytest.mark.remote
+
+FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
+BUCKET = "corpora"
+EOS = 0
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    need_modules("aiohttp")
+    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    with moto_server() as server:
+        server.filesystem().mkdir(BUCKET)
+        yield server
+
+
+class Served:
+    """Files put where a server serves them: their URLs and the storages' options."""
+
+    def __init__(self, kind: str, http: HttpServer | None, s3: S3Server | None) -> None:
+        self.kind = kind
+        self.http = http
+        self.s3 = s3
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return {"storage_options": self.s3.options(), "retry": FAST} if self.s3 else {"retry": FAST}
+
+    def put(self, local: Path, name: str) -> str:
+        """Serve the local file or directory ``local`` as ``name``: its URL."""
+        if self.http is not None:
+            target = self.http.root / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if local.is_dir():
+                shutil.copytree(local, target)
+            else:
+                shutil.copyfile(local, target)
+            return f"{self.http.url}/{name}"
+        assert self.s3 is not None
+        fs = self.s3.filesystem()
+        if local.is_dir():
+            fs.put(f"{local}/", f"{BUCKET}/{name}/", recursive=True)
+        else:
+            fs.put(str(local), f"{BUCKET}/{name}")
+        return f"s3://{BUCKET}/{name}"
+
+
+@pytest.fixture(params=["http", "s3"])
+def served(request: pytest.FixtureRequest) -> Served:
+    if request.param == "http":
+        return Served("http", request.getfixturevalue("http"), None)
+    return Served("s3", None, request.getfixturevalue("s3"))
+
+
+class Ranges:
+    """The byte ranges read through fsspec (``FsspecIO.ranged``), by URL."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[str, int, int, str | None]] = []
+        original = FsspecIO.ranged
+
+        def ranged(backend: FsspecIO, url: str, start: int, end: int, etag: str | None) -> bytes:
+            self.calls.append((url, start, end, etag))
+            return original(backend, url, start, end, etag)
+
+        monkeypatch.setattr(FsspecIO, "ranged", ranged)
+
+    def of(self, suffix: str) -> list[tuple[int, int, str | None]]:
+        return [(s, e, tag) for url, s, e, tag in self.calls if url.endswith(suffix)]
+
+
+def _windows(storage: Any, length: int) -> np.ndarray:
+    with StreamDataset(storage, length).sync_reader() as reader:
+        return reader.read_arrays(np.arange(len(reader))).columns["tokens"]
+
+
+def _documents(storage: Any) -> list[list[int]]:
+    with DocumentDataset(storage).sync_reader() as reader:
+        return [sample["tokens"].tolist() for sample in reader]
+
+
+# --- Megatron -------------------------------------------------------------------------------
+
+
+def _megatron(folder: Path, seed: int = 1, count: int = 80) -> Path:
+    megatron()
+    folder.mkdir(parents=True, exist_ok=True)
+    documents = random_documents(seed, count, "uint16", sequences=2, longest=60)
+    return write_megatron(folder / "corpus_text_document", documents, "uint16")
+
+
+def _serve_megatron(served: Served, prefix: Path, name: str) -> str:
+    served.put(prefix.with_name(prefix.name + ".idx"), f"{name}.idx")
+    return served.put(prefix.with_name(prefix.name + ".bin"), f"{name}.bin")[: -len(".bin")]
+
+
+def test_a_megatron_corpus_at_a_url_reads_as_its_local_files(
+    served: Served, tmp_path: Path
+) -> None:
+    prefix = _megatron(tmp_path / "local")
+    url = _serve_megatron(served, prefix, f"megatron-{served.kind}/web_text_document")
+    remote = MegatronIndexedStorage(url, dtype="int32", **served.options)
+    local = MegatronIndexedStorage(prefix, dtype="int32")
+    assert np.array_equal(_windows(remote, 17), _windows(local, 17))
+    assert _documents(remote) == _documents(local)
+    with (
+        StreamDataset(remote, 17).sync_reader() as there,
+        StreamDataset(local, 17).sync_reader() as here,
+    ):
+        assert there.fingerprint() == here.fingerprint()
+
+
+def test_the_bin_at_a_url_is_read_in_byte_ranges_pinned_to_its_etag(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = _megatron(tmp_path / "local", count=400)
+    url = _serve_megatron(served, prefix, f"ranges-{served.kind}/web_text_document")
+    size = os.path.getsize(f"{prefix}.bin")
+    ranges = Ranges(monkeypatch)
+    with StreamDataset(MegatronIndexedStorage(url, **served.options), 16).sync_reader() as reader:
+        reader.read_arrays(np.array([3, len(reader) - 1]))
+    reads = ranges.of(".bin")
+    assert reads and all(end - start < size for start, end, _ in reads)
+    assert sum(end - start for start, end, _ in reads) < size // 4
+    assert all(tag for _, _, tag in reads)  # If-Match: every read pinned
+
+
+def test_a_bin_replaced_after_the_open_is_refused_not_mixed(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    prefix = _megatron(tmp_path / "local")
+    served = Served("http", http, None)
+    url = _serve_megatron(served, prefix, "replaced/web_text_document")
+    with StreamDataset(MegatronIndexedStorage(url, retry=FAST), 8).sync_reader() as reader:
+        first = reader[0]["tokens"].tolist()
+        data = http.root / "replaced" / "web_text_document.bin"
+        replaced = np.fromfile(data, np.uint16)[::-1].copy()
+        replaced.tofile(data)  # (same size, new content, new mtime: a new ETag)
+        os.utime(data, ns=(0, os.stat(data).st_mtime_ns + 10**9))
+        with pytest.raises(DatasetChangedError, match=r"replaced/web_text_document\.bin"):
+            reader.read_arrays(np.arange(len(reader)))
+    assert first == np.fromfile(f"{prefix}.bin", np.uint16)[:8].tolist()
+
+
+def test_the_idx_at_a_url_is_kept_in_the_shard_cache_under_cache_dir(
+    http: HttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = _megatron(tmp_path / "local")
+    url = _serve_megatron(Served("http", http, None), prefix, "cached/web_text_document")
+    expected = _documents(MegatronIndexedStorage(prefix))
+    cache = tmp_path / "cache"
+    ranges = Ranges(monkeypatch)
+    for _ in range(2):
+        assert _documents(MegatronIndexedStorage(url, retry=FAST, cache_dir=cache)) == expected
+    # downloaded once, then read from the cache (each constructor reads its 34-byte header)
+    assert [end - start for start, end, _ in ranges.of(".idx")] == [
+        34,
+        os.path.getsize(f"{prefix}.idx"),
+        34,
+    ]
+    entries = os.listdir(cache / "entries")
+    assert [name.partition("-")[2] for name in entries] == ["web_text_document.idx"]
+    assert not any(name.endswith(".bin") for name in entries)  # the .bin: byte ranges
+
+
+def test_a_missing_idx_or_bin_at_a_url_is_named(http: HttpServer, tmp_path: Path) -> None:
+    prefix = _megatron(tmp_path / "local")
+    served = Served("http", http, None)
+    served.put(Path(f"{prefix}.idx"), "only-idx/corpus.idx")
+    with pytest.raises(FileNotFoundError, match=r"only-idx/corpus\.bin does not exist"):
+        _documents(MegatronIndexedStorage(f"{http.url}/only-idx/corpus", retry=FAST))
+    with pytest.raises(FileNotFoundError, match=r"nothing/corpus\.idx does not exist"):
+        MegatronIndexedStorage(f"{http.url}/nothing/corpus", retry=FAST)
+
+
+def test_local_paths_and_urls_are_not_mixed_and_urls_take_no_read_interface(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ValueError, match="mixes local paths and URLs"):
+        MegatronIndexedStorage([tmp_path / "a", "http://127.0.0.1:1/b"])
+    with pytest.raises(ValueError, match="URLs of different stores"):
+        MegatronIndexedStorage(["s3://one/a", "s3://two/b"])
+    with pytest.raises(ValueError, match=r"read_interface=.* cannot read"):
+        MegatronIndexedStorage("http://127.0.0.1:1/b", read_interface=object())
+
+
+# --- numpy token files ------------------------------------------------------------------------
+
+
+def _tokens(seed: int, count: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, 60_000, count).astype(np.uint16)
+    tokens[rng.random(count) < 0.1] = EOS
+    return tokens
+
+
+def _serve_numpy(served: Served, folder: Path, name: str) -> list[str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "a.npy", _tokens(1, 5000))
+    _tokens(2, 3000).tofile(folder / "b.bin")
+    return [
+        served.put(folder / "a.npy", f"{name}/a.npy"),
+        served.put(folder / "b.bin", f"{name}/b.bin"),
+    ]
+
+
+def test_numpy_token_files_at_a_url_read_as_the_local_files(served: Served, tmp_path: Path) -> None:
+    urls = _serve_numpy(served, tmp_path / "local", f"numpy-{served.kind}")
+    files = [tmp_path / "local" / "a.npy", tmp_path / "local" / "b.bin"]
+    local = NumpyTokensStorage(files, dtype="uint16", eos_id=EOS)
+    remote = NumpyTokensStorage(
+        urls, dtype="uint16", eos_id=EOS, cache_dir=tmp_path / "cache", **served.options
+    )
+    assert np.array_equal(_windows(remote, 13), _windows(local, 13))
+    assert _documents(remote) == _documents(local)
+
+
+def test_the_eos_scan_of_files_at_a_url_is_kept_under_cache_dir_never_beside_them(
+    http: HttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    urls = _serve_numpy(Served("http", http, None), tmp_path / "local", "numpy-sidecar")
+    local = [tmp_path / "local" / "a.npy", tmp_path / "local" / "b.bin"]
+    expected = _documents(NumpyTokensStorage(local, dtype="uint16", eos_id=EOS))
+    served_before = sorted(os.listdir(http.root / "numpy-sidecar"))
+    cache = tmp_path / "cache"
+    assert (
+        _documents(
+            NumpyTokensStorage(urls, dtype="uint16", eos_id=EOS, cache_dir=cache, retry=FAST)
+        )
+        == expected
+    )
+    assert [p.name.startswith(".guideloom_pipes-eos-") for p in cache.iterdir()] == [True]
+    assert sorted(os.listdir(http.root / "numpy-sidecar")) == served_before == ["a.npy", "b.bin"]
+
+    def no_scan(self: NumpyTokensStorage, *args: object) -> np.ndarray:
+        raise AssertionError("scanned again")
+
+    monkeypatch.setattr(NumpyTokensStorage, "_scan_ends", no_scan)
+    again = NumpyTokensStorage(urls, dtype="uint16", eos_id=EOS, cache_dir=cache, retry=FAST)
+    assert _documents(again) == expected
+
+
+def test_without_cache_dir_the_eos_scan_at_a_url_warns_that_each_open_scans(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    urls = _serve_numpy(Served("http", http, None), tmp_path / "local", "numpy-nowhere")
+    with pytest.warns(UserWarning, match=r"at a URL.*Pass cache_dir="):
+        documents = _documents(NumpyTokensStorage(urls, dtype="uint16", eos_id=EOS, retry=FAST))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        local = [tmp_path / "local" / "a.npy", tmp_path / "local" / "b.bin"]
+        assert documents == _documents(NumpyTokensStorage(local, dtype="uint16", eos_id=EOS))
