@@ -42,6 +42,7 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.packing_reader": 3,
     "guideloom_pipes.shuffle": 3,
     "guideloom_pipes.opening": 3,
+    "guideloom_pipes.opening_corpora": 3,
     "guideloom_pipes.tokenizing": 3,
     "guideloom_pipes.parallel": 4,
     "guideloom_pipes.cli": 4,

@@ -18,14 +18,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-from corpus_writers import megatron, random_documents, write_megatron
+from corpus_writers import megatron, parquet, random_documents, write_megatron, write_parquet
 from remote_servers import HttpServer, S3Server, moto_server, need_modules, nginx_server
 
 from guideloom_pipes import (
     DocumentDataset,
     MegatronIndexedStorage,
     NumpyTokensStorage,
+    ParquetStorage,
     StreamDataset,
+    open_storage,
 )
 from guideloom_pipes.storage import DatasetChangedError
 from guideloom_pipes.storage.remote import FsspecIO, RetryPolicy
@@ -288,3 +290,98 @@ def test_without_cache_dir_the_eos_scan_at_a_url_warns_that_each_open_scans(
         warnings.simplefilter("ignore")
         local = [tmp_path / "local" / "a.npy", tmp_path / "local" / "b.bin"]
         assert documents == _documents(NumpyTokensStorage(local, dtype="uint16", eos_id=EOS))
+
+
+# --- Parquet tables ---------------------------------------------------------------------------
+
+
+def _tables(folder: Path) -> list[Path]:
+    """Two Parquet files of token-id rows (row groups of 16 rows) and a text column."""
+    parquet()
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for seed, name in ((1, "a.parquet"), (2, "b.parquet")):
+        documents = [d[0] for d in random_documents(seed, 60, "int32", longest=50)]
+        texts = [f"document {seed}-{k}" for k in range(len(documents))]
+        paths.append(
+            write_parquet(folder / name, documents, "int32", row_group_size=16, text=texts)
+        )
+    return paths
+
+
+def _serve_tables(served: Served, paths: list[Path], name: str) -> list[str]:
+    return [served.put(path, f"{name}/{path.name}") for path in paths]
+
+
+def test_parquet_tables_at_a_url_read_as_the_local_files(served: Served, tmp_path: Path) -> None:
+    paths = _tables(tmp_path / "local")
+    urls = _serve_tables(served, paths, f"parquet-{served.kind}")
+    cache = tmp_path / "cache"
+    remote = ParquetStorage(urls, "input_ids", cache_dir=cache, **served.options)
+    local = ParquetStorage(paths, "input_ids")
+    assert np.array_equal(_windows(remote, 11), _windows(local, 11))
+    assert _documents(remote) == _documents(local)
+    assert [p.name.startswith(".guideloom_pipes-parquet-") for p in cache.iterdir()] == [True]
+    text = ParquetStorage(urls, "text", **served.options)
+    with DocumentDataset(text).sync_reader() as reader:
+        assert reader[61] == {"text": "document 2-1"} and len(reader) == 120
+
+
+def test_a_parquet_directory_is_listed_on_s3_and_refused_over_http(
+    s3: S3Server, http: HttpServer, tmp_path: Path
+) -> None:
+    paths = _tables(tmp_path / "local")
+    _serve_tables(Served("s3", None, s3), paths, "listed")
+    storage = ParquetStorage(f"s3://{BUCKET}/listed", "input_ids", storage_options=s3.options())
+    assert [path.name for path in storage.files] == ["a.parquet", "b.parquet"]
+    with pytest.warns(UserWarning, match="at a URL"):
+        assert _documents(storage) == _documents(ParquetStorage(paths, "input_ids"))
+    _serve_tables(Served("http", http, None), paths, "unlisted")
+    with pytest.raises(ValueError, match=r"http:// cannot list a directory: give the URLs"):
+        ParquetStorage(f"{http.url}/unlisted", "input_ids", retry=FAST)
+
+
+def test_parquet_at_a_url_reads_the_row_groups_it_needs_in_pinned_ranges(
+    http: HttpServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parquet()
+    (tmp_path / "local").mkdir()
+    documents = [d[0] for d in random_documents(3, 3000, "int32", longest=200)]
+    path = write_parquet(tmp_path / "local" / "big.parquet", documents, "int32", row_group_size=200)
+    [url] = _serve_tables(Served("http", http, None), [path], "parquet-ranges")
+    storage = ParquetStorage(url, "input_ids", cache_dir=tmp_path / "cache", retry=FAST)
+    _documents(storage)  # (the first open scans the column: every row group)
+    ranges = Ranges(monkeypatch)
+    with DocumentDataset(storage).sync_reader() as reader:
+        assert reader[2100]["tokens"].tolist() == documents[2100].tolist()
+    reads = ranges.of("big.parquet")
+    assert reads and all(tag for _, _, tag in reads)  # If-Match: every read pinned
+    # the footer and the one row group of row 2100, not the file
+    assert sum(end - start for start, end, _ in reads) < os.path.getsize(path) // 4
+    # the file replaced on the server after the open: refused, never mixed
+    with DocumentDataset(storage).sync_reader() as reader:
+        reader[0]
+        served = http.root / "parquet-ranges" / "big.parquet"
+        write_parquet(served, documents[::-1], "int32", row_group_size=200)
+        os.utime(served, ns=(0, os.stat(served).st_mtime_ns + 10**9))
+        with pytest.raises(DatasetChangedError, match=r"parquet-ranges/big\.parquet"):
+            reader[2100]
+
+
+def test_open_storage_tells_a_corpus_at_a_url_by_its_files_suffix(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    served = Served("http", http, None)
+    prefix = _megatron(tmp_path / "megatron")
+    url = _serve_megatron(served, prefix, "opened/web_text_document")
+    megatron_corpus = open_storage(f"{url}.bin", dtype="int32", retry=FAST)
+    assert isinstance(megatron_corpus, MegatronIndexedStorage)
+    assert _documents(megatron_corpus) == _documents(MegatronIndexedStorage(prefix))
+    [npy, _] = _serve_numpy(served, tmp_path / "numpy", "opened-numpy")
+    numpy_corpus = open_storage(npy, eos_id=EOS, cache_dir=tmp_path / "cache", retry=FAST)
+    assert isinstance(numpy_corpus, NumpyTokensStorage) and numpy_corpus.eos_id == EOS
+    [table, _] = _serve_tables(served, _tables(tmp_path / "tables"), "opened-parquet")
+    parquet_corpus = open_storage(table, retry=FAST, cache_dir=tmp_path / "cache")
+    assert isinstance(parquet_corpus, ParquetStorage) and parquet_corpus.column == "input_ids"
+    with pytest.raises(TypeError, match=r"eos_id=0 splits flat token files.*Parquet"):
+        open_storage(table, eos_id=EOS, retry=FAST)

@@ -142,9 +142,9 @@ def test_the_row_lengths_are_scanned_once_and_kept_in_a_sidecar(
     scans = []
     scan = ParquetStorage._scan_files
 
-    def counted(self: ParquetStorage, size: int) -> Any:
+    def counted(self: ParquetStorage, versions: Any) -> Any:
         scans.append(self.column)
-        return scan(self, size)
+        return scan(self, versions)
 
     monkeypatch.setattr(ParquetStorage, "_scan_files", counted)
     assert _documents(ParquetStorage(paths, "input_ids")) == _rows(paths)
@@ -174,9 +174,9 @@ def test_storages_over_other_files_or_columns_keep_their_own_sidecars(
     scans = []
     scan = ParquetStorage._scan_files
 
-    def counted(self: ParquetStorage, size: int) -> Any:
+    def counted(self: ParquetStorage, versions: Any) -> Any:
         scans.append(len(self.files))
-        return scan(self, size)
+        return scan(self, versions)
 
     monkeypatch.setattr(ParquetStorage, "_scan_files", counted)
     for _ in range(2):  # (the second round reads both sidecars: neither overwrote the other)
