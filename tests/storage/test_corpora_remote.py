@@ -385,3 +385,32 @@ def test_open_storage_tells_a_corpus_at_a_url_by_its_files_suffix(
     assert isinstance(parquet_corpus, ParquetStorage) and parquet_corpus.column == "input_ids"
     with pytest.raises(TypeError, match=r"eos_id=0 splits flat token files.*Parquet"):
         open_storage(table, eos_id=EOS, retry=FAST)
+
+
+def test_a_loader_reads_a_corpus_at_a_url_in_worker_processes(
+    http: HttpServer, tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    from guideloom_pipes import StatefulDataLoader
+
+    prefix = _megatron(tmp_path / "local", count=200)
+    url = _serve_megatron(Served("http", http, None), prefix, "workers/web_text_document")
+
+    def batches(storage: Any, **workers: Any) -> list[list[list[int]]]:
+        loader = StatefulDataLoader.from_storage(
+            storage,
+            None,
+            sequence_length=16,
+            local_batch_size=4,
+            shuffle=True,
+            shuffle_seed=3,
+            prefetch=2,
+            device="cpu",
+            **workers,
+        )
+        with loader:
+            return [batch["tokens"].tolist() for batch in loader]
+
+    remote = MegatronIndexedStorage(url, retry=FAST, cache_dir=tmp_path / "cache")
+    expected = batches(MegatronIndexedStorage(prefix))
+    assert batches(remote, num_workers=2, parallel_method="process") == expected
