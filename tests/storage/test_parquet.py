@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -418,3 +420,22 @@ def test_the_scan_of_the_column_shows_progress_when_asked_and_for_large_tables_b
     assert capsys.readouterr().err == ""
     with pytest.raises(TypeError, match=r"progress must be True .* got 1"):
         ParquetStorage(tmp_path / "asked", "input_ids", progress=1)  # type: ignore[arg-type]
+
+
+def test_two_threads_decode_row_groups_of_one_file_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    documents = _documents_of(4, 40, "int32", empty=False)
+    path = write_parquet(tmp_path / "one.parquet", documents, "int32", row_group_size=10)
+    barrier = threading.Barrier(2, timeout=20)
+    decode = pq.ParquetFile.read_row_group
+
+    def meet(self: Any, *args: Any, **kwargs: Any) -> Any:
+        barrier.wait()  # (reads of one file one at a time would never meet: broken barrier)
+        return decode(self, *args, **kwargs)
+
+    with DocumentDataset(ParquetStorage(path, "input_ids")).sync_reader() as reader:
+        monkeypatch.setattr(pq.ParquetFile, "read_row_group", meet)
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda index: reader[index]["tokens"].tolist(), [3, 35]))
+    assert got == [documents[3].tolist(), documents[35].tolist()]

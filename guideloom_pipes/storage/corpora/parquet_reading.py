@@ -56,17 +56,21 @@ class RowGroupCache:
                 self._items.move_to_end(key)
             return found
 
-    def put(self, key: tuple[str, int], value: Any, size: int) -> None:
+    def put(self, key: tuple[str, int], value: Any, size: int) -> Any:
+        """Keep ``value`` (of ``size`` bytes) for ``key``; the value kept (an earlier one
+        for the key, if another thread put it first)."""
         with self.lock:
             self.decoded += 1
             if key in self._items:
-                return
+                self._items.move_to_end(key)
+                return self._items[key]
             self._items[key] = value
             self._sizes[key] = size
             self.nbytes += size
             while self.nbytes > self.limit and len(self._items) > 1:
                 old, _ = self._items.popitem(last=False)
                 self.nbytes -= self._sizes.pop(old)
+            return value
 
     def __len__(self) -> int:
         return len(self._items)
@@ -80,7 +84,9 @@ class RowGroupCache:
 
 class GroupFile:
     """One Parquet file's row groups of one column, decoded on demand through a cache
-    (opened lazily; a file's reads are serialised, pyarrow's readers being per file)."""
+    (opened lazily). A read takes a ``ParquetFile`` no other read is using (pyarrow's
+    readers are not to be shared), opening another only where every open one is in use, so
+    threads decode row groups in parallel: pyarrow releases the GIL while it decodes."""
 
     def __init__(
         self,
@@ -101,53 +107,86 @@ class GroupFile:
         #: the file's size and version (modification time, or ETag at a URL) when the rows
         #: were found (None: not checked)
         self.version = version
-        self._file: Any = None
         self._lock = threading.Lock()
+        #: every open ParquetFile, and those no read is using
+        self._files: list[Any] = []
+        self._idle: list[Any] = []
+        self._open = False
+
+    def _opened(self) -> Any:
+        """The file opened and checked: its row groups those the scan found."""
+        opened = open_table(self.location, self.name, self.version)
+        metadata = opened.metadata
+        rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        if rows != self.rows.tolist():
+            raise DatasetChangedError(
+                f"{self.path} changed since its row groups were scanned (now {len(rows)} "
+                f"row groups of {sum(rows)} rows, then {len(self.rows)} of "
+                f"{int(self.rows.sum())}): open the storage again, which scans it again"
+            )
+        return opened
 
     def open(self) -> None:
+        """Open (and check) the file; idempotent."""
         with self._lock:
-            if self._file is not None:
+            if self._open:
                 return
-            opened = open_table(self.location, self.name, self.version)
-            metadata = opened.metadata
-            rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-            if rows != self.rows.tolist():
-                raise DatasetChangedError(
-                    f"{self.path} changed since its row groups were scanned (now {len(rows)} "
-                    f"row groups of {sum(rows)} rows, then {len(self.rows)} of "
-                    f"{int(self.rows.sum())}): open the storage again, which scans it again"
-                )
-            self._file = opened
+            opened = self._opened()
+            self._files, self._idle, self._open = [opened], [opened], True
 
     def close(self) -> None:
         with self._lock:
-            opened, self._file = self._file, None
-        close = getattr(opened, "close", None)
-        if callable(close):
-            close()
+            files, self._files, self._idle, self._open = self._files, [], [], False
+        for opened in files:
+            _close(opened)
+
+    def _take(self) -> Any:
+        """An open ParquetFile no other read is using (opened if there is none)."""
+        with self._lock:
+            if not self._open:
+                raise RuntimeError(f"reader of {self.path} is not open")
+            if self._idle:
+                return self._idle.pop()
+        opened = self._opened()
+        with self._lock:
+            if not self._open:  # (closed meanwhile)
+                _close(opened)
+                raise RuntimeError(f"reader of {self.path} is not open")
+            self._files.append(opened)
+        return opened
+
+    def _give(self, opened: Any) -> None:
+        with self._lock:
+            if any(opened is mine for mine in self._files):
+                self._idle.append(opened)
+                return
+        _close(opened)  # (the reader closed while it was read)
 
     def group(self, group: int, decode: Any) -> Any:
-        """Row group ``group``'s column as ``decode(chunked_array)`` made it (cached)."""
+        """Row group ``group``'s column as ``decode(chunked_array)`` made it (cached; two
+        reads that miss it at once may both decode it, the first one kept)."""
         key = (self.path, group)
         found = self.cache.get(key)
         if found is not None:
             return found
-        with self._lock:
-            found = self.cache.get(key)  # (another thread may have decoded it meanwhile)
-            if found is not None:
-                return found
-            if self._file is None:
-                raise RuntimeError(f"reader of {self.path} is not open")
-            try:
-                table = self._file.read_row_group(group, columns=[self.column], use_threads=False)
-            except (OSError, ValueError) as error:
-                raise CorruptShardError(
-                    f"row group {group} of {self.path} cannot be decoded ({error}): the file "
-                    f"is damaged; write it again"
-                ) from None
-            found, size = decode(table.column(0), group)
-            self.cache.put(key, found, size)
-            return found
+        opened = self._take()
+        try:
+            table = opened.read_row_group(group, columns=[self.column], use_threads=False)
+        except (OSError, ValueError) as error:
+            raise CorruptShardError(
+                f"row group {group} of {self.path} cannot be decoded ({error}): the file "
+                f"is damaged; write it again"
+            ) from None
+        finally:
+            self._give(opened)
+        found, size = decode(table.column(0), group)
+        return self.cache.put(key, found, size)
+
+
+def _close(opened: Any) -> None:
+    close = getattr(opened, "close", None)
+    if callable(close):
+        close()
 
 
 class ParquetIO(BackendBase):
