@@ -12,7 +12,8 @@
   ``PARQUET_ROW_GROUP`` rows) through ``from_storage`` and ``pad_collate``, with 0 and 2
   thread workers and 2 process workers (the default row-group cache, 256 MiB: less than
   the table of a full run), and with 0 and 2 thread workers and a cache that holds it all
-  (filled by one epoch before the rounds), against the same documents in our own ``DocumentStorage``. Without pyarrow it says so.
+  (filled by one epoch before the rounds), against the same documents in our own
+  ``DocumentStorage``. Without pyarrow it says so.
 """
 
 from __future__ import annotations
