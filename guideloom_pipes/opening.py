@@ -9,19 +9,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 import numpy as np
 
 from guideloom_pipes.formats import DocumentPickleFormat, StreamNumpyFormat
+from guideloom_pipes.opening_corpora import foreign_corpus, local_path
 from guideloom_pipes.storage import DocumentStorage, StreamStorage, StreamWithMetaStorage
-from guideloom_pipes.storage.corpora import (
-    MegatronIndexedStorage,
-    NumpyTokensStorage,
-    ParquetStorage,
-)
-from guideloom_pipes.storage.corpora.megatron import MAGIC as MEGATRON_MAGIC
-from guideloom_pipes.storage.corpora.parquet import pick_column
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.io import resolve_backend
 from guideloom_pipes.storage.names import (
@@ -88,24 +81,6 @@ def _shard_files(names: Iterable[str]) -> tuple[set[str], list[int]]:
         else:
             suffixes.add(match.group("suffix"))
     return suffixes, records
-
-
-def local_path(path_or_url: Any) -> Path:
-    """``path_or_url`` (a path, a ``str``, or a ``file://`` URL) as a local ``Path``."""
-    if isinstance(path_or_url, os.PathLike):
-        return Path(path_or_url)
-    if not isinstance(path_or_url, str):
-        raise TypeError(f"path_or_url must be a path or a string, got {type(path_or_url).__name__}")
-    parsed = urlparse(path_or_url)
-    if parsed.scheme == "file":
-        return Path(unquote(parsed.path))
-    if parsed.scheme and len(parsed.scheme) > 1 and "://" in path_or_url:
-        raise ValueError(
-            f"{path_or_url}: this needs a local directory (a path or a file:// URL), and a "
-            f"URL of another store is read through fsspec only; copy the dataset to a local "
-            f"directory first"
-        )
-    return Path(path_or_url)
 
 
 def _remote(path_or_url: Any) -> bool:
@@ -259,12 +234,14 @@ def open_storage(
     dtype: Any = None,
     eos_id: int | None = None,
     column: str | None = None,
+    progress: bool | None = None,
 ) -> Any:
     """The storage of the dataset at ``path_or_url``, its format rebuilt from its records.
 
     A corpus written by another tool (a Megatron-LM prefix or its ``.bin`` / ``.idx``,
-    ``.npy`` files, ``.parquet`` tables) is opened read-only by :func:`foreign_corpus`,
-    which says what ``dtype``, ``eos_id``, ``column`` and ``cache_dir`` mean there.
+    ``.npy`` files, ``.parquet`` tables; local or at a URL) is opened read-only by
+    :func:`foreign_corpus`, which says what ``dtype``, ``eos_id``, ``column``,
+    ``cache_dir`` and ``progress`` mean there.
 
     A dataset written by this package records its kind, stream dtype and format class in
     each shard's commit record, so ``open_storage("data/tokens")`` returns a
@@ -291,14 +268,9 @@ def open_storage(
         FileNotFoundError: no such directory, or no shard files in it.
         ValueError: the format cannot be rebuilt from the records: pass ``fmt=``.
     """
-    corpus = foreign_corpus(
-        path_or_url,
-        dtype=dtype,
-        eos_id=eos_id,
-        read_interface=read_interface,
-        column=column,
-        cache_dir=cache_dir,
-    )
+    where = {"storage_options": storage_options, "retry": retry, "cache_dir": cache_dir}
+    options = {"dtype": dtype, "eos_id": eos_id, "column": column, "progress": progress}
+    corpus = foreign_corpus(path_or_url, read_interface=read_interface, **options, **where)
     if corpus is not None:
         return corpus
     if dtype is not None or eos_id is not None or column is not None:
@@ -316,103 +288,7 @@ def open_storage(
         fmt = rebuilt_format(found)
     if not remote:
         return storage_class(found.directory, fmt, read_interface)
-    return storage_class(
-        str(found.directory),
-        fmt,
-        storage_options=storage_options,
-        retry=retry,
-        cache_dir=cache_dir,
-        cache_limit_bytes=cache_limit_bytes,
-    )
-
-
-def foreign_corpus(
-    path_or_url: Any,
-    *,
-    dtype: Any = None,
-    eos_id: int | None = None,
-    read_interface: Any = None,
-    column: str | None = None,
-    cache_dir: Any = None,
-) -> Any:
-    """The read-only storage of a corpus another tool wrote at ``path_or_url``, or None
-    where it is not one: a local Megatron prefix or its ``.bin`` / ``.idx``
-    (:class:`~guideloom_pipes.MegatronIndexedStorage`), an ``.npy`` file or a directory of
-    nothing but ``.npy`` files (:class:`~guideloom_pipes.NumpyTokensStorage`, in name
-    order, documents split at ``eos_id``), a ``.parquet`` file or a directory of
-    ``.parquet`` files (:class:`~guideloom_pipes.ParquetStorage` of ``column``, in name
-    order; None: the one list-of-integers column ``input_ids`` or ``tokens``, else a
-    string column ``text``; ``cache_dir``: where its sidecar goes if the directory is
-    read-only). ``dtype``: the dtype their tokens are read as (None: their own)."""
-    if _remote(path_or_url) or not isinstance(path_or_url, (str, os.PathLike)):
-        return None
-    path = local_path(path_or_url)
-    parquet_files = _parquet_files(path)
-    if parquet_files:
-        if eos_id is not None:
-            raise TypeError(
-                f"eos_id={eos_id} splits flat token files into documents; {path} is Parquet, "
-                f"whose rows are its documents: drop eos_id="
-            )
-        if read_interface is not None:
-            raise TypeError(f"{path} is Parquet, which pyarrow reads itself: drop read_interface=")
-        return ParquetStorage(
-            parquet_files,
-            pick_column(parquet_files[0]) if column is None else column,
-            dtype,
-            cache_dir=cache_dir,
-        )
-    corpus = _token_files(path, dtype, eos_id, read_interface)
-    if corpus is not None and column is not None:
-        raise TypeError(
-            f"column={column!r} names a column of a Parquet table; {path} is "
-            f"{corpus.description}: drop column="
-        )
-    return corpus
-
-
-def _token_files(path: Path, dtype: Any, eos_id: int | None, read_interface: Any) -> Any:
-    """The Megatron or numpy corpus at ``path``, or None."""
-    numpy_files = _npy_files(path)
-    if numpy_files:
-        return NumpyTokensStorage(
-            numpy_files, dtype=dtype, eos_id=eos_id, read_interface=read_interface
-        )
-    prefix = path.with_suffix("") if path.suffix in (".bin", ".idx") else path
-    index = prefix.with_name(prefix.name + ".idx")
-    if path.is_dir() or not index.is_file():
-        return None
-    with open(index, "rb") as handle:
-        if handle.read(len(MEGATRON_MAGIC)) != MEGATRON_MAGIC:
-            return None
-    return MegatronIndexedStorage(prefix, dtype=dtype, read_interface=read_interface)
-
-
-def _parquet_files(path: Path) -> list[Path]:
-    """``[path]`` for a ``.parquet`` file; a directory's ``.parquet`` files if it holds
-    any and no shard files of ours (hidden files aside: a sidecar); else ``[]``."""
-    if path.suffix == ".parquet" and path.is_file():
-        return [path]
-    if not path.is_dir():
-        return []
-    names = sorted(name for name in os.listdir(path) if not name.startswith("."))
-    parquet = [name for name in names if name.endswith(".parquet")]
-    if not parquet or any(SHARD_NAME.match(name) for name in names):
-        return []
-    return [path / name for name in parquet]
-
-
-def _npy_files(path: Path) -> list[Path]:
-    """``[path]`` for an ``.npy`` file; a directory's files if they are all ``.npy`` (hidden
-    ones aside: a sidecar); else ``[]``."""
-    if path.suffix == ".npy" and path.is_file():
-        return [path]
-    if not path.is_dir():
-        return []
-    names = sorted(name for name in os.listdir(path) if not name.startswith("."))
-    if names and all(name.endswith(".npy") for name in names):
-        return [path / name for name in names]
-    return []
+    return storage_class(str(found.directory), fmt, cache_limit_bytes=cache_limit_bytes, **where)
 
 
 def rebuilt_format(found: Detected) -> Any:

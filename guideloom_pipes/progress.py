@@ -1,6 +1,7 @@
-"""Progress display for the tools (``write_parallel``, ``guideloom-pipes verify``): a tqdm bar
-when tqdm is installed (an optional dependency), else a plain log line every few seconds and
-one at the end."""
+"""Progress display for the tools (``write_parallel``, ``guideloom-pipes verify``) and the
+corpora's one-time scans: a tqdm bar when tqdm is installed (an optional dependency), else a
+plain log line every few seconds and one at the end. Standard library only (it sits below
+every layer that shows progress)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import sys
 import time
 from typing import Any, TextIO
 
-__all__ = ["Progress", "human_bytes"]
+__all__ = ["AUTO_BYTES", "Progress", "human_bytes", "show_progress"]
+
+#: Work of at least this many bytes shows progress where ``progress=None`` (auto) is given:
+#: a scan of a corpus's files, ``guideloom-pipes verify --progress auto``.
+AUTO_BYTES = 64 << 20
 
 
 def human_bytes(size: float) -> str:
@@ -18,6 +23,19 @@ def human_bytes(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def show_progress(progress: bool | None, size: int) -> bool:
+    """Whether to show the progress of work over ``size`` bytes: ``progress`` where it is
+    True or False, and with None (auto) for work of :data:`AUTO_BYTES` and more."""
+    if progress is None:
+        return size >= AUTO_BYTES
+    if not isinstance(progress, bool):
+        raise TypeError(
+            f"progress must be True (show it), False (never) or None (for work of "
+            f"{human_bytes(AUTO_BYTES)} and more), got {progress!r}"
+        )
+    return progress
 
 
 class Progress:

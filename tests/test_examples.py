@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,43 @@ def test_train_lightning_resumes_mid_epoch_with_the_batches_after_the_last_train
     assert [step for step, _ in steps] == list(range(1, 17))  # stopped after 5, resumed at 6
     for epoch in (steps[:8], steps[8:]):  # each sample once an epoch: the resume went on
         assert sorted(sample for _, batch in epoch for sample in batch) == _all_samples()
+
+
+def _corpora_tools() -> None:
+    """Skip without the tools the corpora example writes with (the corpora-test extra)."""
+    pytest.importorskip("pyarrow")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (megatron-core's optional fused kernels)
+        pytest.importorskip("megatron.core.datasets.indexed_dataset")
+
+
+@pytest.mark.timeout(240)
+def test_train_on_corpora_blends_megatron_and_parquet_as_int32_and_resumes(tmp_path):
+    _corpora_tools()
+    stdout = _run([sys.executable, str(EXAMPLES / "train_on_corpora.py")], tmp_path)
+    assert "corpora: MegatronIndexedStorage(" in stdout and "dtype='int32')" in stdout
+    assert "ParquetStorage(" in stdout
+    assert re.search(r"web 0\.70, code 0\.30", stdout)
+    assert "tokens: torch.int32 (8, 32)" in stdout
+    assert len(re.findall(r"step \d: loss \d+\.\d+", stdout)) == 8
+    assert "resumed batches match: True" in stdout
+
+
+def test_train_on_corpora_exits_naming_the_missing_extra(tmp_path):
+    blocked = tmp_path / "blocked"
+    (blocked / "pyarrow").mkdir(parents=True)
+    (blocked / "pyarrow" / "__init__.py").write_text("raise ImportError('not installed here')\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(blocked), env["PYTHONPATH"]])
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_on_corpora.py")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 1
+    assert "pyarrow (not installed here)" in done.stderr and "needs " in done.stderr
+    assert "pip install" in done.stderr and "Traceback" not in done.stderr

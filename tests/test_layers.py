@@ -22,6 +22,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "guideloom_pipes"
 LAYERS: dict[str, int] = {
     "guideloom_pipes.types": 0,
     "guideloom_pipes.checks": 0,
+    # (standard library only: the tools and the corpora's scans show progress with it)
+    "guideloom_pipes.progress": 0,
     "guideloom_pipes.storage": 1,
     "guideloom_pipes.io": 1,
     "guideloom_pipes.formats": 2,
@@ -43,8 +45,8 @@ LAYERS: dict[str, int] = {
     "guideloom_pipes.packing_reader": 3,
     "guideloom_pipes.shuffle": 3,
     "guideloom_pipes.opening": 3,
+    "guideloom_pipes.opening_corpora": 3,
     "guideloom_pipes.tokenizing": 3,
-    "guideloom_pipes.progress": 4,
     "guideloom_pipes.parallel": 4,
     "guideloom_pipes.cli": 4,
     "guideloom_pipes.__main__": 4,

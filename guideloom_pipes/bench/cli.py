@@ -131,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name in SCENARIOS
                 if name.startswith("megatron-")
             ],
+            ("convert-dask", bench.convert_scenario),
+            ("parquet-documents", bench.parquet_scenario),
         ]
         for name, step in steps:
             if name in only or (name == "scale" and "resume" in only):

@@ -41,6 +41,8 @@ class Sizes:
     remote_bytes: int = 2**30
     #: documents of the megatron-open scenario's corpus
     megatron_documents: int = 10_000_000
+    #: text documents (50-400 words) the convert-dask scenario tokenizes
+    convert_documents: int = 40_000
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -51,6 +53,7 @@ class Sizes:
             slow_tokens=1_000_000,
             remote_bytes=2**26,
             megatron_documents=20_000,
+            convert_documents=2_000,
             rounds=2,
             round_seconds=0.2,
             warmup_seconds=0.1,

@@ -97,6 +97,8 @@ SCENARIOS = (
     "dataloader-memory",
     "megatron-windows",
     "megatron-open",
+    "convert-dask",
+    "parquet-documents",
 )
 #: What the train-loop scenario's rows read (its ``data`` field).
 TOKENS, DOCUMENTS = "tokens", "documents"
@@ -592,6 +594,30 @@ class Bench:
                 self.sizes,
                 self.log,
             )
+
+    def convert_scenario(self) -> None:
+        """``convert`` of Parquet text on a Dask LocalCluster, 2 workers against 1; needs
+        Dask, pyarrow and tokenizers (``bench/corpora_rows.py``)."""
+        from guideloom_pipes.bench import corpora_rows
+
+        reason = corpora_rows.missing_modules("dask.distributed", "pyarrow", "tokenizers")
+        if reason is not None:
+            self.log(f"  {corpora_rows.CONVERT_SCENARIO} skipped: {reason}")
+            self.extra[corpora_rows.CONVERT_SCENARIO] = {"skipped": reason}
+            return
+        self.rows += corpora_rows.convert_rows(self.root, self.sizes, self.log)
+
+    def parquet_scenario(self) -> None:
+        """Shuffled documents of a Parquet table against our DocumentStorage; needs pyarrow
+        (``bench/corpora_rows.py``)."""
+        from guideloom_pipes.bench import corpora_rows
+
+        reason = corpora_rows.missing_modules("pyarrow")
+        if reason is not None:
+            self.log(f"  {corpora_rows.PARQUET_SCENARIO} skipped: {reason}")
+            self.extra[corpora_rows.PARQUET_SCENARIO] = {"skipped": reason}
+            return
+        self.rows += corpora_rows.parquet_rows(self.root, self.sizes, self.log)
 
     def megatron_scenario(self, name: str) -> None:
         """A Megatron corpus read in place (``bench/corpora.py``); needs megatron-core."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from guideloom_pipes.cli import corpus
 from guideloom_pipes.cli.dataset import Opened, ignored_entries, open_dataset
-from guideloom_pipes.progress import Progress, human_bytes
+from guideloom_pipes.progress import AUTO_BYTES, Progress, human_bytes
 from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.listing import discover
 from guideloom_pipes.storage.names import IN_BAND, shard_name
@@ -23,7 +23,7 @@ from guideloom_pipes.storage.stream_meta import record_dtype
 from guideloom_pipes.storage.verify import check_files, check_listing, recorded_files
 
 #: datasets at least this large show progress (``--progress auto``)
-PROGRESS_FROM = 64 << 20
+PROGRESS_FROM = AUTO_BYTES
 #: ignored entries named in the note (``--json`` lists them all)
 _SHOWN = 20
 _SHARD = re.compile(r"\bshard (\d{7,})|\b(\d{7,})\.(?:v\d+\.)?(?:in_band|out_of_band|shard)")

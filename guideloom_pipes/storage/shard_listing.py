@@ -71,6 +71,12 @@ def backend_size(backend: ResolvedBackend, path: PurePath) -> int | None:
     return None if found is None else found[0]
 
 
+def backend_info(backend: ResolvedBackend, path: PurePath) -> tuple[int, str | None] | None:
+    """The size of ``path`` and its ETag (None where the backend gives none: local ones),
+    or None where it does not exist."""
+    return _backend_info(backend, path)
+
+
 def _backend_info(backend: ResolvedBackend, path: PurePath) -> tuple[int, str | None] | None:
     """The size of ``path`` and its ETag (where the reader has an ``etag``: remote
     backends), or None where it does not exist."""

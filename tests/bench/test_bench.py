@@ -46,6 +46,8 @@ TINY = [
     "2000000",
     "--megatron-documents",
     "3000",
+    "--convert-documents",
+    "400",
 ]
 
 THROUGHPUT = (
@@ -63,6 +65,7 @@ THROUGHPUT = (
     "dataloader-documents",
     "dataloader-iterable",
     "megatron-windows",
+    "parquet-documents",
 )
 
 
@@ -116,8 +119,8 @@ def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> 
     if scenario in REMOTE and not _remote_ran(report, scenario):
         pytest.skip(report["scenarios"][scenario]["skipped"])
     entry = report["scenarios"][scenario]
-    if scenario.startswith("megatron-") and "skipped" in entry:
-        pytest.skip(entry["skipped"])  # (no megatron-core: the corpora-test extra)
+    if scenario in ("megatron-windows", "parquet-documents") and "skipped" in entry:
+        pytest.skip(entry["skipped"])  # (no megatron-core or pyarrow: the corpora-test extra)
     rows = entry["rows"]
     assert rows[0]["baseline"] and entry["baseline"] == rows[0]["contender"]
     assert len(rows) >= (
@@ -228,6 +231,11 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
             if importlib.util.find_spec("megatron") is not None
             else []
         ),
+        *(
+            ["convert-dask: 2 Dask workers / 1"]
+            if "skipped" not in report["scenarios"]["convert-dask"]
+            else []
+        ),
         *(["remote-cache: shard cache second epoch"] if _remote_ran(report) else []),
         *(
             ["remote-range: 32 thread workers / 1", "remote-range: cold first batch"]
@@ -305,6 +313,44 @@ def test_the_packed_fit_scenario_reports_its_corpus_its_packings_and_its_rows(
     assert figures["concat"]["documents_split"] > longer
     lines = fitting.figure_lines(extra)
     assert any("best_fit, lookahead=1024" in line[1] for line in lines)
+
+
+@pytest.mark.slow  # (the quick benchmark it reads takes ~30 s)
+@pytest.mark.timeout(300)
+def test_convert_on_dask_is_measured_with_one_and_two_workers_where_installed(
+    report: dict[str, Any],
+) -> None:
+    entry = report["scenarios"]["convert-dask"]
+    needed = ("dask.distributed", "pyarrow", "tokenizers")
+    if any(importlib.util.find_spec(name.partition(".")[0]) is None for name in needed):
+        assert "skipped" in entry
+        return
+    rows = entry["rows"]
+    assert [row["contender"] for row in rows] == [
+        "Dask LocalCluster, 1 worker",
+        "Dask LocalCluster, 2 workers",
+    ]
+    assert entry["baseline"] == "Dask LocalCluster, 1 worker"
+    for row in rows:
+        for key in ("samples_per_s", "tokens_per_s", "ratio_to_baseline"):
+            assert _positive(row[key]), (key, row)
+        assert all(r["documents"] == 400 and r["files"] == 8 for r in row["rounds"])
+
+
+def test_the_parquet_documents_are_the_documents_of_our_storage(tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    from guideloom_pipes import DocumentDataset, DocumentPickleFormat, DocumentStorage
+    from guideloom_pipes.bench.corpora_rows import build_parquet_documents
+    from guideloom_pipes.storage.corpora import ParquetStorage
+
+    table, ours = build_parquet_documents(tmp_path, 150)
+    parquet = DocumentDataset(ParquetStorage(table, "input_ids")).sync_reader()
+    own = DocumentDataset(DocumentStorage(ours, DocumentPickleFormat())).sync_reader()
+    with parquet, own:
+        assert len(parquet) == len(own) == 150
+        for index in (0, 63, 64, 149):
+            assert parquet[index]["tokens"].tolist() == own[index]["tokens"].tolist()
+            assert 100 <= len(own[index]["tokens"]) <= 4000
 
 
 def test_hand_loop_crosses_shard_boundaries(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from guideloom_pipes import (
     StreamDataset,
     open_storage,
 )
+from guideloom_pipes import progress as progress_module
 from guideloom_pipes.storage import CorruptShardError, StorageError
 
 EOS = 0
@@ -91,7 +92,7 @@ def test_the_document_ends_are_scanned_once_and_kept_beside_the_files(
     sidecars = [p for p in tmp_path.iterdir() if p.name.startswith(".guideloom_pipes-eos-")]
     assert len(sidecars) == 1
 
-    def no_scan(self: NumpyTokensStorage, sizes: list[int]) -> np.ndarray:
+    def no_scan(self: NumpyTokensStorage, *args: object) -> np.ndarray:
         raise AssertionError("scanned again")
 
     with monkeypatch.context() as patched:
@@ -209,3 +210,34 @@ def test_packing_takes_the_document_lengths_from_the_eos_scan(tmp_path: Path) ->
             assert len(mine) == len(theirs) > 10
             for a, b in zip(mine, theirs):
                 assert all(np.array_equal(a[k], b[k]) for k in b)
+
+
+def test_the_eos_scan_shows_progress_when_asked_and_for_large_files_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shown = "finding the documents (eos_id=0) of a.npy and 1 more files"
+
+    def scan(progress: bool | None, folder: str) -> str:
+        """What a first open (a scan) of two new files of 6 kB shows on stderr."""
+        (tmp_path / folder).mkdir()
+        files = [tmp_path / folder / "a.npy", tmp_path / folder / "b.npy"]
+        for seed, path in enumerate(files):
+            np.save(path, _tokens(seed, 3000, "uint16"))
+        _documents(NumpyTokensStorage(files, eos_id=EOS, progress=progress))
+        return capsys.readouterr().err
+
+    assert shown in scan(True, "asked")
+    assert scan(False, "refused") == ""
+    assert scan(None, "small") == ""  # (12 kB: below the automatic threshold)
+    monkeypatch.setattr(progress_module, "AUTO_BYTES", 12_000)
+    assert shown in scan(None, "large")
+    # a later open reads the sidecar: nothing scanned, nothing shown
+    files = [tmp_path / "asked" / "a.npy", tmp_path / "asked" / "b.npy"]
+    _documents(NumpyTokensStorage(files, eos_id=EOS, progress=True))
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_other_than_true_false_or_none_is_refused_naming_it(tmp_path: Path) -> None:
+    np.save(tmp_path / "t.npy", _tokens(1, 10, "uint16"))
+    with pytest.raises(TypeError, match=r"progress must be True .* got 'yes'"):
+        NumpyTokensStorage(tmp_path / "t.npy", eos_id=EOS, progress="yes")  # type: ignore[arg-type]

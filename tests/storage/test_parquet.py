@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from guideloom_pipes import (  # noqa: E402
     StreamDataset,
     open_storage,
 )
+from guideloom_pipes import progress as progress_module  # noqa: E402
 from guideloom_pipes.storage import CorruptShardError, StorageError  # noqa: E402
 from guideloom_pipes.storage.corpora import sidecar  # noqa: E402
 
@@ -141,9 +144,9 @@ def test_the_row_lengths_are_scanned_once_and_kept_in_a_sidecar(
     scans = []
     scan = ParquetStorage._scan_files
 
-    def counted(self: ParquetStorage) -> Any:
+    def counted(self: ParquetStorage, versions: Any) -> Any:
         scans.append(self.column)
-        return scan(self)
+        return scan(self, versions)
 
     monkeypatch.setattr(ParquetStorage, "_scan_files", counted)
     assert _documents(ParquetStorage(paths, "input_ids")) == _rows(paths)
@@ -173,9 +176,9 @@ def test_storages_over_other_files_or_columns_keep_their_own_sidecars(
     scans = []
     scan = ParquetStorage._scan_files
 
-    def counted(self: ParquetStorage) -> Any:
+    def counted(self: ParquetStorage, versions: Any) -> Any:
         scans.append(len(self.files))
-        return scan(self)
+        return scan(self, versions)
 
     monkeypatch.setattr(ParquetStorage, "_scan_files", counted)
     for _ in range(2):  # (the second round reads both sidecars: neither overwrote the other)
@@ -392,3 +395,47 @@ def test_the_fingerprint_changes_with_the_files(tmp_path: Path) -> None:
     write_parquet(paths[2], _documents_of(12, 9, "uint16"), "uint16", row_group_size=3)
     with ParquetStorage(paths, "input_ids").sync_reader() as reader:
         assert reader.fingerprint() != before
+
+
+def test_the_scan_of_the_column_shows_progress_when_asked_and_for_large_tables_by_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shown = "scanning column 'input_ids' of a.parquet and 2 more files"
+
+    def scan(progress: bool | None, folder: str) -> str:
+        """What a first open (a scan) of three new files shows on stderr."""
+        (tmp_path / folder).mkdir()
+        paths = _three_files(tmp_path / folder)
+        assert _documents(ParquetStorage(paths, "input_ids", progress=progress)) == _rows(paths)
+        return capsys.readouterr().err
+
+    assert shown in scan(True, "asked")
+    assert scan(False, "refused") == ""
+    assert scan(None, "small") == ""  # (a few kB: below the automatic threshold)
+    monkeypatch.setattr(progress_module, "AUTO_BYTES", 1)
+    assert shown in scan(None, "large")
+    # a later open reads the sidecar: nothing scanned, nothing shown
+    paths = [tmp_path / "asked" / f"{name}.parquet" for name in "abc"]
+    _documents(ParquetStorage(paths, "input_ids", progress=True))
+    assert capsys.readouterr().err == ""
+    with pytest.raises(TypeError, match=r"progress must be True .* got 1"):
+        ParquetStorage(tmp_path / "asked", "input_ids", progress=1)  # type: ignore[arg-type]
+
+
+def test_two_threads_decode_row_groups_of_one_file_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    documents = _documents_of(4, 40, "int32", empty=False)
+    path = write_parquet(tmp_path / "one.parquet", documents, "int32", row_group_size=10)
+    barrier = threading.Barrier(2, timeout=20)
+    decode = pq.ParquetFile.read_row_group
+
+    def meet(self: Any, *args: Any, **kwargs: Any) -> Any:
+        barrier.wait()  # (reads of one file one at a time would never meet: broken barrier)
+        return decode(self, *args, **kwargs)
+
+    with DocumentDataset(ParquetStorage(path, "input_ids")).sync_reader() as reader:
+        monkeypatch.setattr(pq.ParquetFile, "read_row_group", meet)
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda index: reader[index]["tokens"].tolist(), [3, 35]))
+    assert got == [documents[3].tolist(), documents[35].tolist()]

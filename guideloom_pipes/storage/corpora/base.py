@@ -111,6 +111,9 @@ class CorpusFiles:
     #: the read backend that serves the token files as raw tokens (a corpus whose files
     #: are decoded, such as Parquet tables), one per reader; None: the storage's own
     backend: Any = None
+    #: each token file's ETag as the scan found it (files at a URL: reads are pinned to
+    #: it); None: local files (pinned by their identity)
+    tags: list[str] | None = None
 
 
 class TokenCorpus(StreamStorage[Any, Any, Any]):
@@ -194,7 +197,7 @@ class CorpusReader(StreamReader):
             self._io = resolve_backend(found.backend)
         directory = self.storage.dir
         identities = {}
-        for shard, name in enumerate(found.names):
+        for shard, name in enumerate([] if found.tags is not None else found.names):
             try:
                 info = os.stat(os.fspath(directory / name))
             except OSError:
@@ -206,6 +209,7 @@ class CorpusReader(StreamReader):
             sizes={(shard, IN_BAND): size for shard, size in enumerate(found.sizes)},
             names={(shard, IN_BAND): name for shard, name in enumerate(found.names)},
             identities=identities,
+            tags={(shard, IN_BAND): tag for shard, tag in enumerate(found.tags or []) if tag},
         )
         extra = found.extra_sizes or [{} for _ in found.names]
         sizes = [{IN_BAND: size, **more} for size, more in zip(found.sizes, extra)]

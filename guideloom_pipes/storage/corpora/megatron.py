@@ -26,17 +26,13 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.corpora.base import (
-    CorpusFiles,
-    TokenCorpus,
-    common_directory,
-    local_paths,
-)
+from guideloom_pipes.storage.corpora.base import CorpusFiles, TokenCorpus
+from guideloom_pipes.storage.corpora.location import corpus_paths, locate
 from guideloom_pipes.storage.errors import CorruptShardError, StorageError
 
 __all__ = ["MegatronIndex", "MegatronIndexedStorage", "read_megatron_index"]
@@ -62,7 +58,8 @@ _FIX = "rewrite the index with Megatron's IndexedDatasetBuilder (or preprocess_d
 class MegatronIndex:
     """A checked ``MMIDIDX`` index, its arrays mapped from the file (read-only)."""
 
-    path: Path
+    #: the index file (a ``RemotePath`` at a URL)
+    path: PurePath
     dtype: np.dtype[Any]
     #: each sequence's length in tokens (int32)
     sequence_lengths: np.ndarray
@@ -88,7 +85,7 @@ class MegatronIndex:
         return sequence_starts[self.document_indices]
 
 
-def _refuse(path: Path, problem: str) -> CorruptShardError:
+def _refuse(path: PurePath, problem: str) -> CorruptShardError:
     return CorruptShardError(
         f"{path} {problem}: it is not a Megatron index this release reads; {_FIX}"
     )
@@ -104,14 +101,16 @@ def read_megatron_index(path: str | os.PathLike[str]) -> MegatronIndex:
         ValueError: a float dtype code (6, 7) or a multimodal index (sequence modes).
     """
     path = Path(os.fspath(path))
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        head = handle.read(_HEADER.size)
+    if path.stat().st_size < _HEADER.size:
+        return parse_megatron_index(path.read_bytes(), path)
+    return parse_megatron_index(np.memmap(path, dtype=np.uint8, mode="r"), path)
+
+
+def _dtype_code(head: bytes, path: PurePath) -> tuple[int, np.dtype[Any], int, int]:
+    """``(version, dtype, sequences, documents)`` of an index's header, checked."""
     if len(head) < _HEADER.size or not head.startswith(MAGIC):
         raise _refuse(path, f"does not start with {MAGIC!r} (the MMIDIDX magic)")
-    _, version, code, sequences, documents = _HEADER.unpack(head)
-    if version != 1:
-        raise _refuse(path, f"is index version {version} (this release reads version 1)")
+    _, version, code, sequences, documents = _HEADER.unpack(head[: _HEADER.size])
     if code in _FLOAT_CODES:
         raise ValueError(
             f"{path} holds {_FLOAT_CODES[code]} values (dtype code {code}): token corpora are "
@@ -120,6 +119,16 @@ def read_megatron_index(path: str | os.PathLike[str]) -> MegatronIndex:
     dtype = DTYPE_CODES.get(code)
     if dtype is None:
         raise _refuse(path, f"names dtype code {code} (known: {sorted(DTYPE_CODES)})")
+    return version, dtype, sequences, documents
+
+
+def parse_megatron_index(data: Any, path: PurePath) -> MegatronIndex:
+    """Check the bytes ``data`` of the ``MMIDIDX`` index at ``path`` (a buffer: bytes, a
+    memory map) and map its arrays on them; raises as :func:`read_megatron_index`."""
+    size = len(data)
+    version, dtype, sequences, documents = _dtype_code(bytes(data[: _HEADER.size]), path)
+    if version != 1:
+        raise _refuse(path, f"is index version {version} (this release reads version 1)")
     expected = _HEADER.size + 12 * sequences + 8 * documents
     if size == expected + sequences and sequences:
         raise ValueError(
@@ -132,11 +141,10 @@ def read_megatron_index(path: str | os.PathLike[str]) -> MegatronIndex:
             f"is {size} bytes, but its header's {sequences} sequences and {documents} "
             f"document indices take {expected} (truncated, or written by another tool)",
         )
-    mapped = np.memmap(path, dtype=np.uint8, mode="r")
     offset = _HEADER.size
-    lengths = np.frombuffer(mapped, np.dtype("<i4"), sequences, offset)
-    pointers = np.frombuffer(mapped, np.dtype("<i8"), sequences, offset + 4 * sequences)
-    indices = np.frombuffer(mapped, np.dtype("<i8"), documents, offset + 12 * sequences)
+    lengths = np.frombuffer(data, np.dtype("<i4"), sequences, offset)
+    pointers = np.frombuffer(data, np.dtype("<i8"), sequences, offset + 4 * sequences)
+    indices = np.frombuffer(data, np.dtype("<i8"), documents, offset + 12 * sequences)
     index = MegatronIndex(path, dtype, lengths, pointers, indices)
     _check_arrays(index, sequences)
     return index
@@ -164,7 +172,7 @@ def _check_arrays(index: MegatronIndex, sequences: int) -> None:
         raise _refuse(path, "has document indices out of order")
 
 
-def _prefix(path: Path) -> Path:
+def _prefix(path: PurePath) -> PurePath:
     """A prefix from a prefix or from either of its files."""
     if path.suffix in (".bin", ".idx"):
         return path.with_suffix("")
@@ -179,46 +187,63 @@ class MegatronIndexedStorage(TokenCorpus):
 
     Args:
         path_prefix: a prefix (``data/corpus_text_document``), its ``.bin`` or ``.idx``
-            file, or a list of them (the stream is their tokens in that order).
+            file, or a list of them (the stream is their tokens in that order); or their
+            URLs (``s3://``, ``http(s)://``, any fsspec protocol: the ``.bin`` read in byte
+            ranges pinned to the ETag the open found, the ``.idx`` read whole each open).
         dtype: the token dtype samples have (None: the index's). A token that does not
             fit it is refused when read, naming the file and the value.
-        read_interface: the read backend (default memory-mapped).
+        read_interface: the read backend of local files (default memory-mapped).
+        storage_options: for URLs, the fsspec file system's options (credentials,
+            ``endpoint_url``, ...).
+        retry: for URLs, a :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
+        cache_dir: for URLs, a local directory where the ``.idx`` files are kept (the
+            shard cache: downloaded once, then memory-mapped); the ``.bin`` is never
+            downloaded whole. None: each open reads each ``.idx`` again.
     """
 
     description = "a Megatron indexed dataset"
 
-    def __init__(self, path_prefix: Any, dtype: Any = None, read_interface: Any = None) -> None:
-        prefixes = [_prefix(path) for path in local_paths(path_prefix, "path_prefix")]
+    def __init__(
+        self,
+        path_prefix: Any,
+        dtype: Any = None,
+        read_interface: Any = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        retry: Any = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        prefixes = [_prefix(path) for path in corpus_paths(path_prefix, "path_prefix")]
         self.prefixes = prefixes
         bins = [prefix.with_name(prefix.name + ".bin") for prefix in prefixes]
-        directory, names = common_directory(bins)
-        self._bin_names = names
-        stored = self._stored_dtype(prefixes)
-        super().__init__(directory, stored, dtype, read_interface)
+        #: where the files are, and how they are read
+        self.location = locate(
+            bins,
+            storage_options=storage_options,
+            retry=retry,
+            cache_dir=cache_dir,
+            read_interface=read_interface,
+        )
+        self._bin_names = self.location.names
+        stored = self._stored_dtype()
+        backend = self.location.backend if self.location.remote else read_interface
+        super().__init__(self.location.directory, stored, dtype, backend)
 
-    @staticmethod
-    def _stored_dtype(prefixes: list[Path]) -> np.dtype[Any]:
-        found: dict[np.dtype[Any], Path] = {}
-        for prefix in prefixes:
-            index = prefix.with_name(prefix.name + ".idx")
-            if not index.exists():
+    def _index_name(self, bin_name: str) -> str:
+        return bin_name[: -len(".bin")] + ".idx"
+
+    def _stored_dtype(self) -> np.dtype[Any]:
+        found: dict[np.dtype[Any], PurePath] = {}
+        for name in self._bin_names:
+            index = self.location.path(self._index_name(name))
+            try:
+                head, _ = self.location.head(self._index_name(name), _HEADER.size)
+            except FileNotFoundError:
                 raise FileNotFoundError(
                     f"{index} does not exist: give the prefix of a Megatron indexed dataset "
                     f"(the path of its .bin and .idx without the suffix)"
-                )
-            with open(index, "rb") as handle:
-                head = handle.read(_HEADER.size)
-            if len(head) < _HEADER.size or not head.startswith(MAGIC):
-                raise _refuse(index, f"does not start with {MAGIC!r} (the MMIDIDX magic)")
-            code = _HEADER.unpack(head)[2]
-            if code in _FLOAT_CODES:
-                raise ValueError(
-                    f"{index} holds {_FLOAT_CODES[code]} values (dtype code {code}): token "
-                    f"corpora are integers; a float index is not a token corpus and is not read"
-                )
-            if code not in DTYPE_CODES:
-                raise _refuse(index, f"names dtype code {code} (known: {sorted(DTYPE_CODES)})")
-            found.setdefault(DTYPE_CODES[code], index)
+                ) from None
+            found.setdefault(_dtype_code(head, index)[1], index)
         if len(found) > 1:
             listed = ", ".join(f"{dtype} ({path})" for dtype, path in found.items())
             raise StorageError(
@@ -228,14 +253,23 @@ class MegatronIndexedStorage(TokenCorpus):
             )
         return next(iter(found))
 
+    def _read_index(self, name: str) -> tuple[MegatronIndex, int]:
+        """The checked index ``name`` and its size in bytes."""
+        location = self.location
+        if not location.remote:
+            index = read_megatron_index(location.path(name))
+            return index, os.stat(index.path).st_size
+        size, tag = location.info(name)
+        return parse_megatron_index(location.whole(name, size, tag), location.path(name)), size
+
     def _scan(self) -> CorpusFiles:
-        sizes, extra, starts = [], [], [np.zeros(1, dtype=np.int64)]
+        sizes, extra, tags, starts = [], [], [], [np.zeros(1, dtype=np.int64)]
         offset = 0
-        for prefix, name in zip(self.prefixes, self._bin_names):
-            index = read_megatron_index(prefix.with_name(prefix.name + ".idx"))
-            data = self.dir / name
+        for name in self._bin_names:
+            index, index_size = self._read_index(self._index_name(name))
+            data = self.location.path(name)
             try:
-                size = os.stat(data).st_size
+                size, tag = self.location.info(name)
             except FileNotFoundError:
                 raise FileNotFoundError(
                     f"{data} does not exist, but its index {index.path} does: a Megatron "
@@ -249,10 +283,17 @@ class MegatronIndexedStorage(TokenCorpus):
                     f"truncated or belongs to another index; {_FIX}"
                 )
             sizes.append(size)
-            extra.append({".idx": index.path.stat().st_size})
+            tags.append(tag)
+            extra.append({".idx": index_size})
             starts.append(index.document_starts()[1:] + offset)
             offset += index.tokens
-        return CorpusFiles(list(self._bin_names), sizes, np.concatenate(starts), extra)
+        return CorpusFiles(
+            list(self._bin_names),
+            sizes,
+            np.concatenate(starts),
+            extra,
+            tags=tags if self.location.remote else None,
+        )
 
     def __repr__(self) -> str:
         listed = [os.fspath(prefix) for prefix in self.prefixes]

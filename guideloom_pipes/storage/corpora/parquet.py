@@ -22,33 +22,34 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 
 from guideloom_pipes.checks import check_int
-from guideloom_pipes.storage.corpora.base import (
-    CorpusFiles,
-    TokenCorpus,
-    common_directory,
-    local_paths,
-)
-from guideloom_pipes.storage.corpora.parquet_reading import (
-    ParquetIO,
-    TextReader,
+from guideloom_pipes.progress import Progress, show_progress
+from guideloom_pipes.storage.corpora.base import CorpusFiles, TokenCorpus
+from guideloom_pipes.storage.corpora.location import corpus_paths, locate
+from guideloom_pipes.storage.corpora.parquet_files import (
     column_kind,
     null_row,
     open_file,
+    open_table,
     pyarrow_modules,
 )
+from guideloom_pipes.storage.corpora.parquet_reading import ParquetIO, TextReader
 from guideloom_pipes.storage.corpora.sidecar import keep_values, read_values
 from guideloom_pipes.storage.errors import DatasetChangedError
+from guideloom_pipes.storage.io import resolve_backend
+from guideloom_pipes.storage.remote import remote_backend
+from guideloom_pipes.storage.remote_paths import RemotePath
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
     "ParquetStorage",
     "TOKEN_COLUMNS",
+    "column_of",
     "parquet_paths",
     "pick_column",
     "pyarrow_modules",
@@ -63,12 +64,19 @@ TOKEN_COLUMNS = ("input_ids", "tokens")
 _SIDECAR_MAGIC = b"GLPPQT1\x00"
 
 
-def parquet_paths(paths: Any) -> list[Path]:
+def parquet_paths(
+    paths: Any, storage_options: dict[str, Any] | None = None, retry: Any = None
+) -> list[PurePath]:
     """``paths`` (files, or directories: their ``.parquet`` files in name order, hidden
-    ones aside) as a non-empty list of files."""
-    out: list[Path] = []
-    for path in local_paths(paths, "paths"):
-        if path.is_dir():
+    ones aside; URLs too, a directory's listed where the store lists: S3, not HTTP) as a
+    non-empty list of files."""
+    out: list[PurePath] = []
+    for path in corpus_paths(paths, "paths"):
+        if isinstance(path, RemotePath):
+            out.extend(
+                [path] if path.suffix == ".parquet" else _listed(path, storage_options, retry)
+            )
+        elif Path(path).is_dir():
             found = sorted(
                 name
                 for name in os.listdir(path)
@@ -82,12 +90,35 @@ def parquet_paths(paths: Any) -> list[Path]:
     return out
 
 
+def _listed(url: RemotePath, storage_options: dict[str, Any] | None, retry: Any) -> list[PurePath]:
+    """The ``.parquet`` objects directly under ``url``, in name order."""
+    listing = resolve_backend(remote_backend(str(url), storage_options, retry)).list_dir
+    if listing is None:
+        raise ValueError(
+            f"{url} does not end with .parquet, and {url.protocol}:// cannot list a "
+            f"directory: give the URLs of its .parquet files"
+        )
+    try:
+        names = sorted(n for n in listing(url) if n.endswith(".parquet") and not n.startswith("."))
+    except FileNotFoundError:
+        names = []
+    if not names:
+        raise FileNotFoundError(f"{url} holds no .parquet files: check the URL")
+    return [url / name for name in names]
+
+
 def pick_column(path: Path) -> str:
     """The column ``open_storage`` reads of the Parquet file at ``path`` when none is
-    given: the one list-of-integers column among :data:`TOKEN_COLUMNS`, else the one string
-    column ``text``; else a ``ValueError`` naming the columns and ``column=``."""
-    pa, pq, _ = pyarrow_modules()
-    schema = open_file(pq, path).schema_arrow
+    given: see :func:`column_of`."""
+    _, pq, _ = pyarrow_modules()
+    return column_of(open_file(pq, path).schema_arrow, path)
+
+
+def column_of(schema: Any, path: PurePath) -> str:
+    """The column ``open_storage`` reads of a Parquet file of ``schema`` (at ``path``) when
+    none is given: the one list-of-integers column among :data:`TOKEN_COLUMNS`, else the
+    one string column ``text``; else a ``ValueError`` naming the columns and ``column=``."""
+    pa, _, _ = pyarrow_modules()
     kinds: dict[str, np.dtype[Any] | str | None] = {}
     for field in schema:
         try:
@@ -118,15 +149,22 @@ class ParquetStorage(TokenCorpus):
 
     Args:
         paths: a Parquet file, a directory (its ``.parquet`` files in name order), or a
-            list of them.
+            list of them; or their URLs (``s3://``, ``http(s)://``, any fsspec protocol:
+            read in byte ranges pinned to the ETag the open found; a directory's files
+            listed where the store lists, as S3 does).
         column: the column to read: a list of integers (``list``, ``large_list`` or
             ``fixed_size_list``; every file the same type) or a string.
         dtype: the dtype samples have (None: the column's). A token that does not fit it
             is refused when read, naming the file and the value.
         cache_dir: where the sidecar of document starts goes when the first file's
-            directory is read-only (by default: beside it, else in memory only).
+            directory is read-only (by default: beside it, else in memory only); for files
+            at a URL, the only place it goes (a reader never writes beside remote data).
         cache_bytes: most bytes of decoded row groups a reader keeps (least recently used
             dropped first; the row group being read is always kept).
+        progress: show the first open's scan of the column (on stderr: a tqdm bar, else log
+            lines): True, False, or None (the default) for tables of 64 MiB and more.
+        storage_options: for URLs, the fsspec file system's options.
+        retry: for URLs, a :class:`~guideloom_pipes.storage.remote.RetryPolicy`.
 
     Raises:
         ImportError: pyarrow is not installed.
@@ -146,18 +184,27 @@ class ParquetStorage(TokenCorpus):
         *,
         cache_dir: str | os.PathLike[str] | None = None,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        progress: bool | None = None,
+        storage_options: dict[str, Any] | None = None,
+        retry: Any = None,
     ) -> None:
+        show_progress(progress, 0)  # (checked now)
+        #: whether the scan of the column shows progress (None: for 64 MiB and more)
+        self.progress = progress
         if not isinstance(column, str):
             raise TypeError(f"column must be a column name (a str), got {column!r}")
-        self.files = parquet_paths(paths)
+        self.files = parquet_paths(paths, storage_options, retry)
         self.column = column
         self.cache_bytes = check_int("cache_bytes", cache_bytes, minimum=0)
-        #: where the sidecar goes when the first file's directory is read-only
-        self.sidecar_dir = None if cache_dir is None else Path(cache_dir)
-        pa, pq, _ = pyarrow_modules()
+        #: where the files are, how they are read, where the sidecar goes
+        self.location = locate(
+            self.files, storage_options=storage_options, retry=retry, cache_dir=cache_dir
+        )
+        pa, _, _ = pyarrow_modules()
         kinds = {}
-        for path in self.files:
-            kinds[path] = column_kind(pa, open_file(pq, path).schema_arrow, column, path)
+        for path, name in zip(self.files, self.location.names):
+            schema = open_table(self.location, name).schema_arrow
+            kinds[path] = column_kind(pa, schema, column, path)
         if len(set(kinds.values())) > 1:
             listed = ", ".join(
                 f"{path} ({'string' if kind is None else kind})" for path, kind in kinds.items()
@@ -177,9 +224,8 @@ class ParquetStorage(TokenCorpus):
                     f"text (strings): drop dtype="
                 )
             stored = np.dtype("<i4")  # (unused: the text has no token stream)
-        directory, names = common_directory(self.files)
-        self._names = names
-        super().__init__(directory, stored, dtype, None)
+        self._names = self.location.names
+        super().__init__(self.location.directory, stored, dtype, None)
 
     @property
     def has_documents(self) -> bool:
@@ -218,20 +264,11 @@ class ParquetStorage(TokenCorpus):
 
     # -- the scan: each row group's rows and each row's tokens, kept in a sidecar ----------
 
-    def _stats(self) -> list[os.stat_result]:
-        stats = []
-        for path, name in zip(self.files, self._names):
-            try:
-                stats.append(os.stat(self.dir / name))
-            except FileNotFoundError:
-                raise FileNotFoundError(f"{path} does not exist: check the paths given") from None
-        return stats
-
     def _scan(self) -> CorpusFiles:
         if self.text:
             raise self._needs_tokenizer("stream")
-        stats = self._stats()
-        key = self._key(stats)
+        versions = [self.location.info(name) for name in self._names]
+        key = self._key(versions)
         found = None
         for place in self._sidecars():
             values = read_values(place, _SIDECAR_MAGIC, key)
@@ -239,89 +276,107 @@ class ParquetStorage(TokenCorpus):
             if found is not None:
                 break
         if found is None:
-            found = self._scan_files()
+            found = self._scan_files(versions)
             if not keep_values(self._sidecars(), _SIDECAR_MAGIC, key, _encode_sidecar(*found)):
+                why = (
+                    "they are at a URL, and a reader never writes beside remote data"
+                    if self.location.remote
+                    else "its directory is read-only"
+                )
                 warnings.warn(
                     f"ParquetStorage could not keep the row lengths of {self.files[0]} in a "
-                    f"sidecar (its directory is read-only): every open scans the files again. "
-                    f"Pass cache_dir= a writable directory",
+                    f"sidecar ({why}): every open scans the files again. Pass cache_dir= a "
+                    f"writable local directory",
                     UserWarning,
                     stacklevel=5,
                 )
         rows, starts = found
         layouts, sizes, row = {}, [], 0
         itemsize = self.stored.itemsize
-        for name, groups, info in zip(self._names, rows, stats):
+        for name, groups, version in zip(self._names, rows, versions):
             bounds = np.zeros(len(groups) + 1, dtype=np.int64)
             np.cumsum(groups, out=bounds[1:])
             tokens = starts[bounds + row]
-            version = (info.st_size, info.st_mtime_ns)
-            layouts[os.fspath(self.dir / name)] = (groups, tokens - tokens[0], version)
+            layouts[os.fspath(self.dir / name)] = (name, groups, tokens - tokens[0], version)
             sizes.append(int(tokens[-1] - tokens[0]) * itemsize)
             row += int(bounds[-1])
         return CorpusFiles(
             list(self._names),
             sizes,
             starts,
-            [{".parquet": info.st_size} for info in stats],
+            [{".parquet": size} for size, _ in versions],
             ParquetIO(self, layouts),
+            tags=[tag for _, tag in versions] if self.location.remote else None,
         )
 
-    def _key(self, stats: list[os.stat_result]) -> bytes:
-        """What the sidecar must match: the files (names, sizes, mtimes) and the column."""
+    def _key(self, versions: list[tuple[int, str]]) -> bytes:
+        """What the sidecar must match: the files (names, sizes, modification times or
+        ETags) and the column."""
         digest = hashlib.blake2b(digest_size=16)
-        for name, info in zip(self._names, stats):
-            digest.update(f"{name}\0{info.st_size}\0{info.st_mtime_ns}\0".encode())
+        for name, (size, version) in zip(self._names, versions):
+            digest.update(f"{name}\0{size}\0{version}\0".encode())
         digest.update(f"{self.column}\0{self.stored.str}".encode())
         return digest.digest()
 
     def _sidecars(self) -> list[Path]:
         # (named after every file and the column: two storages over one first file keep
         # their own sidecars rather than overwrite each other's)
-        first = self.files[0].absolute()
         digest = hashlib.sha256()
         for path in self.files:
-            digest.update(os.fsencode(os.fspath(path.absolute())) + b"\0")
+            shown = path if self.location.remote else Path(path).absolute()
+            digest.update(os.fsencode(os.fspath(shown)) + b"\0")
         digest.update(self.column.encode())
         name = f".guideloom_pipes-parquet-{digest.hexdigest()[:16]}.bin"
-        places = [first.parent / name]
-        if self.sidecar_dir is not None:
-            places.append(self.sidecar_dir / name)
-        return places
+        return self.location.sidecars(self.files[0], name)
 
-    def _scan_files(self) -> tuple[list[np.ndarray], np.ndarray]:
+    def _scan_files(self, versions: list[tuple[int, str]]) -> tuple[list[np.ndarray], np.ndarray]:
         """Each file's row groups' rows, and every row's first token in the stream (and the
-        stream's end): one pass over the column, refusing null rows and null tokens."""
-        pa, pq, pc = pyarrow_modules()
-        rows, lengths = [], []
-        for path in self.files:
-            opened = open_file(pq, path)
-            kind = column_kind(pa, opened.schema_arrow, self.column, path)
+        stream's end): one pass over the column (of the files as ``versions`` found them),
+        refusing null rows and null tokens."""
+        pa, _, pc = pyarrow_modules()
+        opened = [open_table(self.location, n, v) for n, v in zip(self._names, versions)]
+        size = sum(size for size, _ in versions)
+        rows: list[np.ndarray] = []
+        for path, table in zip(self.files, opened):
+            kind = column_kind(pa, table.schema_arrow, self.column, path)
             if kind != self.stored:
                 raise DatasetChangedError(
                     f"column {self.column!r} of {path} now holds "
                     f"{'strings' if kind is None else kind}, not {self.stored} as when the "
                     f"storage was made: make the ParquetStorage again"
                 )
-            metadata = opened.metadata
-            groups = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-            row = 0
-            for group in range(len(groups)):
-                chunked = opened.read_row_group(
-                    group, columns=[self.column], use_threads=False
-                ).column(0)
-                self._check_nulls(chunked, path, row)
-                for chunk in chunked.chunks:
-                    counts = pc.list_value_length(chunk).to_numpy(zero_copy_only=False)
-                    lengths.append(np.asarray(counts, dtype=np.int64))
-                row += groups[group]
-            rows.append(np.array(groups, dtype=np.int64))
+            metadata = table.metadata
+            counts = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+            rows.append(np.array(counts, dtype=np.int64))
+        described = f"{self.files[0].name}" + (
+            f" and {len(self.files) - 1} more files" if len(self.files) > 1 else ""
+        )
+        shown = Progress(
+            f"scanning column {self.column!r} of {described}",
+            sum(int(counts.sum()) for counts in rows),
+            "rows",
+            enabled=show_progress(self.progress, size),
+        )
+        lengths = []
+        with shown:
+            for path, table, groups in zip(self.files, opened, rows):
+                row = 0
+                for group, count in enumerate(groups.tolist()):
+                    chunked = table.read_row_group(
+                        group, columns=[self.column], use_threads=False
+                    ).column(0)
+                    self._check_nulls(chunked, path, row)
+                    for chunk in chunked.chunks:
+                        counts = pc.list_value_length(chunk).to_numpy(zero_copy_only=False)
+                        lengths.append(np.asarray(counts, dtype=np.int64))
+                    row += count
+                    shown.update(count)
         every = np.concatenate(lengths) if lengths else np.empty(0, np.int64)
         starts = np.zeros(len(every) + 1, dtype=np.int64)
         np.cumsum(every, out=starts[1:])
         return rows, starts
 
-    def _check_nulls(self, chunked: Any, path: Path, first_row: int) -> None:
+    def _check_nulls(self, chunked: Any, path: PurePath, first_row: int) -> None:
         if chunked.null_count:
             row = first_row + null_row(chunked)
             raise ValueError(

@@ -1,7 +1,8 @@
 """Reading Parquet tables a row group at a time, for ``ParquetStorage`` (``parquet.py``):
-pyarrow imported lazily, a column's type checked, row groups decoded through a cache bounded
-in bytes, a read backend that serves each file as the raw bytes of its tokens (so the stream
-reader reads it as it reads mapped files), and the reader of a text column's documents.
+row groups decoded through a cache bounded in bytes, a read backend that serves each file as
+the raw bytes of its tokens (so the stream reader reads it as it reads mapped files), and
+the reader of a text column's documents. Opening a file (local or at a URL) and checking a
+column's type are in ``parquet_files.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import numpy as np
 from guideloom_pipes.checks import check_int
 from guideloom_pipes.storage.backend_base import BackendBase
 from guideloom_pipes.storage.corpora.base import DocumentReaderBase
+from guideloom_pipes.storage.corpora.location import CorpusLocation
+from guideloom_pipes.storage.corpora.parquet_files import open_table, pyarrow_modules
 from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError
 from guideloom_pipes.types import IOSyncReaderAbstract
 
@@ -31,74 +34,7 @@ __all__ = [
     "RowGroupCache",
     "TextReader",
     "TokenFile",
-    "column_kind",
-    "null_row",
-    "open_file",
-    "pyarrow_modules",
 ]
-
-
-def pyarrow_modules() -> tuple[Any, Any, Any]:
-    """``(pyarrow, pyarrow.parquet, pyarrow.compute)``, or an ``ImportError`` saying how to
-    install pyarrow."""
-    try:
-        import pyarrow
-        import pyarrow.compute
-        import pyarrow.parquet
-    except ImportError as error:
-        raise ImportError(
-            f"reading Parquet needs pyarrow, which is not installed ({error}): pip install "
-            f"pyarrow (or pip install 'guideloom-pipes[parquet]')"
-        ) from None
-    return pyarrow, pyarrow.parquet, pyarrow.compute
-
-
-def open_file(pq: Any, path: PurePath | str) -> Any:
-    """``pyarrow.parquet.ParquetFile`` of ``path``; a missing file or one that is not
-    Parquet is refused naming it."""
-    local = os.fspath(path)
-    if not os.path.exists(local):
-        raise FileNotFoundError(f"{local} does not exist: check the paths given")
-    try:
-        return pq.ParquetFile(local)
-    except (OSError, ValueError) as error:  # (pyarrow's ArrowInvalid is a ValueError)
-        raise CorruptShardError(
-            f"{local} is not a Parquet file pyarrow can read ({error}); give Parquet files "
-            f"(e.g. written by pyarrow.parquet.write_table or datasets' to_parquet)"
-        ) from None
-
-
-def column_kind(pa: Any, schema: Any, column: str, path: PurePath) -> np.dtype[Any] | None:
-    """The token dtype of ``column`` in ``schema`` (a list of integers), or None for a
-    string column (text); anything else is refused naming the file, the column and the
-    fix."""
-    index = schema.get_field_index(column)
-    if index < 0:
-        found = ", ".join(f"{field.name} ({field.type})" for field in schema)
-        raise ValueError(
-            f"{os.fspath(path)} has no column {column!r} (its columns: {found}): pass column= "
-            f"the column of token ids (a list of integers) or of text (a string)"
-        )
-    kind = schema.field(index).type
-    types = pa.types
-    if types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind):
-        value = kind.value_type
-        if types.is_integer(value):
-            return np.dtype(value.to_pandas_dtype()).newbyteorder("<")
-        raise ValueError(
-            f"column {column!r} of {os.fspath(path)} holds lists of {value}: token ids are "
-            f"integers; cast the column (e.g. table.cast(...) with pyarrow.list_(pyarrow."
-            f"int32())) and write the file again"
-        )
-    if types.is_dictionary(kind):  # (categorical strings: pandas' category dtype)
-        kind = kind.value_type
-    is_view = getattr(types, "is_string_view", None)
-    if types.is_string(kind) or types.is_large_string(kind) or (is_view and is_view(kind)):
-        return None
-    raise ValueError(
-        f"column {column!r} of {os.fspath(path)} is {kind}: ParquetStorage reads a column of "
-        f"token ids (a list of integers per row) or of text (a string per row)"
-    )
 
 
 class RowGroupCache:
@@ -120,17 +56,21 @@ class RowGroupCache:
                 self._items.move_to_end(key)
             return found
 
-    def put(self, key: tuple[str, int], value: Any, size: int) -> None:
+    def put(self, key: tuple[str, int], value: Any, size: int) -> Any:
+        """Keep ``value`` (of ``size`` bytes) for ``key``; the value kept (an earlier one
+        for the key, if another thread put it first)."""
         with self.lock:
             self.decoded += 1
             if key in self._items:
-                return
+                self._items.move_to_end(key)
+                return self._items[key]
             self._items[key] = value
             self._sizes[key] = size
             self.nbytes += size
             while self.nbytes > self.limit and len(self._items) > 1:
                 old, _ = self._items.popitem(last=False)
                 self.nbytes -= self._sizes.pop(old)
+            return value
 
     def __len__(self) -> int:
         return len(self._items)
@@ -144,88 +84,109 @@ class RowGroupCache:
 
 class GroupFile:
     """One Parquet file's row groups of one column, decoded on demand through a cache
-    (opened lazily; a file's reads are serialised, pyarrow's readers being per file)."""
+    (opened lazily). A read takes a ``ParquetFile`` no other read is using (pyarrow's
+    readers are not to be shared), opening another only where every open one is in use, so
+    threads decode row groups in parallel: pyarrow releases the GIL while it decodes."""
 
     def __init__(
         self,
-        path: PurePath,
+        location: CorpusLocation,
+        name: str,
         column: str,
         rows: np.ndarray,
         cache: RowGroupCache,
-        version: tuple[int, int] | None = None,
+        version: tuple[int, str] | None = None,
     ) -> None:
-        self.path = os.fspath(path)
+        self.location = location
+        self.name = name
+        self.path = os.fspath(location.path(name))
         self.column = column
         #: each row group's rows, as the sidecar (or the scan) found them
         self.rows = rows
         self.cache = cache
-        #: the file's (size, mtime in ns) when the rows were found (None: not checked)
+        #: the file's size and version (modification time, or ETag at a URL) when the rows
+        #: were found (None: not checked)
         self.version = version
-        self._file: Any = None
         self._lock = threading.Lock()
+        #: every open ParquetFile, and those no read is using
+        self._files: list[Any] = []
+        self._idle: list[Any] = []
+        self._open = False
+
+    def _opened(self) -> Any:
+        """The file opened and checked: its row groups those the scan found."""
+        opened = open_table(self.location, self.name, self.version)
+        metadata = opened.metadata
+        rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
+        if rows != self.rows.tolist():
+            raise DatasetChangedError(
+                f"{self.path} changed since its row groups were scanned (now {len(rows)} "
+                f"row groups of {sum(rows)} rows, then {len(self.rows)} of "
+                f"{int(self.rows.sum())}): open the storage again, which scans it again"
+            )
+        return opened
 
     def open(self) -> None:
+        """Open (and check) the file; idempotent."""
         with self._lock:
-            if self._file is not None:
+            if self._open:
                 return
-            _, pq, _ = pyarrow_modules()
-            opened = open_file(pq, self.path)
-            info = os.stat(self.path)
-            if self.version is not None and (info.st_size, info.st_mtime_ns) != self.version:
-                raise DatasetChangedError(
-                    f"{self.path} changed since its row groups were scanned (its size or "
-                    f"modification time): open the storage again, which scans it again"
-                )
-            metadata = opened.metadata
-            rows = [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
-            if rows != self.rows.tolist():
-                raise DatasetChangedError(
-                    f"{self.path} changed since its row groups were scanned (now {len(rows)} "
-                    f"row groups of {sum(rows)} rows, then {len(self.rows)} of "
-                    f"{int(self.rows.sum())}): open the storage again, which scans it again"
-                )
-            self._file = opened
+            opened = self._opened()
+            self._files, self._idle, self._open = [opened], [opened], True
 
     def close(self) -> None:
         with self._lock:
-            opened, self._file = self._file, None
-        close = getattr(opened, "close", None)
-        if callable(close):
-            close()
+            files, self._files, self._idle, self._open = self._files, [], [], False
+        for opened in files:
+            _close(opened)
+
+    def _take(self) -> Any:
+        """An open ParquetFile no other read is using (opened if there is none)."""
+        with self._lock:
+            if not self._open:
+                raise RuntimeError(f"reader of {self.path} is not open")
+            if self._idle:
+                return self._idle.pop()
+        opened = self._opened()
+        with self._lock:
+            if not self._open:  # (closed meanwhile)
+                _close(opened)
+                raise RuntimeError(f"reader of {self.path} is not open")
+            self._files.append(opened)
+        return opened
+
+    def _give(self, opened: Any) -> None:
+        with self._lock:
+            if any(opened is mine for mine in self._files):
+                self._idle.append(opened)
+                return
+        _close(opened)  # (the reader closed while it was read)
 
     def group(self, group: int, decode: Any) -> Any:
-        """Row group ``group``'s column as ``decode(chunked_array)`` made it (cached)."""
+        """Row group ``group``'s column as ``decode(chunked_array)`` made it (cached; two
+        reads that miss it at once may both decode it, the first one kept)."""
         key = (self.path, group)
         found = self.cache.get(key)
         if found is not None:
             return found
-        with self._lock:
-            found = self.cache.get(key)  # (another thread may have decoded it meanwhile)
-            if found is not None:
-                return found
-            if self._file is None:
-                raise RuntimeError(f"reader of {self.path} is not open")
-            try:
-                table = self._file.read_row_group(group, columns=[self.column], use_threads=False)
-            except (OSError, ValueError) as error:
-                raise CorruptShardError(
-                    f"row group {group} of {self.path} cannot be decoded ({error}): the file "
-                    f"is damaged; write it again"
-                ) from None
-            found, size = decode(table.column(0), group)
-            self.cache.put(key, found, size)
-            return found
+        opened = self._take()
+        try:
+            table = opened.read_row_group(group, columns=[self.column], use_threads=False)
+        except (OSError, ValueError) as error:
+            raise CorruptShardError(
+                f"row group {group} of {self.path} cannot be decoded ({error}): the file "
+                f"is damaged; write it again"
+            ) from None
+        finally:
+            self._give(opened)
+        found, size = decode(table.column(0), group)
+        return self.cache.put(key, found, size)
 
 
-def null_row(chunked: Any) -> int:
-    """The first null row of a chunked list array (one is known to be there)."""
-    offset = 0
-    for chunk in chunked.chunks:
-        if chunk.null_count:
-            nulls = np.asarray(chunk.is_null().to_numpy(zero_copy_only=False))
-            return offset + int(np.flatnonzero(nulls)[0])
-        offset += len(chunk)
-    return offset  # pragma: no cover - called only where there is one
+def _close(opened: Any) -> None:
+    close = getattr(opened, "close", None)
+    if callable(close):
+        close()
 
 
 class ParquetIO(BackendBase):
@@ -238,7 +199,7 @@ class ParquetIO(BackendBase):
     def __init__(
         self,
         storage: ParquetStorage,
-        layouts: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, int]]],
+        layouts: dict[str, tuple[str, np.ndarray, np.ndarray, tuple[int, str]]],
     ) -> None:
         self.storage = storage
         #: per file path: each row group's rows, each row group's first token (and the
@@ -256,8 +217,9 @@ class ParquetIO(BackendBase):
         return True
 
     def _make(self, path: PurePath) -> TokenFile:
-        rows, starts, version = self.layouts[os.fspath(path)]
-        groups = GroupFile(path, self.storage.column, rows, self.cache, version)
+        name, rows, starts, version = self.layouts[os.fspath(path)]
+        location = self.storage.location
+        groups = GroupFile(location, name, self.storage.column, rows, self.cache, version)
         return TokenFile(groups, starts, self.storage.stored)
 
     def __repr__(self) -> str:
@@ -344,20 +306,23 @@ class TextReader(DocumentReaderBase):
         self._starts: np.ndarray | None = None
 
     def open(self) -> None:
-        """Read the files' footers (their row groups' rows); idempotent."""
+        """Read the files' footers (their row groups' rows); idempotent. At a URL the
+        files are read pinned to the ETags found now."""
         if self._starts is not None:
             return
-        _, pq, _ = pyarrow_modules()
         cache = RowGroupCache(self.storage.cache_bytes)
-        files, counts = [], []
-        for path in self.storage.files:
-            metadata = open_file(pq, path).metadata
+        files, counts, location = [], [], self.storage.location
+        self._sizes: list[int] = []
+        for name in location.names:
+            version = location.info(name)
+            metadata = open_table(location, name, version).metadata
             rows = np.array(
                 [metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)],
                 dtype=np.int64,
             )
-            files.append(GroupFile(path, self.storage.column, rows, cache))
+            files.append(GroupFile(location, name, self.storage.column, rows, cache, version))
             counts.extend(rows.tolist())
+            self._sizes.append(version[0])
         starts = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(counts, out=starts[1:])
         self._files = files
@@ -392,8 +357,8 @@ class TextReader(DocumentReaderBase):
     def fingerprint(self) -> dict[str, Any]:
         self._checked()
         digest = hashlib.blake2b(digest_size=8)
-        for path in self.storage.files:
-            digest.update(f"{path}\0{os.stat(path).st_size}\0".encode())
+        for path, size in zip(self.storage.files, self._sizes):
+            digest.update(f"{path}\0{size}\0".encode())
         return {"shards": len(self._files), "sizes": digest.hexdigest(), "checksums": None}
 
     def read(self, global_index: int) -> dict[str, str]:
