@@ -397,25 +397,6 @@ class CorpusDocumentReader(DocumentReaderBase):
         return [self.read(int(index)) for index in ids.tolist()]
 
 
-def local_paths(paths: Any, what: str) -> list[Path]:
-    """``paths`` (one path or several) as a non-empty list of local ``Path`` s."""
-    if isinstance(paths, (str, os.PathLike)):
-        listed = [paths]
-    else:
-        try:
-            listed = list(paths)
-        except TypeError:
-            raise TypeError(f"{what} must be a path or a list of paths, got {paths!r}") from None
-    if not listed:
-        raise ValueError(f"{what} is empty: give at least one path")
-    out = []
-    for path in listed:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"{what} must be paths (str or os.PathLike), got {path!r}")
-        out.append(Path(os.fspath(path)))
-    return out
-
-
 def common_directory(files: Sequence[Path]) -> tuple[Path, list[str]]:
     """The deepest directory holding every file of ``files``, and their names relative to
     it."""
