@@ -448,21 +448,26 @@ class Bench:
             {"web": 0.5, "code": 0.3, "books": 0.2},
             seed=SEED,
         )
-        contenders = []
-        for workers in (0, 2):
-            for kind, dataset in ((SINGLE, single), (BLEND, blend)):
-                contenders.append(
-                    _ours_dataset_contender(
-                        dataset_row(kind, workers),
-                        dataset,
-                        collate_tokens,
-                        count,
-                        local_batch_size=batch,
-                        num_workers=workers,
-                        parallel_method="thread",
-                        prefetch=4,
+        contenders: list[Contender] = []
+
+        def add(pairs: tuple[tuple[str, Any], ...], **options: Any) -> None:
+            for workers in (0, 2):
+                for kind, dataset in pairs:
+                    contenders.append(
+                        _ours_dataset_contender(
+                            dataset_row(kind, workers),
+                            dataset,
+                            collate_tokens,
+                            count,
+                            local_batch_size=batch,
+                            num_workers=workers,
+                            parallel_method="thread",
+                            prefetch=4,
+                            **options,
+                        )
                     )
-                )
+
+        add(((SINGLE, single), (BLEND, blend)))
         # issue 30: a weight schedule costs no throughput. Both blends in order (a schedule
         # needs shuffle=False), the schedule a linear ramp over the first half of the
         # positions (the rounds read there: a piece every few hundred positions)
@@ -479,21 +484,7 @@ class Bench:
             interpolation="linear",
         )
         scheduled = MixtureDataset(windows, ramp, seed=SEED, num_samples=total)
-        for workers in (0, 2):
-            for kind, dataset in ((FIXED_IN_ORDER, fixed), (SCHEDULED, scheduled)):
-                contenders.append(
-                    _ours_dataset_contender(
-                        dataset_row(kind, workers),
-                        dataset,
-                        collate_tokens,
-                        count,
-                        local_batch_size=batch,
-                        num_workers=workers,
-                        parallel_method="thread",
-                        prefetch=4,
-                        shuffle=False,
-                    )
-                )
+        add(((FIXED_IN_ORDER, fixed), (SCHEDULED, scheduled)), shuffle=False)
         self.rows += measure("mixture", contenders, self.sizes, self.log)
 
     def packed_scenario(self) -> None:
