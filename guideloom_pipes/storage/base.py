@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
 
@@ -22,7 +22,7 @@ from guideloom_pipes.storage.remote import resolve_location
 from guideloom_pipes.storage.remote_failures import RetryPolicy
 from guideloom_pipes.storage.remote_paths import is_url
 from guideloom_pipes.storage.shard_files import ShardFiles
-from guideloom_pipes.storage.shard_listing import ShardListing
+from guideloom_pipes.storage.shard_listing import FileSizes, ShardListing
 from guideloom_pipes.storage.verify import check_listing, verify_checksums
 from guideloom_pipes.types import Storage
 
@@ -211,7 +211,7 @@ class ReaderBase:
         self._open = False
         self.listing: ShardListing | None = None
         self._files: dict[str, ShardFiles] = {}
-        self._sizes: list[dict[str, int]] = []
+        self._sizes = FileSizes({})
 
     @property
     def is_open(self) -> bool:
@@ -234,9 +234,13 @@ class ReaderBase:
         )
         self._attach(listing, sizes)
 
-    def _attach(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
-        """Serve the shards of a checked ``listing``."""
+    def _attach(
+        self, listing: ShardListing, sizes: FileSizes | Sequence[Mapping[str, int]]
+    ) -> None:
+        """Serve the shards of a checked ``listing`` whose files have ``sizes``."""
         storage = self.storage
+        if not isinstance(sizes, FileSizes):
+            sizes = FileSizes.from_dicts(sizes, storage.suffixes)
         self.listing = listing
         self._files = {
             suffix: ShardFiles(self._io, storage.dir, suffix, listing.num_shards, listing=listing)
@@ -254,23 +258,7 @@ class ReaderBase:
         checkpoint carries it, so that a state is not resumed on another dataset."""
         self._check_open()
         assert self.listing is not None
-        sizes = hashlib.blake2b(digest_size=8)
-        for shard_sizes in self._sizes:
-            sizes.update(repr(sorted(shard_sizes.items())).encode())
-        records = self.listing.records
-        checksums: str | None = None
-        if records:
-            digest = hashlib.blake2b(digest_size=8)
-            for shard in range(self.listing.num_shards):
-                record = records.get(shard)
-                files = {} if record is None else record.files
-                digest.update(repr(sorted((k, f.crc32) for k, f in files.items())).encode())
-            checksums = digest.hexdigest()
-        return {
-            "shards": self.listing.num_shards,
-            "sizes": sizes.hexdigest(),
-            "checksums": checksums,
-        }
+        return self.listing.fingerprint(self._sizes)
 
     def _record_dtype(self) -> np.dtype[Any] | None:
         return None
@@ -278,7 +266,7 @@ class ReaderBase:
     def _dtype_hint(self, dtype: np.dtype[Any]) -> str:
         return f"a format whose stream_dtype is np.dtype({dtype.descr!r})"
 
-    def _setup(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+    def _setup(self, listing: ShardListing, sizes: FileSizes) -> None:
         raise NotImplementedError
 
     def _seal_args(self, shard: int) -> dict[str, Any]:

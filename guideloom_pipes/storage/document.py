@@ -25,7 +25,7 @@ from guideloom_pipes.storage.payloads import (
     check_payload,
     index_counts,
 )
-from guideloom_pipes.storage.shard_listing import ShardListing
+from guideloom_pipes.storage.shard_listing import FileSizes, ShardListing
 from guideloom_pipes.storage.stream_checks import as_indexes
 from guideloom_pipes.storage.writer import ShardWriterBase
 from guideloom_pipes.types import (
@@ -156,12 +156,12 @@ class DocumentReader(ReaderBase, DocumentStorageSyncReaderAbstract[Any]):
 
     storage: DocumentStorage
 
-    def _setup(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+    def _setup(self, listing: ShardListing, sizes: FileSizes) -> None:
         self._counts = index_counts(self, sizes)
         self._starts = np.zeros(listing.num_shards + 1, dtype=np.int64)
         np.cumsum(self._counts, out=self._starts[1:])
         self._total = int(self._starts[-1])
-        self._index = OffsetIndex(self, self._counts, [s[OUT_OF_BAND] for s in sizes])
+        self._index = OffsetIndex(self, self._counts, sizes.column(OUT_OF_BAND))
 
     def _seal_args(self, shard: int) -> dict[str, Any]:
         self._index._check(shard)  # the index must run from 0 to the data file's size

@@ -233,11 +233,13 @@ def _list_remote(
     listing, temporaries = _assemble(
         directory, entries, ours, lambda name: fetched.get(name) or read_remote(name)
     )
+    tags = {}
     for shard in range(listing.num_shards):
         for suffix in ours:
             tag = tagged.get(listing.file_name(shard, suffix))
             if tag:
-                listing.tags[(shard, suffix)] = tag
+                tags[(shard, suffix)] = tag
+    listing.tags = tags
     return listing, temporaries
 
 

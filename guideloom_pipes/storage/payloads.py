@@ -16,6 +16,7 @@ from guideloom_pipes.storage.base import ReaderBase
 from guideloom_pipes.storage.commit import _CountingFile
 from guideloom_pipes.storage.errors import CorruptShardError
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
+from guideloom_pipes.storage.shard_listing import FileSizes
 
 INDEX_DTYPE = np.dtype("<i8")
 #: Runs that :meth:`OffsetIndex.run_views` reads one by one rather than all at once.
@@ -53,7 +54,7 @@ class PayloadLog:
 class OffsetIndex:
     """Reads byte ranges of documents through shard index files (opened lazily)."""
 
-    def __init__(self, reader: ReaderBase, counts: np.ndarray, bin_sizes: list[int]) -> None:
+    def __init__(self, reader: ReaderBase, counts: np.ndarray, bin_sizes: np.ndarray) -> None:
         self._index = reader._files[INDEX]
         self._data = reader._files[OUT_OF_BAND]
         self._reader = reader
@@ -317,15 +318,14 @@ class RunPayloads:
         return [block[a:b] for a, b in zip(self._starts[begin:end], self._ends[begin:end])]
 
 
-def index_counts(reader: ReaderBase, sizes: list[dict[str, int]]) -> np.ndarray:
+def index_counts(reader: ReaderBase, sizes: FileSizes) -> np.ndarray:
     """Entries per shard from index-file sizes (``size // 8 - 1``), checking the sizes."""
-    counts = np.empty(len(sizes), dtype=np.int64)
-    for shard, shard_sizes in enumerate(sizes):
-        size = shard_sizes[INDEX]
-        if size < 8 or size % 8:
-            raise CorruptShardError(
-                f"{reader._shard_path(shard, INDEX)} is {size} bytes; an index holds n + 1 "
-                f"int64 offsets (a multiple of 8, at least 8). Rewrite shard {shard}"
-            )
-        counts[shard] = size // 8 - 1
-    return counts
+    index = sizes.column(INDEX)
+    bad = np.flatnonzero((index < 8) | (index % 8 != 0))
+    if len(bad):
+        shard = int(bad[0])
+        raise CorruptShardError(
+            f"{reader._shard_path(shard, INDEX)} is {int(index[shard])} bytes; an index holds "
+            f"n + 1 int64 offsets (a multiple of 8, at least 8). Rewrite shard {shard}"
+        )
+    return index // 8 - 1

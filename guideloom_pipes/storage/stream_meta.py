@@ -24,7 +24,7 @@ from guideloom_pipes.storage.errors import (
 from guideloom_pipes.storage.meta_windows import MetaWindows
 from guideloom_pipes.storage.names import IN_BAND, INDEX, OUT_OF_BAND
 from guideloom_pipes.storage.payloads import INDEX_DTYPE, OffsetIndex, PayloadLog, index_counts
-from guideloom_pipes.storage.shard_listing import ShardListing
+from guideloom_pipes.storage.shard_listing import FileSizes, ShardListing
 from guideloom_pipes.storage.stream_checks import check_packed, check_stream_format
 from guideloom_pipes.storage.stream_reader import StreamReader
 from guideloom_pipes.storage.writer import ShardWriterBase
@@ -259,10 +259,10 @@ class StreamWithMetaReader(StreamReader):
     def _element_dtype(self) -> np.dtype[Any]:
         return record_dtype(np.dtype(self.storage.format.stream_dtype))
 
-    def _setup(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+    def _setup(self, listing: ShardListing, sizes: FileSizes) -> None:
         super()._setup(listing, sizes)
         counts = index_counts(self, sizes)
-        self._payloads = OffsetIndex(self, counts, [s[OUT_OF_BAND] for s in sizes])
+        self._payloads = OffsetIndex(self, counts, sizes.column(OUT_OF_BAND))
 
     def _seal_args(self, shard: int) -> dict[str, Any]:
         self._payloads._check(shard)

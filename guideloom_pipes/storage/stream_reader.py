@@ -16,7 +16,7 @@ from guideloom_pipes.storage.base import ReaderBase
 from guideloom_pipes.storage.errors import CorruptShardError
 from guideloom_pipes.storage.names import IN_BAND, shard_name
 from guideloom_pipes.storage.recycle import BufferPool
-from guideloom_pipes.storage.shard_listing import ShardListing
+from guideloom_pipes.storage.shard_listing import FileSizes, ShardListing
 from guideloom_pipes.storage.stream_checks import _checked_out, as_indexes, check_read_size
 from guideloom_pipes.types import StreamStorageSyncReaderAbstract
 
@@ -68,19 +68,19 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         """The dtype of one element of the in-band file."""
         return np.dtype(self.storage.format.stream_dtype)
 
-    def _setup(self, listing: ShardListing, sizes: list[dict[str, int]]) -> None:
+    def _setup(self, listing: ShardListing, sizes: FileSizes) -> None:
         self.dtype = self._element_dtype()
         itemsize = self.dtype.itemsize
-        lengths = np.empty(listing.num_shards, dtype=np.int64)
-        for shard, shard_sizes in enumerate(sizes):
-            size = shard_sizes[IN_BAND]
-            if size % itemsize:
-                raise CorruptShardError(
-                    f"{shard_name(shard)}{IN_BAND} in {self.storage.dir} is {size} bytes, not a "
-                    f"multiple of the {itemsize}-byte element of {self.dtype}: it is truncated "
-                    f"or was written with another dtype. Rewrite shard {shard}"
-                )
-            lengths[shard] = size // itemsize
+        in_band = sizes.column(IN_BAND)
+        ragged = np.flatnonzero(in_band % itemsize)
+        if len(ragged):
+            shard, size = int(ragged[0]), int(in_band[ragged[0]])
+            raise CorruptShardError(
+                f"{shard_name(shard)}{IN_BAND} in {self.storage.dir} is {size} bytes, not a "
+                f"multiple of the {itemsize}-byte element of {self.dtype}: it is truncated "
+                f"or was written with another dtype. Rewrite shard {shard}"
+            )
+        lengths = in_band // itemsize
         self._lengths = lengths
         self._starts = np.zeros(listing.num_shards + 1, dtype=np.int64)
         np.cumsum(lengths, out=self._starts[1:])
