@@ -15,6 +15,7 @@ from guideloom_pipes.storage.commit import _fsync_directory
 from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import discover
+from guideloom_pipes.storage.manifest_open import open_listing
 from guideloom_pipes.storage.names import shard_name
 from guideloom_pipes.storage.records import format_name
 from guideloom_pipes.storage.recovery import recover_directory, seal_shard
@@ -219,10 +220,18 @@ class ReaderBase:
         return self._open
 
     def open(self) -> None:
-        """Discover and check the shards (cost O(number of shards)); idempotent."""
+        """Discover and check the shards; idempotent. A local dataset with a manifest that
+        passes its checks opens from it (a few files read, whatever the number of shards);
+        others are listed (cost O(number of shards))."""
         if self._open:
             return
         storage = self.storage
+        if self._io.local:
+            found = open_listing(storage.dir, storage.kind, tuple(storage.suffixes))
+            want = self._record_dtype()
+            if found is not None and (found.dtype is None or want is None or found.dtype == want):
+                self._attach(found, found.file_sizes())
+                return
         listing = discover(self._io, storage.dir, storage.suffixes)
         sizes = check_listing(
             listing,

@@ -89,6 +89,12 @@ class StaleWriteWarning(UserWarning):
     """A temporary file left by a writer that stopped before it committed."""
 
 
+class StaleManifestWarning(UserWarning):
+    """A dataset's manifest no longer describes its directory (changed by a tool that does
+    not keep it, or by a writer that stopped): the open listed the directory instead.
+    ``guideloom-pipes index DIR`` writes it again."""
+
+
 class DatasetChangedError(StorageError, RuntimeError):
     """A writer changed the dataset under a reader: it was committing while the reader
     opened (open again), or it replaced a shard the reader had open (open a new reader)."""

@@ -141,22 +141,27 @@ class ShardFiles:
         if paths[0] != canonical:
             paths.append(canonical)
         for path in paths:
-            reader = self._open_same(path, identity, size)
+            reader = self._open_same(shard, path, identity, size)
             if reader is not None:
                 return reader
         raise DatasetChangedError(
             f"shard {shard_name(shard)} of {os.fspath(self.directory)} was replaced by a "
             f"writer after this reader opened the dataset ({os.fspath(paths[-1])} is now "
-            f"another file, or gone): the dataset was rewritten under an open reader, which "
-            f"reads only the version it opened. Open the dataset again (a new reader) to read "
-            f"the new version"
+            f"another file, or gone){self._listing.changed_hint}: the dataset was rewritten "
+            f"under an open reader, which reads only the version it opened. Open the dataset "
+            f"again (a new reader) to read the new version"
         )
 
-    def _open_same(self, path: PurePath, identity: tuple[int, int], size: int) -> Any:
-        """The open reader of ``path`` if it is the file ``identity`` of ``size`` bytes."""
+    def _open_same(self, shard: int, path: PurePath, identity: tuple[int, int], size: int) -> Any:
+        """The open reader of ``path`` if it is the file ``identity`` of ``size`` bytes (and
+        the same as far as the listing can tell: see ``ShardListing.same_file``)."""
         local = os.fspath(path)
+        assert self._listing is not None
         try:
-            if _identity(os.stat(local)) != identity:
+            info = os.stat(local)
+            if _identity(info) != identity:
+                return None
+            if not self._listing.same_file(shard, self.suffix, info):
                 return None
             reader = self.backend.reader(path)
             reader.open()

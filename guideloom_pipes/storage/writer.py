@@ -16,6 +16,7 @@ from pathlib import PurePath
 from types import TracebackType
 from typing import Any, TypeVar
 
+from guideloom_pipes.storage.manifest_write import ManifestSession
 from guideloom_pipes.storage.names import SHARD_NAME, check_shard_id, shard_name
 from guideloom_pipes.storage.records import format_name
 from guideloom_pipes.storage.recovery import recover_directory
@@ -67,6 +68,9 @@ class ShardWriterBase:
     #: of its kind and dtype (``write_parallel``'s workers of an overwrite or create run,
     #: which replace every shard, turn it off)
     _same_as_committed = True
+    #: whether the close writes the shards it committed into the dataset's manifest
+    #: (``write_parallel``'s workers turn it off: their driver writes it once at the end)
+    _keeps_manifest = True
 
     def __init__(self, directory: PurePath, mode: str = "update", backend: Any = None) -> None:
         if mode not in WRITER_MODES:
@@ -239,12 +243,21 @@ class ShardWriterBase:
                 shutil.rmtree(self.directory, ignore_errors=True)
             return
         if self.mode != "overwrite":
-            commit_transactions(self.directory, transactions, lambda t: self._record_args(t.shard))
+            session = self._manifest_session(transactions)
+            try:
+                commit_transactions(
+                    self.directory, transactions, lambda t: self._record_args(t.shard)
+                )
+            except BaseException:
+                self._manifest_failed(session, transactions)
+                raise
+            self._manifest_done(session, transactions)
             if self.mode == "update" and transactions and self._warn_older_above:
                 self._warn_of_older_shards_above(transactions[-1].shard)
             return
         self.open()  # (an overwrite that wrote nothing empties the dataset)
         removal = _Removal(self.directory, set(self._appended))
+        session = self._manifest_session(transactions)
         try:
             commit_transactions(
                 self.directory,
@@ -257,8 +270,31 @@ class ShardWriterBase:
                 removal.finish()  # the removed shards stay removed
             else:
                 removal.undo()  # the dataset as it was
+            self._manifest_failed(session, transactions)
             raise
         removal.finish()
+        self._manifest_done(session, transactions)
+
+    def _manifest_session(self, transactions: list[ShardTransaction]) -> ManifestSession | None:
+        """The manifest's marker, held through the commit (none where nothing is
+        committed, or for a ``write_parallel`` worker: its driver keeps the manifest)."""
+        if not self._keeps_manifest or (not transactions and self.mode != "overwrite"):
+            return None
+        whole = self.mode in ("overwrite", "create")
+        return ManifestSession(self.directory, self.kind, self.suffixes, whole)
+
+    def _manifest_done(
+        self, session: ManifestSession | None, transactions: list[ShardTransaction]
+    ) -> None:
+        if session is not None:
+            session.finish({t.shard: t.record for t in transactions if t.record is not None})
+
+    @staticmethod
+    def _manifest_failed(
+        session: ManifestSession | None, transactions: list[ShardTransaction]
+    ) -> None:
+        if session is not None:  # the marker stays if a shard was committed
+            session.release(drop=not any(t.committed for t in transactions))
 
     def _warn_of_older_shards_above(self, highest: int) -> None:
         older = sorted(s for s in self._present & _shards_in(self.directory) if s > highest)

@@ -1,0 +1,181 @@
+"""The dataset manifest's file: a table with a row per shard of what an open needs (each
+file's size, inode and modification time, each data file's CRC-32, the record's count), so
+that a dataset of a million shards opens by reading one file instead of listing the
+directory and reading a million commit records.
+
+The files live in ``<dataset>/.guideloom-manifest/`` (GuideLoom and earlier versions of this
+package list only shard file names, and ignore it):
+
+``manifest.bin``
+    the whole dataset (written by ``guideloom-pipes index``, ``write_parallel`` and a
+    writer's compaction);
+``fragment-<ns>-<id>.bin``
+    what one writer committed (its shards only, or the whole dataset for ``"overwrite"`` and
+    ``"create"``), merged at open;
+``writing-<id>``
+    held (``flock``) by a writer from before its first commit until its fragment is in
+    place: while one exists, the manifest may lack shards, and readers list the directory.
+
+A table file: 8 magic bytes, the header's length (8 bytes, little-endian), the header (JSON),
+zero padding to 8 bytes, then each column (``int64``, little-endian) in the order the header
+names them. The header holds each column's CRC-32, checked when the column is first used:
+an open of a million shards reads only the size columns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import secrets
+import time
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from guideloom_pipes.storage.errors import CorruptShardError
+
+#: the manifest's folder in a dataset directory
+MANIFEST_DIR = ".guideloom-manifest"
+#: the whole-dataset table
+MAIN = "manifest.bin"
+FRAGMENT_PREFIX = "fragment-"
+MARKER_PREFIX = "writing-"
+#: the lock a writer holds while it merges fragments into ``MAIN``
+COMPACT_LOCK = "compact.lock"
+SUFFIX = ".bin"
+_MAGIC = b"GLPMAN\x00\x01"
+VERSION = 1
+
+#: columns every table has (``-1``: unknown or absent, e.g. no record)
+BASE_COLUMNS = ("shard", "record_size", "record_ino", "record_mtime", "count", "payloads")
+#: columns per file kind, named ``<what><i>`` for the storage's ``i``-th suffix
+FILE_COLUMNS = ("size", "ino", "mtime", "crc")
+
+
+def column_names(suffixes: Sequence[str]) -> tuple[str, ...]:
+    """The columns of a table of a storage whose shards are ``suffixes`` files."""
+    per_file = tuple(f"{what}{i}" for i in range(len(suffixes)) for what in FILE_COLUMNS)
+    return BASE_COLUMNS + per_file
+
+
+def new_name(prefix: str, suffix: str = "") -> str:
+    """A file name no other writer picks: ``prefix``, the time, the process, a random part
+    (names sort by the time they were made)."""
+    return f"{prefix}{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+
+
+@dataclass
+class ManifestTable:
+    """A manifest file's header and columns (shard ``rows`` of ``int64``).
+
+    Header keys: ``kind``, ``suffixes``, ``dtype`` (the records' dtype, JSON as in records;
+    None for documents), ``records`` (whether the shards have commit records), ``complete``
+    (the table is the whole dataset), ``before``/``after`` (the directory's ``st_mtime_ns``
+    before the writer's first commit and after its last), ``dev`` (the directory's
+    ``st_dev``), ``fingerprint`` (the dataset's, when the table is the whole dataset).
+    """
+
+    header: dict[str, Any]
+    columns: dict[str, np.ndarray] = field(default_factory=dict)
+    #: where the columns were read from (their CRC-32 checked on first use), else None
+    _source: str | None = None
+    _checked: set[str] = field(default_factory=set)
+
+    @property
+    def rows(self) -> int:
+        return int(self.header["rows"])
+
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        return tuple(self.header["suffixes"])
+
+    def column(self, name: str) -> np.ndarray:
+        """Column ``name``, checked against its CRC-32 the first time."""
+        found = self.columns[name]
+        if name not in self._checked:
+            crc = self.header.get("crc32", {}).get(name)
+            if crc is not None and zlib.crc32(found.data) != crc:
+                raise CorruptShardError(
+                    f"the manifest {self._source} is damaged (column {name!r} fails its "
+                    f"checksum); delete it and run `guideloom-pipes index` on the dataset"
+                )
+            self._checked.add(name)
+        return found
+
+    def file_column(self, what: str, suffix: str) -> np.ndarray:
+        """Column ``what`` (size, ino, mtime, crc) of the ``suffix`` files."""
+        return self.column(f"{what}{self.suffixes.index(suffix)}")
+
+    def write(self, path: str) -> None:
+        """Write the table to ``path`` atomically (a temporary, flushed, then renamed)."""
+        names = column_names(self.suffixes)
+        columns = [np.ascontiguousarray(self.columns[n], dtype="<i8") for n in names]
+        if any(len(c) != self.rows for c in columns):
+            raise ValueError("manifest columns of different lengths")
+        header = dict(self.header, columns=list(names), version=VERSION)
+        header["crc32"] = {n: zlib.crc32(c.data) for n, c in zip(names, columns)}
+        raw = json.dumps(header, sort_keys=True).encode()
+        raw += b" " * (-(len(raw) + 16) % 8)
+        temporary = f"{path}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                file.write(_MAGIC + len(raw).to_bytes(8, "little") + raw)
+                for column in columns:
+                    file.write(column.data)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+    @classmethod
+    def read(cls, path: str) -> ManifestTable:
+        """The table in ``path``, its columns mapped (read when used)."""
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            if size < 16:
+                raise _damaged(path, "too short")
+            mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+        if mapped[:8] != _MAGIC:
+            raise _damaged(path, "not a manifest of this version")
+        length = int.from_bytes(mapped[8:16], "little")
+        try:
+            header = json.loads(mapped[16 : 16 + length])
+        except ValueError:
+            raise _damaged(path, "its header is not JSON") from None
+        rows, names = int(header["rows"]), list(header["columns"])
+        start = 16 + length
+        if size != start + 8 * rows * len(names):
+            wanted = start + 8 * rows * len(names)
+            raise _damaged(path, f"{size} bytes, not the {wanted} its header describes")
+        values = np.frombuffer(mapped, dtype="<i8", offset=start, count=rows * len(names))
+        columns = {name: values[i * rows : (i + 1) * rows] for i, name in enumerate(names)}
+        return cls(header, columns, path)
+
+
+def _damaged(path: str, why: str) -> CorruptShardError:
+    return CorruptShardError(
+        f"the manifest {path} is damaged ({why}); delete it and run `guideloom-pipes index` "
+        f"on the dataset to write it again"
+    )
+
+
+def merge(tables: Iterable[ManifestTable]) -> dict[str, np.ndarray]:
+    """The columns of ``tables`` applied in order (a later table's row of a shard replaces
+    an earlier one's), sorted by shard id."""
+    tables = list(tables)
+    names = column_names(tables[0].suffixes)
+    stacked = {n: np.concatenate([t.column(n) for t in tables]) for n in names}
+    shards = stacked["shard"]
+    # the last row of each shard id: np.unique's first occurrence in the reversed order
+    _, first_reversed = np.unique(shards[::-1], return_index=True)
+    keep = len(shards) - 1 - first_reversed
+    return {n: column[keep] for n, column in stacked.items()}
