@@ -135,5 +135,6 @@ def leftovers(path: Path) -> list[str]:
 
 
 def names(path: Path) -> list[str]:
-    """Every name in ``path``, sorted."""
-    return sorted(p.name for p in path.iterdir())
+    """Every name in ``path``, sorted (the manifest's folder aside: its files are named by
+    the manifest tests)."""
+    return sorted(p.name for p in path.iterdir() if p.name != ".guideloom-manifest")

@@ -53,7 +53,7 @@ SERIAL = {"executor": SerialExecutor(), "progress": False}
 
 
 def _files(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
 def _stream(path: Path) -> np.ndarray:

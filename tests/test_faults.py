@@ -412,6 +412,7 @@ def test_changed_bytes_in_any_committed_file_are_named_by_verify(
         storage.verify()
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 @pytest.mark.parametrize(
     "content",
     [b'{"guideloom_pipes_record": 1, "state": "comm', b"\x00\xff garbage \x13", b""],

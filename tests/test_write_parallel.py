@@ -79,7 +79,7 @@ def _storage(path: Path) -> StreamStorage:
 
 
 def _files(path: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.is_file()}
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from guideloom_pipes.opening import (
 )
 from guideloom_pipes.storage.errors import StorageError
 from guideloom_pipes.storage.locks import is_locked
+from guideloom_pipes.storage.manifest import MANIFEST_DIR
 from guideloom_pipes.storage.names import (
     CREATE_LOCK,
     IN_BAND,
@@ -54,14 +55,15 @@ def ignored_entries(directory: Path, suffixes: Sequence[str]) -> list[str]:
     """The entries of a local dataset directory that readers and ``verify`` pass over
     (sorted; a directory with a trailing ``/``): names that are not shard files (``notes.txt``,
     ``.DS_Store``), shard names that are not regular files, and shard files of another kind
-    than ``suffixes``. Packing sidecars and a create run's lock file (ours) are not listed."""
+    than ``suffixes``. Packing sidecars, the manifest's folder and a create run's lock file
+    (ours) are not listed."""
     from guideloom_pipes.packing import SIDECAR_PREFIX  # only here: verify of a directory
 
     ignored = []
     with os.scandir(directory) as entries:
         for entry in entries:
             name = entry.name
-            if name.startswith("." + SIDECAR_PREFIX) or name == CREATE_LOCK:
+            if name.startswith("." + SIDECAR_PREFIX) or name in (CREATE_LOCK, MANIFEST_DIR):
                 continue
             match = SHARD_NAME.match(name)
             try:

@@ -1,5 +1,6 @@
 """The ``guideloom-pipes`` command line (also ``python -m guideloom_pipes``): the argument
-parser of ``info``, ``verify``, ``head``, ``recover`` and ``convert``, and the exit statuses.
+parser of ``info``, ``verify``, ``head``, ``recover``, ``index`` and ``convert``, and the exit
+statuses.
 An error is one line on stderr naming the path and the fix, never a traceback unless ``--debug``:
 exit status 2 for bad usage or a path that is missing or not a dataset, 1 for a dataset
 that is not sound (or another failure), 0 otherwise."""
@@ -12,7 +13,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from guideloom_pipes.cli import convert, head, info, recover, verify
+from guideloom_pipes.cli import convert, head, index, info, recover, verify
 from guideloom_pipes.cli.dataset import KINDS, UsageError
 from guideloom_pipes.parallel.converting import DEFAULT_SHARD_DOCUMENTS, DEFAULT_SHARD_TOKENS
 
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify(commands, [common, typed])
     _add_head(commands, [common, typed])
     _add_recover(commands, [common])
+    _add_index(commands, [common, typed])
     _add_convert(commands, [common])
     return parser
 
@@ -142,6 +144,21 @@ def _add_recover(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     p.add_argument("path", metavar="DIR")
     p.add_argument("--dry-run", action="store_true", help="say what would be done, do nothing")
     p.set_defaults(run=recover.run)
+
+
+def _add_index(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """The ``index`` command: write a dataset's manifest."""
+    p = commands.add_parser(
+        "index",
+        parents=parents,
+        help="write a dataset's manifest, so that it opens in constant time",
+        description="List the dataset directory, make every check an open makes, and write "
+        ".guideloom-manifest/manifest.bin: opens then read it instead of listing the "
+        "directory and every commit record. For datasets written by GuideLoom or before "
+        "manifests, or whose manifest a change by another tool made stale.",
+    )
+    p.add_argument("path", metavar="DIR")
+    p.set_defaults(run=index.run)
 
 
 def _add_convert(commands: Any, parents: list[argparse.ArgumentParser]) -> None:

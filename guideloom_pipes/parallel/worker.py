@@ -133,6 +133,7 @@ def _write_shard(
     try:
         writer: Any = storage.sync_writer(mode="update")
         writer._warn_older_above = False  # the other shards are other workers' business
+        writer._keeps_manifest = False  # the driver writes the manifest once, at the end
         writer._same_as_committed = same_kind
         with writer:
             if guarded:

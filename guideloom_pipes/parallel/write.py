@@ -28,6 +28,7 @@ from guideloom_pipes.parallel.report import WriteParallelError, WriteReport, _sh
 from guideloom_pipes.parallel.worker import _start_worker, _stop_workers, _write_shard
 from guideloom_pipes.progress import Progress
 from guideloom_pipes.storage.base import StorageBase
+from guideloom_pipes.storage.manifest_write import ManifestSession
 from guideloom_pipes.storage.upload import RemoteUpload, sweep_staging
 from guideloom_pipes.storage.writer_modes import (
     WRITER_MODES,
@@ -107,14 +108,49 @@ def write_parallel(
     convert_bytes = _check_arguments(storage, mode, executor, convert)
     plan = _plan(storage, items, convert_bytes, fingerprint, resume=resume, mode=mode)
     run = _Run(plan, convert, mode, executor, max_workers, max_in_flight, progress)
+    manifest = _Manifest(storage, plan)
     try:
-        run.submit_and_collect()
-    except KeyboardInterrupt as interrupt:
-        _interrupted(run.executor, run.owned, run.pending, plan.report, len(plan.work))
-        raise interrupt.with_traceback(None) from None
-    finally:
-        run.close()
-    return _finish(plan, run, mode)
+        try:
+            run.submit_and_collect()
+        except KeyboardInterrupt as interrupt:
+            _interrupted(run.executor, run.owned, run.pending, plan.report, len(plan.work))
+            raise interrupt.with_traceback(None) from None
+        finally:
+            run.close()
+        report = _finish(plan, run, mode)
+    except BaseException:
+        manifest.end(written=False)
+        raise
+    manifest.end(written=True)
+    return report
+
+
+class _Manifest:
+    """The manifest of a local dataset that ``write_parallel`` writes: its marker held
+    through the run (readers list the directory meanwhile), then the whole table written
+    from a listing of what the run left (its workers write none)."""
+
+    def __init__(self, storage: Any, plan: _Plan) -> None:
+        self.storage = storage
+        self.session: ManifestSession | None = None
+        if plan.remote is None:
+            self.session = ManifestSession(
+                plan.directory, storage.kind, storage.suffixes, whole=True
+            )
+
+    def end(self, written: bool) -> None:
+        session = self.session
+        if session is None:
+            return
+        try:
+            if written:
+                self.storage.index(own_marker=session.marker)
+            else:
+                session.forget()  # readers list the directory until the rerun indexes it
+        except (OSError, ValueError):
+            session.forget()
+        finally:
+            session.release(drop=True)
 
 
 def _check_arguments(storage: Any, mode: str, executor: Any, convert: Any) -> bytes:

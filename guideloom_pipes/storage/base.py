@@ -16,6 +16,7 @@ from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import discover
 from guideloom_pipes.storage.manifest_open import open_listing
+from guideloom_pipes.storage.manifest_write import NotTabulated, build_manifest
 from guideloom_pipes.storage.names import shard_name
 from guideloom_pipes.storage.records import format_name
 from guideloom_pipes.storage.recovery import recover_directory, seal_shard
@@ -179,6 +180,45 @@ class StorageBase(Storage):
             reader.close()
         _fsync_directory(os.fspath(self.dir))
         return sealed
+
+    def index(self, *, own_marker: str | None = None) -> int:
+        """Write the dataset's manifest (``.guideloom-manifest/``) from a listing of its
+        directory, checked as an open checks it; the number of shards.
+
+        For a dataset written without one (by GuideLoom, by an earlier version, by hand), or
+        whose manifest a change by another tool made stale (a
+        :class:`~guideloom_pipes.storage.StaleManifestWarning` says so): its opens then read
+        the manifest instead of listing the directory and every commit record. Refused while
+        a writer is writing (:class:`~guideloom_pipes.storage.ShardLockedError`).
+        ``own_marker``: the marker of a writer that indexes what it wrote (write_parallel).
+        """
+        io = self._resolve_io()
+        if not io.local:
+            raise TypeError(
+                f"index() writes the manifest into the dataset directory, so it needs a local "
+                f"directory; {self.read_interface!r} is not a local backend"
+            )
+        listing = discover(io, self.dir, self.suffixes)
+        reader = self.sync_reader()
+        check_listing(
+            listing, io, self.kind, self.suffixes, reader._record_dtype(), reader._dtype_hint
+        )
+        records = {shard: listing.records[shard] for shard in listing.records}
+        try:
+            build_manifest(
+                os.fspath(self.dir),
+                self.kind,
+                self.suffixes,
+                records,
+                listing.num_shards,
+                own_marker=own_marker,
+            )
+        except NotTabulated as error:
+            raise ValueError(
+                f"cannot index {os.fspath(self.dir)}: {error}; run storage.recover() "
+                f"(guideloom-pipes recover) first"
+            ) from None
+        return listing.num_shards
 
     def recover(self) -> dict[str, list[int]]:
         """Finish what writers that stopped (killed, out of space) left in the directory.

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.errors import StaleManifestWarning
+from guideloom_pipes.storage.errors import CorruptShardError, StaleManifestWarning
 from guideloom_pipes.storage.locks import is_locked
 from guideloom_pipes.storage.manifest import (
     FRAGMENT_PREFIX,
@@ -38,6 +38,7 @@ from guideloom_pipes.storage.manifest import (
 from guideloom_pipes.storage.names import RECORD, SHARD_NAME, shard_name
 from guideloom_pipes.storage.records import ShardRecord, dtype_from_json
 from guideloom_pipes.storage.shard_listing import FileSizes, ShardListing, fingerprint_of
+from guideloom_pipes.storage.verify import check_shard
 
 
 @dataclass
@@ -317,20 +318,58 @@ class ManifestListing(ShardListing):
         return FileSizes({suffix: self.file_column("size", suffix) for suffix in self.suffixes})
 
     def same_file(self, shard: int, suffix: str, info: os.stat_result) -> bool:
-        if info.st_mtime_ns != int(self.file_column("mtime", suffix)[shard]):
-            return False
+        """Make the checks an open that listed the directory makes, for a file its reader
+        is about to open (same inode as its row): its size against the row (the record's);
+        with the shard's first file, the record itself, read and checked again as the open
+        would if it is not the file the table describes. Raises the error that open would
+        raise; False where the shard was recommitted (a new record)."""
+        committed = int(self.file_column("size", suffix)[shard])
+        if info.st_size != committed:
+            where, name = os.fspath(self.directory), shard_name(shard) + suffix
+            change = "was truncated" if info.st_size < committed else "grew"
+            raise CorruptShardError(
+                f"{name} in {where} is {info.st_size} bytes but was committed with "
+                f"{committed} bytes: the file {change} after it was written. Restore it or "
+                f"rewrite shard {shard}"
+            )
         if suffix != self.suffixes[0] or not self.has_records:
             return True
         columns = self.loaded.columns
+        path = os.fspath(self.directory / (shard_name(shard) + RECORD))
         try:
-            record = os.stat(os.fspath(self.directory / (shard_name(shard) + RECORD)))
+            record = os.stat(path)
         except FileNotFoundError:
             return False
-        return (record.st_ino, record.st_size, record.st_mtime_ns) == (
+        row = (
             int(columns["record_ino"][shard]),
             int(columns["record_size"][shard]),
             int(columns["record_mtime"][shard]),
         )
+        if (record.st_ino, record.st_size, record.st_mtime_ns) == row:
+            return True
+        if record.st_ino != row[0]:
+            return False  # recommitted since the manifest was written
+        return self._record_checks(shard, path)
+
+    def _record_checks(self, shard: int, path: str) -> bool:
+        """The open's checks of a record edited in place, and whether it still describes
+        the files the table does."""
+        with open(path, "rb") as file:
+            record = ShardRecord.from_json(file.read(), path)  # raises: unreadable
+        found = {s: int(self.file_column("size", s)[shard]) for s in self.suffixes}
+        single = ShardListing(
+            self.directory,
+            self.num_shards,
+            sizes={(shard, s): size for s, size in found.items()},
+            records={shard: record},
+        )
+        check_shard(single, self.loaded.header["kind"], self.suffixes, self.dtype, shard)
+        for i, suffix in enumerate(self.suffixes):
+            committed = record.files.get(suffix.lstrip("."))
+            crc = int(self.loaded.columns[f"crc{i}"][shard])
+            if committed is None or committed.crc32 != crc:
+                return False
+        return True
 
     def fingerprint(self, sizes: FileSizes) -> dict[str, Any]:
         found = self.loaded.fingerprint

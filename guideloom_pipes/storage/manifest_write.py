@@ -185,7 +185,8 @@ class ManifestSession:
             table.write(os.path.join(self.folder, new_name(FRAGMENT_PREFIX, SUFFIX)))
             _fsync_directory(self.folder)
         except NotTabulated:
-            self.release(drop=False)  # readers list the directory until it is indexed
+            self.forget()  # a dataset the table cannot describe has no manifest
+            self.release(drop=True)
             return
         self.release(drop=True)
         with contextlib.suppress(OSError, NotTabulated):
@@ -209,6 +210,15 @@ class ManifestSession:
         if not isinstance(found, Loaded) or differs(self.directory, found):
             return False
         return os.stat(self.directory).st_mtime_ns == after
+
+    def forget(self) -> None:
+        """Delete the manifest's tables: readers list the directory (they read no table
+        while this writer's marker exists, so none reads a half-deleted manifest)."""
+        for name in os.listdir(self.folder):
+            if name == MAIN or name.startswith(FRAGMENT_PREFIX):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.folder, name))
+        _fsync_directory(self.folder)
 
     def release(self, drop: bool) -> None:
         """Release the marker: deleted (``drop``: the fragment is in place), or left for
@@ -306,6 +316,7 @@ def build_manifest(
     suffixes: Sequence[str],
     records: Mapping[int, ShardRecord],
     num_shards: int,
+    own_marker: str | None = None,
 ) -> None:
     """Write the whole table of ``directory``, whose ``num_shards`` shards were just listed
     and checked (``records``: their commit records; empty for a dataset without), and delete
@@ -316,8 +327,11 @@ def build_manifest(
     lock = _CompactLock(folder, wait=True)
     try:
         names = os.listdir(folder)
+        mine = os.path.basename(own_marker) if own_marker else None
         live = [
-            n for n in names if n.startswith(MARKER_PREFIX) and is_locked(os.path.join(folder, n))
+            n
+            for n in names
+            if n.startswith(MARKER_PREFIX) and n != mine and is_locked(os.path.join(folder, n))
         ]
         if live:
             raise ShardLockedError(

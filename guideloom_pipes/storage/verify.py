@@ -58,6 +58,19 @@ def check_listing(
     return result
 
 
+def check_shard(
+    listing: ShardListing,
+    kind: str,
+    suffixes: Sequence[str],
+    dtype: np.dtype[Any] | None,
+    shard: int,
+) -> None:
+    """:func:`check_listing`'s checks of one shard of a local ``listing`` that knows the
+    shard's file sizes (a shard of a manifest whose record changed)."""
+    sizes: dict[str, int] = {}
+    _check_shard(listing, resolve_backend(None), kind, suffixes, dtype, None, shard, sizes)
+
+
 def _check_shard(
     listing: ShardListing,
     backend: ResolvedBackend,

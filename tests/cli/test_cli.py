@@ -477,7 +477,11 @@ def test_recover_removes_what_a_dead_writer_left_and_keeps_committed_data(sound:
     stale = sound / "0000001.in_band.bin.tmp"
     stale.write_bytes(b"half")
     (sound / "0000001.shard.json.tmp").write_bytes(b"")  # its lock, no longer held
-    before = {p.name: p.read_bytes() for p in sound.glob("*") if not p.name.endswith(".tmp")}
+    before = {
+        p.name: p.read_bytes()
+        for p in sound.glob("*")
+        if p.is_file() and not p.name.endswith(".tmp")
+    }
     dry = cli("recover", sound, "--dry-run")
     assert dry.returncode == 0
     assert "shard 0000001: would remove its temporary files" in dry.stdout
@@ -485,7 +489,7 @@ def test_recover_removes_what_a_dead_writer_left_and_keeps_committed_data(sound:
     done = cli("recover", sound, "--json")
     assert json.loads(done.stdout)["cleaned"] == [1]
     assert not stale.exists()
-    after = {p.name: p.read_bytes() for p in sound.glob("*")}
+    after = {p.name: p.read_bytes() for p in sound.glob("*") if p.is_file()}
     assert after == before
     assert cli("recover", sound).stdout.strip() == f"nothing to recover in {sound}"
 

@@ -413,6 +413,7 @@ def test_a_shard_being_committed_right_now_is_reported_as_such(tmp_path: Path) -
 # fsync ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 def test_commit_fsyncs_every_data_file_the_record_and_the_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -50,6 +50,7 @@ def read_shard(kind: str, reader: Any, shard: int) -> list[Any]:
 # An open while a writer commits --------------------------------------------------------
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 def test_an_open_whose_records_changed_while_it_listed_lists_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -68,6 +69,7 @@ def test_an_open_whose_records_changed_while_it_listed_lists_again(
     assert len(calls) > len(OLD)  # the records were read again
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 def test_an_open_during_commit_after_commit_says_a_writer_is_committing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -254,6 +256,7 @@ def verify_with_listings(
     return main(["verify", str(path), *args])
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 @pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 @pytest.mark.parametrize("kind", KINDS)
 def test_verify_listing_just_before_a_writer_recommits_checks_the_new_version_and_exits_0(
@@ -267,6 +270,7 @@ def test_verify_listing_just_before_a_writer_recommits_checks_the_new_version_an
     assert "problem:" not in out and out.startswith("sound: 3 shards")
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 @pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 @pytest.mark.parametrize("kind", KINDS)
 def test_verify_listing_a_commit_before_it_rolled_forward_reads_the_files_it_listed(
@@ -343,6 +347,7 @@ def test_verify_that_cannot_list_while_a_writer_commits_says_so_and_does_not_fai
     assert main(["verify", str(tmp_path), "--strict"]) == 1
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 @pytest.mark.filterwarnings("ignore:this writer of .* remain above it:UserWarning")
 def test_storage_verify_checks_a_shard_recommitted_after_its_listing_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

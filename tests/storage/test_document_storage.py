@@ -73,7 +73,9 @@ def test_files_use_guideloom_names_and_layout(tmp_path: Path) -> None:
     assert data == b"".join(documents)
     assert index.tolist() == [0, 5, 5, 14]  # n + 1 int64 offsets, the first 0
     assert (tmp_path / "0000000.out_of_band.index").stat().st_size == 8 * (len(documents) + 1)
+    # (and our manifest's folder, which GuideLoom's listing passes over)
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".json")) == [
+        ".guideloom-manifest",
         "0000000.out_of_band.bin",
         "0000000.out_of_band.index",
     ]

@@ -196,6 +196,7 @@ def test_the_lock_of_a_writer_killed_with_sigkill_is_stale_and_taken_over(
     assert leftovers(tmp_path) == []
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 @pytest.mark.timeout(60)
 def test_readers_do_not_warn_about_the_temporaries_of_a_live_writer(
     tmp_path: Path, holders: list[Holder]

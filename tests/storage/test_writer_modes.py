@@ -373,6 +373,7 @@ def test_overwrite_and_create_accept_another_kind_or_dtype(
         assert reader.num_shards == 1 and reader.total_length in (1, 4)
 
 
+@pytest.mark.listing  # states what an open that lists the directory does
 def test_a_reader_of_a_dataset_that_mixes_dtypes_says_so_whichever_dtype_it_asks_for(
     tmp_path: Path,
 ) -> None:
