@@ -362,6 +362,7 @@ def test_verify_checks_every_size_before_any_checksum(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("backend", ["pread", "seek"])
+@pytest.mark.listing  # its last check is what an open that lists the directory finds
 def test_a_byte_range_reader_names_a_stream_file_truncated_while_open(
     tmp_path: Path, backend: str
 ) -> None:

@@ -189,7 +189,7 @@ def _rerun(executor: str, dataset: str, control: Path, tmpdir: Path, **extra: An
 
 
 def _check_local(dataset: Path) -> None:
-    names = sorted(p.name for p in dataset.iterdir())
+    names = sorted(p.name for p in dataset.iterdir() if p.is_file())
     assert names == sorted(
         f"{k:07d}{suffix}"
         for k in range(driver.ITEMS)

@@ -227,7 +227,7 @@ def differs(directory: str, loaded: Loaded) -> str:
                 expected = int(columns[f"ino{suffixes.index(suffix)}"][shard])
             else:
                 return f"{entry.name} is a file of another storage class"
-            if entry.inode() != expected:
+            if entry.inode() != expected or not entry.is_file(follow_symlinks=False):
                 return f"{entry.name} was replaced or added since it was written"
             found += 1
     if found != count * (len(suffixes) + records):
