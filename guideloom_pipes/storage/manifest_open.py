@@ -111,17 +111,30 @@ def _load(directory: str, names: list[str]) -> Loaded | Unusable | None:
     return found
 
 
-def combine(tables: list[ManifestTable]) -> Loaded | Unusable | None:
+def combine(tables: list[ManifestTable], assume_whole: bool = False) -> Loaded | Unusable | None:
     """The dataset's table from manifest tables: the newest whole one, with the partial
-    ones written after it began applied in the order they were written."""
+    ones written after it began applied in the order they were written. ``assume_whole``:
+    without a whole table, the partial ones together (for a writer that then checks the
+    result against a listing of the directory)."""
     whole = [t for t in tables if t.header["complete"]]
-    if not whole:
+    if not whole and not (assume_whole and tables):
         return Unusable("no table covers the whole dataset", warn=False)
-    base = max(whole, key=_written)
+    base = max(whole or tables, key=_written)
+    if not whole:  # the partial tables, oldest first, as one
+        tables = sorted(tables, key=_written)
+        base, rest = tables[0], tables[1:]
+        return _applied(base, [t for t in rest], whole=False)
     later = sorted(
         (t for t in tables if t is not base and t.header["after"] > base.header["before"]),
         key=_written,
     )
+    return _applied(base, later, whole=True)
+
+
+def _applied(
+    base: ManifestTable, later: list[ManifestTable], whole: bool
+) -> Loaded | Unusable | None:
+    """``later`` applied to ``base``."""
     for table in later:
         same = (table.header["kind"], table.suffixes, table.header["dtype"])
         if same != (base.header["kind"], base.suffixes, base.header["dtype"]):
@@ -132,12 +145,14 @@ def combine(tables: list[ManifestTable]) -> Loaded | Unusable | None:
         return None  # no shards: discovery says so
     if int(shards[-1]) != len(shards) - 1 or int(shards[0]) != 0:
         return Unusable("its shard ids do not run 0..N-1", True)
-    newest = max([base, *later], key=_written)
-    fingerprint = base.header.get("fingerprint") if not later else None
+    # the table written last was checked last: trusted if its writer found the directory
+    # to be what the tables say, with no other writer committing
+    newest = max([base, *later], key=lambda t: t.header["written"])
+    fingerprint = base.header.get("fingerprint") if not later and whole else None
     return Loaded(
         base.header,
         columns,
-        newest.header["after"],
+        max(t.header["after"] for t in [base, *later]),
         fingerprint,
         str(newest._source),
         bool(newest.header.get("verified")),

@@ -34,7 +34,6 @@ from guideloom_pipes.storage.manifest_open import (
     Loaded,
     combine,
     differs,
-    load,
     manifest_files,
     table_fingerprint,
 )
@@ -177,11 +176,14 @@ class ManifestSession:
                 len(shards),
             )
             table = ManifestTable(header, columns)
+            if self.whole and shards != list(range(len(shards))):
+                # not the whole dataset after all (other writers write the other ids, or
+                # the ids have a gap): its rows, for the merge of every writer's
+                header["complete"] = self.whole = False
             if self.whole:
-                if shards != list(range(len(shards))):
-                    raise NotTabulated("the shards written do not run 0..N-1")
                 _whole(table)
-            table.header["verified"] = self._verified(table, after)
+            verified = table.header["verified"] = self._verified(table, after)
+            table.header["written"] = time.time_ns()  # once checked: the newest check
             table.write(os.path.join(self.folder, new_name(FRAGMENT_PREFIX, SUFFIX)))
             _fsync_directory(self.folder)
         except NotTabulated:
@@ -189,8 +191,8 @@ class ManifestSession:
             self.release(drop=True)
             return
         self.release(drop=True)
-        with contextlib.suppress(OSError, NotTabulated):
-            merge_fragments(self.directory, at_least=MERGE_AT)
+        with contextlib.suppress(OSError):
+            merge_fragments(self.directory, at_least=MERGE_AT if verified else 1)
 
     def _verified(self, table: ManifestTable, after: int) -> bool:
         """Whether the dataset's table with ``table`` applied describes the directory as it
@@ -206,10 +208,12 @@ class ManifestSession:
             if name == MAIN or (name.startswith(FRAGMENT_PREFIX) and name.endswith(SUFFIX)):
                 with contextlib.suppress(FileNotFoundError, CorruptShardError):
                     tables.append(ManifestTable.read(os.path.join(self.folder, name)))
-        found = combine(tables)
+        found = combine(tables, assume_whole=True)
         if not isinstance(found, Loaded) or differs(self.directory, found):
             return False
-        return os.stat(self.directory).st_mtime_ns == after
+        return os.stat(self.directory).st_mtime_ns == after and any(
+            t.header["complete"] for t in tables
+        )
 
     def forget(self) -> None:
         """Delete the manifest's tables: readers list the directory (they read no table
@@ -267,8 +271,11 @@ class _CompactLock:
 
 
 def merge_fragments(directory: str, at_least: int = 1) -> bool:
-    """Merge the manifest's fragments into its whole table when there are ``at_least``,
-    no writer is writing and they make a usable table; whether it did."""
+    """Merge the manifest's tables into one whole table, checked against a listing of the
+    directory, when there are ``at_least`` fragments and no writer is writing; whether it
+    did. Writers call it once they dropped their marker: the last of several concurrent
+    writers (each found the others' markers, so none could check the directory alone)
+    leaves a checked table."""
     folder = os.path.join(directory, MANIFEST_DIR)
     names = manifest_files(directory) or []
     fragments = [n for n in names if n.startswith(FRAGMENT_PREFIX) and n.endswith(SUFFIX)]
@@ -279,26 +286,41 @@ def merge_fragments(directory: str, at_least: int = 1) -> bool:
     except ShardLockedError:
         return False
     try:
-        loaded = load(directory)
-        if not isinstance(loaded, Loaded):
+        names = os.listdir(folder)  # again, under the lock
+        if any(n.startswith(MARKER_PREFIX) for n in names):
             return False
-        _write_whole(folder, loaded)
+        fragments = [n for n in names if n.startswith(FRAGMENT_PREFIX) and n.endswith(SUFFIX)]
+        info = os.stat(directory)
+        tables = [
+            ManifestTable.read(os.path.join(folder, n))
+            for n in [*fragments, MAIN]
+            if n != MAIN or MAIN in names
+        ]
+        found = combine(tables, assume_whole=True)
+        if not isinstance(found, Loaded) or differs(directory, found):
+            return False
+        if os.stat(directory).st_mtime_ns != info.st_mtime_ns:
+            return False
+        _write_whole(folder, found, info.st_mtime_ns)
         for name in fragments:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(folder, name))
         _fsync_directory(folder)
         return True
+    except (FileNotFoundError, CorruptShardError):
+        return False
     finally:
         lock.close()
 
 
-def _write_whole(folder: str, loaded: Loaded) -> None:
+def _write_whole(folder: str, loaded: Loaded, after: int) -> None:
+    """Write ``loaded`` as the whole table, checked against the directory at ``after``."""
     header = dict(loaded.header)
     header.update(
         complete=True,
-        before=loaded.after,
-        after=loaded.after,
-        afters=[loaded.after],
+        before=after,
+        after=after,
+        verified=True,
         written=time.time_ns(),
         rows=len(loaded.columns["shard"]),
     )

@@ -97,11 +97,23 @@ def write_all(root: Path) -> dict[str, Any]:
 
     print(f"write: guideloom_pipes {gp.__version__} from {Path(gp.__file__).parent}", flush=True)
     rng = np.random.default_rng(SEED)
-    return {
+    written = {
         "stream": _write_stream(gp, root / "stream", rng),
         "document": _write_documents(gp, root / "document", rng),
         "stream_meta": _write_meta(gp, root / "stream_meta", rng),
     }
+    # each dataset has its manifest (our readers open it from there; GuideLoom must not care)
+    from guideloom_pipes.storage.manifest_open import ManifestListing
+
+    for kind, storage in (
+        ("stream", gp.StreamStorage(root / "stream", gp.StreamNumpyFormat(STREAM_DTYPE))),
+        ("document", gp.DocumentStorage(root / "document", gp.DocumentPickleFormat())),
+    ):
+        assert (root / kind / ".guideloom-manifest").is_dir(), kind
+        with storage.sync_reader() as reader:
+            assert isinstance(reader.listing, ManifestListing), (kind, reader.listing)
+    print("write: every dataset has its manifest, and our readers open from it", flush=True)
+    return written
 
 
 def _interleaved(rng: np.random.Generator, shards: list[int]) -> Iterator[tuple[int, int]]:
