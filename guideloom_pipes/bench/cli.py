@@ -62,6 +62,8 @@ def _parser() -> argparse.ArgumentParser:
             "--" + name.replace("_", "-"), type=type(value), default=None, help=f"(full: {value})"
         )
     parser.add_argument("--child-scale", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--child-shards", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--child-phase", default="open", help=argparse.SUPPRESS)
     parser.add_argument("--child-dataloader-memory", help=argparse.SUPPRESS)
     parser.add_argument("--child-megatron-open", help=argparse.SUPPRESS)
     return parser
@@ -73,6 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.child_scale is not None:
         rounds = args.resume_rounds if args.resume_rounds is not None else 3
         print(json.dumps(scale_child(args.child_scale, rounds)))
+        return 0
+    if args.child_shards is not None:
+        from guideloom_pipes.bench.scale_shards import shards_child
+
+        print(json.dumps(shards_child(args.child_shards, args.child_phase)))
         return 0
     if args.child_dataloader_memory is not None:
         from guideloom_pipes.bench.dataloader import memory_child
@@ -111,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("slow-storage", bench.slow_scenario),
             ("shuffle", bench.shuffle_scenario),
             ("scale", bench.scale_scenario),
+            ("scale-shards", bench.scale_shards_scenario),
             ("train-loop", bench.train_loop_scenario),
             ("mixture", bench.mixture_scenario),
             ("packed", bench.packed_scenario),

@@ -31,6 +31,9 @@ class Sizes:
     slow_tokens: int = 100_000_000
     scale_tokens: int = 2**40
     scale_shards: int = 1000
+    #: the scale-shards scenario's shard counts, and the largest opened without a manifest
+    scale_shard_counts: str = "1000,10000,100000,1000000"
+    scale_listing_max: int = 100_000
     shuffle_block: int = 8192
     rounds: int = 5
     round_seconds: float = 1.0
@@ -53,6 +56,7 @@ class Sizes:
             slow_tokens=1_000_000,
             remote_bytes=2**26,
             megatron_documents=20_000,
+            scale_shard_counts="1000,3000",
             convert_documents=2_000,
             rounds=2,
             round_seconds=0.2,

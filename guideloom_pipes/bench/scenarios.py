@@ -81,6 +81,7 @@ SCENARIOS = (
     "shuffle",
     "scale",
     "resume",
+    "scale-shards",
     "train-loop",
     "mixture",
     "packed",
@@ -654,6 +655,14 @@ class Bench:
         self.log(
             f"  resume        offset 0 {resume['resume_offset0_s']:.4f} s, near end "
             f"{resume['resume_near_end_s']:.4f} s"
+        )
+
+    def scale_shards_scenario(self) -> None:
+        from guideloom_pipes.bench.scale_shards import scale_shards_rows
+
+        counts = tuple(int(c) for c in self.sizes.scale_shard_counts.split(","))
+        self.extra["scale-shards"] = scale_shards_rows(
+            self.root, counts, self.sizes.scale_listing_max, self.log
         )
 
     def train_loop_scenario(self) -> None:
