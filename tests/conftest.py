@@ -27,6 +27,8 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import sys
 from types import ModuleType
@@ -61,6 +63,36 @@ def pytest_configure(config: pytest.Config) -> None:
             "torch is not installed in this environment. Install it (README: Tests), or set "
             "GUIDELOOM_PIPES_TORCH_FREE=1 to run only the tests that need no torch."
         )
+    else:
+        _preload_torch_in_the_fork_server()
+
+
+#: What the fork server imports before it forks the loaders' worker processes (with torch).
+FORK_SERVER_PRELOAD = ("torch", "guideloom_pipes.pipes.workers.process_main")
+
+
+def _preload_torch_in_the_fork_server() -> None:
+    """Have Python's fork server (one per test process) import torch before it starts.
+
+    The loader preloads the modules of the dataset and ``collate_fn`` of the *first* pool of
+    worker processes (the fork server starts then, and its preloads are fixed from there on).
+    Which test starts it first depends on the order (``-n 2`` deals tests to two processes),
+    and where that test's dataset and collate need no torch, every later worker process of
+    that test process imports torch itself (seconds per pool, hundreds of pools). Preloaded
+    here, a worker is a fork of a process that has torch, whatever the order. The loader still
+    adds its own preloads to this list; that preload is tested in ``pipes/test_results.py``,
+    and that a worker's own modules import no torch in a fresh process in
+    ``pipes/test_pipes.py``. Tests that need workers of a fresh interpreter use ``spawn``.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return  # started already: its preloads are fixed
+    current = list(getattr(server, "_preload_modules", None) or ["__main__"])
+    multiprocessing.set_forkserver_preload(
+        current + [name for name in FORK_SERVER_PRELOAD if name not in current]
+    )
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -188,7 +188,12 @@ def test_a_stop_at_every_step_resumes_with_the_rest_of_the_run(
     _seed_all()
     loader = DataLoader(**make(), **saved)
     whole = [_plain(batch) for _ in range(epochs) for batch in loader]
-    for k in range(len(whole) + 1):
+    # inline: a stop at every step; with workers (new processes at every epoch of both
+    # loaders): the start, the first batches (both workers' turns), the middle of the first
+    # epoch, the first epoch's end and the next batch, the last batch and the end
+    n = len(whole) // epochs
+    stops = sorted({0, 1, 2, n // 2, n, n + 1, 2 * n - 1, 2 * n})
+    for k in range(len(whole) + 1) if not saved else stops:
         got, _ = stop_and_resume(
             k,
             lambda: DataLoader(**make(), **saved),
