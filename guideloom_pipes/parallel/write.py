@@ -110,19 +110,24 @@ def write_parallel(
     run = _Run(plan, convert, mode, executor, max_workers, max_in_flight, progress)
     manifest = _Manifest(storage, plan)
     try:
-        try:
-            run.submit_and_collect()
-        except KeyboardInterrupt as interrupt:
-            _interrupted(run.executor, run.owned, run.pending, plan.report, len(plan.work))
-            raise interrupt.with_traceback(None) from None
-        finally:
-            run.close()
-        report = _finish(plan, run, mode)
+        report = _run(plan, run, mode)
     except BaseException:
         manifest.end(written=False)
         raise
     manifest.end(written=True)
     return report
+
+
+def _run(plan: _Plan, run: _Run, mode: str) -> WriteReport:
+    """Run the items; the report (see :func:`_finish`)."""
+    try:
+        run.submit_and_collect()
+    except KeyboardInterrupt as interrupt:
+        _interrupted(run.executor, run.owned, run.pending, plan.report, len(plan.work))
+        raise interrupt.with_traceback(None) from None
+    finally:
+        run.close()
+    return _finish(plan, run, mode)
 
 
 class _Manifest:
