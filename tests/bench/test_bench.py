@@ -48,6 +48,10 @@ TINY = [
     "3000",
     "--convert-documents",
     "400",
+    "--scale-shard-counts",
+    "20,40",
+    "--scale-listing-max",
+    "20",
 ]
 
 THROUGHPUT = (
@@ -81,7 +85,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         [sys.executable, "-m", "guideloom_pipes.bench", *TINY, "--json", str(out)],
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=400,
         env=env,
         cwd=Path(__file__).resolve().parents[2],
     )
@@ -94,12 +98,12 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_json_holds_every_scenario(report: dict[str, Any]) -> None:
     assert set(report["scenarios"]) == set(bench.SCENARIOS)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def _remote_ran(report: dict[str, Any], scenario: str = "remote-cache") -> bool:
     """Whether a remote scenario ran (it needs nginx and the [remote] extra, the S3 rows
     moto too; where servers are required, as in CI, it must have)."""
@@ -136,7 +140,7 @@ def test_throughput_rows_are_positive(report: dict[str, Any], scenario: str) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_the_pinned_ring_scenario_measures_on_a_gpu_and_says_how_elsewhere(
     report: dict[str, Any],
 ) -> None:
@@ -158,7 +162,7 @@ def test_the_pinned_ring_scenario_measures_on_a_gpu_and_says_how_elsewhere(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_scale_resume_and_train_loop_figures_are_positive(report: dict[str, Any]) -> None:
     scenarios = report["scenarios"]
     scale, resume = scenarios["scale"], scenarios["resume"]
@@ -188,7 +192,25 @@ def test_scale_resume_and_train_loop_figures_are_positive(report: dict[str, Any]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
+def test_scale_shards_opens_each_dataset_with_and_without_its_manifest(
+    report: dict[str, Any],
+) -> None:
+    figures = report["scenarios"]["scale-shards"]
+    small, large = figures["20"], figures["40"]
+    assert "listing" in small and "listing" not in large  # above --scale-listing-max
+    for row in (small["listing"], small["manifest"], large["manifest"]):
+        for key in ("open_first_batch_s", "resume_first_batch_s"):
+            assert _positive(row[key]), (key, row)
+        assert row["peak_rss_above_import_mb"] >= 0
+        if figures["strace"]:
+            assert _positive(row["file_calls"]), row
+    assert _positive(large["index_s"]) and _positive(large["manifest_bytes"])
+    assert _positive(large["throughput"]["samples_per_s"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
     names = [target["name"] for target in report["targets"]]
     for prefix in (
@@ -250,7 +272,7 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
 
 
 @pytest.mark.slow  # (the quick benchmark it reads takes ~30 s)
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_parallel_write_rows_are_positive_and_dask_is_measured_when_installed(
     report: dict[str, Any],
 ) -> None:
@@ -316,7 +338,7 @@ def test_the_packed_fit_scenario_reports_its_corpus_its_packings_and_its_rows(
 
 
 @pytest.mark.slow  # (the quick benchmark it reads takes ~30 s)
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_convert_on_dask_is_measured_with_one_and_two_workers_where_installed(
     report: dict[str, Any],
 ) -> None:
@@ -588,7 +610,7 @@ def test_the_documents_train_loop_target_is_the_process_workers_step_time() -> N
 
 
 @pytest.mark.slow  # (the quick benchmark it reads takes ~30 s)
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_the_dataloader_memory_figures_are_both_loaders_process_trees(
     report: dict[str, Any],
 ) -> None:
@@ -636,7 +658,7 @@ def test_the_iterable_documents_give_every_document_once(tmp_path: Path, workers
 
 
 @pytest.mark.slow  # (the quick benchmark it reads takes ~30 s)
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_the_megatron_open_figures_are_both_readers_in_fresh_processes(
     report: dict[str, Any],
 ) -> None:
