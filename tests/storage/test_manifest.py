@@ -61,6 +61,7 @@ def test_a_written_dataset_opens_from_its_manifest_as_the_listing_opens_it(
         warnings.simplefilter("error")
         assert isinstance(_listing(kind, tmp_path), ManifestListing)
         assert (read(kind, tmp_path), _fingerprint(kind, tmp_path)) == by_listing
+        assert list(_fingerprint(kind, tmp_path).items()) == list(by_listing[1].items())
     assert by_listing[0] == expected(kind, SHARDS)
 
 
