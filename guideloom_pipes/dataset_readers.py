@@ -108,7 +108,9 @@ class StreamDatasetReader(DatasetReaderBase):
             or max(listed) >= self._length
         ):
             return None
-        return self._storage_reader._few_windows(listed, self.sequence_length, one[1])
+        return self._storage_reader._few_windows(
+            listed, self.sequence_length, one[1], ids.astype(np.int64, copy=False)
+        )
 
     def reads_into_buffers(self) -> bool:
         """Whether :meth:`read_arrays` with ``out`` returns columns that are views of the

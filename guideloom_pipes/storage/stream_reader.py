@@ -18,6 +18,7 @@ from guideloom_pipes.storage.names import IN_BAND, shard_name
 from guideloom_pipes.storage.recycle import BufferPool
 from guideloom_pipes.storage.shard_listing import ShardListing
 from guideloom_pipes.storage.stream_checks import _checked_out, as_indexes, check_read_size
+from guideloom_pipes.storage.window_grid import WindowGrid
 from guideloom_pipes.types import StreamStorageSyncReaderAbstract
 
 if TYPE_CHECKING:
@@ -28,7 +29,9 @@ if TYPE_CHECKING:
 #: ``memoryview`` slices (:meth:`StreamReader._copy_rows`). Measured, in microseconds per
 #: window of 4-byte tokens, gathered / row by row: 64 windows of 128 tokens 0.70 / 0.35,
 #: of 2048 1.35 / 0.91; 16 of 2048 2.9 / 1.0; 512 of 2048 0.94 / 0.96; 512 of 128
-#: 0.19 / 0.36; 256 of 32 0.20 / 0.28; 4096 of 16 0.11 / 0.39.
+#: 0.19 / 0.36; 256 of 32 0.20 / 0.28; 4096 of 16 0.11 / 0.39. (A loader's windows, at
+#: multiples of their length, take :class:`WindowGrid`'s gather instead from ``_FEW_ROWS``
+#: short ones on: 64 of 128 in about half the time of their row copies.)
 _GATHER_ROWS = 128
 #: ... and fewer windows than this always.
 _FEW_ROWS = 16
@@ -102,6 +105,8 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         # a few windows: a memoryview slice assignment costs a third of numpy's per row)
         self._bytes: list[memoryview | None] = [None] * listing.num_shards
         self._views: dict[tuple[int, int], np.ndarray] = {}
+        # per window length: the windows at its multiples as rows of each shard's mapping
+        self._grids: dict[int, WindowGrid] = {}
         # the arrays of the windows read, reused once no batch refers to them (see recycle)
         self._pool = BufferPool()
 
@@ -142,6 +147,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         self._arrays = []
         self._bytes = []
         self._views = {}
+        self._grids = {}
         pool = getattr(self, "_pool", None)  # (None: never opened)
         if pool is not None:
             pool.clear()
@@ -267,7 +273,8 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             view = self._window_view(int(first[0]), length)
             if view is not None:
                 rows_out = out.view(self._gather) if self._gather is not None else out
-                np.take(view, local, axis=0, out=rows_out)
+                # (fancy indexing: np.take would first copy the strided view, the whole shard)
+                rows_out[...] = view[local]
                 return out.view(self.dtype)
         if len(starts) >= _GATHER_ROWS:
             self._gather_rows(out, starts, first, last, local, length)
@@ -289,18 +296,46 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         return out.view(self.dtype)
 
     def _few_windows(
-        self, numbers: list[int], length: int, dtype: np.dtype[Any] | None = None
+        self,
+        numbers: list[int],
+        length: int,
+        dtype: np.dtype[Any] | None = None,
+        array: np.ndarray | None = None,
     ) -> np.ndarray | None:
         """Windows ``[n * length, (n + 1) * length)`` for the ``numbers`` (Python ints, checked
-        to lie inside the stream) as a recycled ``(len(numbers), length)`` array, copied row
-        by row, where they are few and their shards mapped; else None (then
-        :meth:`_windows` reads them). The array is of ``dtype`` (one as wide as the
-        element: a column's own), by default the opaque ``_raw``."""
+        to lie inside the stream) as a recycled ``(len(numbers), length)`` array, where
+        their shards are mapped: a few, or long ones, copied row by row; many short ones
+        gathered a shard at a time (:class:`WindowGrid`, given ``array``: the numbers as an
+        int64 array). Else None (then :meth:`_windows` reads them). The array is of
+        ``dtype`` (one as wide as the element: a column's own), by default the opaque
+        ``_raw``."""
         count = len(numbers)
-        if count >= _FEW_ROWS and not self._by_rows(count, length):
+        grid = array is not None and self._on_grid(count, length)
+        if not grid and count >= _FEW_ROWS and not self._by_rows(count, length):
             return None
         out = self._pool.take((count, length), self._raw if dtype is None else dtype)
-        return out if self._copy_rows(out, numbers, length, length) else None
+        if grid:
+            assert array is not None and self._gather is not None
+            windows = self._grids.get(length)
+            if windows is None:
+                windows = self._grids[length] = WindowGrid(self._starts, length, self._mapped_array)
+            done = windows.gather(array, out.view(self._gather), self._copy_window_across)
+        else:
+            done = self._copy_rows(out, numbers, length, length)
+        return out if done else None
+
+    def _on_grid(self, count: int, length: int) -> bool:
+        """Whether ``count`` windows of ``length`` at multiples of it are gathered a shard at
+        a time (:class:`WindowGrid`) rather than copied row by row: many short ones."""
+        return (
+            count >= _FEW_ROWS
+            and length * self.dtype.itemsize < _ROW_BYTES
+            and self._gather is not None
+        )
+
+    def _copy_window_across(self, out: np.ndarray, start: int, shard: int) -> None:
+        """:meth:`_copy_across` of a window as long as ``out``."""
+        self._copy_across(out, start, shard, len(out))
 
     def _by_rows(self, count: int, length: int) -> bool:
         """Whether ``count`` windows of ``length`` are copied row by row (see
