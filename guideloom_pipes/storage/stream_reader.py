@@ -296,33 +296,33 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         return out.view(self.dtype)
 
     def _few_windows(
-        self,
-        numbers: list[int],
-        length: int,
-        dtype: np.dtype[Any] | None = None,
-        array: np.ndarray | None = None,
+        self, numbers: np.ndarray, length: int, dtype: np.dtype[Any] | None = None
     ) -> np.ndarray | None:
-        """Windows ``[n * length, (n + 1) * length)`` for the ``numbers`` (Python ints, checked
-        to lie inside the stream) as a recycled ``(len(numbers), length)`` array, where
-        their shards are mapped: a few, or long ones, copied row by row; many short ones
-        gathered a shard at a time (:class:`WindowGrid`, given ``array``: the numbers as an
-        int64 array). Else None (then :meth:`_windows` reads them). The array is of
-        ``dtype`` (one as wide as the element: a column's own), by default the opaque
-        ``_raw``."""
+        """Windows ``[n * length, (n + 1) * length)`` for the ``numbers`` (a non-empty 1-D
+        integer array) as a recycled ``(len(numbers), length)`` array, where their shards
+        are mapped: a few, or long ones, copied row by row; many short ones gathered a shard
+        at a time (:class:`WindowGrid`). Else None (then :meth:`_windows` reads them), also
+        where a number is not a window of the stream (the caller's general read names it).
+        The array is of ``dtype`` (one as wide as the element: a column's own), by default
+        the opaque ``_raw``."""
         count = len(numbers)
-        grid = array is not None and self._on_grid(count, length)
-        if not grid and count >= _FEW_ROWS and not self._by_rows(count, length):
-            return None
-        out = self._pool.take((count, length), self._raw if dtype is None else dtype)
-        if grid:
-            assert array is not None and self._gather is not None
+        raw = self._raw if dtype is None else dtype
+        if self._on_grid(count, length):
+            assert self._gather is not None
             windows = self._grids.get(length)
             if windows is None:
                 windows = self._grids[length] = WindowGrid(self._starts, length, self._mapped_array)
-            done = windows.gather(array, out.view(self._gather), self._copy_window_across)
-        else:
-            done = self._copy_rows(out, numbers, length, length)
-        return out if done else None
+            out = self._pool.take((count, length), raw)
+            numbers = numbers.astype(np.int64, copy=False)
+            done = windows.gather(numbers, out.view(self._gather), self._copy_window_across)
+            return out if done else None
+        if count >= _FEW_ROWS and not self._by_rows(count, length):
+            return None
+        listed = numbers.tolist()
+        if min(listed) < 0 or max(listed) >= self._total // length:
+            return None
+        out = self._pool.take((count, length), raw)
+        return out if self._copy_rows(out, listed, length, length) else None
 
     def _on_grid(self, count: int, length: int) -> bool:
         """Whether ``count`` windows of ``length`` at multiples of it are gathered a shard at

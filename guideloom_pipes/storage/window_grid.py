@@ -40,6 +40,8 @@ class WindowGrid:
         self._firsts = [-(-start // length) for start in bounds]
         self._ends = [end // length for end in bounds[1:]]
         self._starts = bounds
+        #: The windows in the stream.
+        self.windows = bounds[-1] // length
         self._mapped = mapped
         self._grids: list[np.ndarray | None] = [None] * (len(bounds) - 1)
 
@@ -63,22 +65,19 @@ class WindowGrid:
         out: np.ndarray,
         across: Callable[[np.ndarray, int, int], Any],
     ) -> bool:
-        """Windows ``numbers`` (an int64 array of window numbers inside the stream) into the
-        rows of ``out`` (a C-contiguous ``(len(numbers), L)`` array of the mapped arrays'
+        """Windows ``numbers`` (a non-empty int64 array of window numbers) into the rows of
+        ``out`` (a C-contiguous ``(len(numbers), L)`` array of the mapped arrays'
         dtype): one ``np.take`` per shard they touch. ``across(row, start, shard)`` copies
         a window that begins in ``shard`` at element ``start`` and ends in a later one into
-        ``row``. False, with nothing written, where a shard they touch is not mapped."""
+        ``row``. False, with nothing written, where a number is not a window of the stream
+        (``0 <= n < windows``) or a shard they touch is not mapped."""
         firsts, ends, grids = self._firsts, self._ends, self._grids
-        if len(ends) == 1:  # one shard: every window inside the stream lies inside it
-            grid = grids[0] if grids[0] is not None else self._grid(0)
-            if grid is None:
-                return False
-            grid.take(numbers - firsts[0], 0, out, "clip")
-            return True
         order = numbers.argsort(kind="stable")
         ordered = numbers[order]
         listed = ordered.tolist()
         count = len(listed)
+        if listed[0] < 0 or listed[-1] >= self.windows:
+            return False
         pieces: list[tuple[np.ndarray, int, int, int, int]] = []
         begin = 0
         while begin < count:
@@ -95,11 +94,12 @@ class WindowGrid:
             grid, shard = pieces[0][:2]
             grid.take(numbers - firsts[shard], 0, out, "clip")
             return True
-        # shard by shard into a scratch array in sorted order, then into out's rows
+        # shard by shard into a scratch array in sorted order, then into out's rows (a take
+        # by the inverse order: contiguous rows, faster than out[order] = scratch)
         scratch = np.empty_like(out)
         for grid, shard, begin, inside, end in pieces:
             grid.take(ordered[begin:inside] - firsts[shard], 0, scratch[begin:inside], "clip")
             for row in range(inside, end):  # (windows crossing into the next shard)
                 across(scratch[row], listed[row] * self.length, shard)
-        out[order] = scratch
+        scratch.take(order.argsort(), 0, out, "clip")
         return True
