@@ -9,7 +9,10 @@ alternating rounds (A B C A B C ...), reporting the median round:
     stream storage, shuffled, ``L=2048`` batch 8 / ``L=128`` batch 64; ours with 0 and 2
     thread workers against the *hand loop* (baseline: a precomputed permutation, each window
     copied out of per-shard ``np.memmap`` s, ``np.stack``, ``torch.from_numpy``) and
-    ``torch.utils.data.DataLoader`` over a memmap-backed ``Dataset`` with 0 and 2 workers.
+    ``torch.utils.data.DataLoader`` over a memmap-backed ``Dataset`` with 0 and 2 workers;
+    and the *numpy gather* (issue 31): our loader's batches, where each window lies worked
+    out before the loop, gathered by ``np.take`` a shard at a time into one preallocated
+    ``(B, L)`` buffer (the floor of ``collate_fn=None``, whose rows are compared to it).
 ``meta``
     stream with metadata (a payload per chunk of about 100 tokens), ``L=2048`` batch 8.
 ``documents``

@@ -17,6 +17,7 @@ from guideloom_pipes.bench.contenders import (
     OURS_2,
     OURS_2_ARRAYS,
     OURS_2P,
+    OURS_INLINE_ARRAYS,
     PACKED,
     PLAIN,
     SCHEDULED,
@@ -24,6 +25,7 @@ from guideloom_pipes.bench.contenders import (
     _slow_name,
     dataset_row,
 )
+from guideloom_pipes.bench.gather import NUMPY_GATHER
 from guideloom_pipes.bench.harness import Row
 from guideloom_pipes.bench.scenarios import DOCUMENTS, TOKENS, TRAIN_DOCUMENTS_OURS
 
@@ -282,6 +284,11 @@ def _issue9_targets(rows: list[Row], scenarios: set[str]) -> list[Target]:
         for row in (OURS_0_ARRAYS, OURS_2_ARRAYS):
             ours = _rate(rows, "tokens-128", row)
             out.append(Target(f"tokens-128: {row} / hand loop", ours / hand, 2.0, True))
+        # issue 31: a batch of short windows costs little more than numpy's gather of them
+        gather = _rate(rows, "tokens-128", NUMPY_GATHER)
+        for row in (OURS_INLINE_ARRAYS, OURS_0_ARRAYS):
+            ours = _rate(rows, "tokens-128", row)
+            out.append(Target(f"tokens-128: {row} / {NUMPY_GATHER}", ours / gather, 0.5, True))
     if "meta" in scenarios:
         torch0 = _rate(rows, "meta", TORCH_0)
         for row in (OURS_0, OURS_2):

@@ -67,6 +67,7 @@ from guideloom_pipes.bench.data import (
     collate_pad,
     collate_tokens,
 )
+from guideloom_pipes.bench.gather import NUMPY_GATHER, NumpyGather
 from guideloom_pipes.bench.harness import Contender, Row, Sizes, _close_iterator, measure
 from guideloom_pipes.datasets import StreamDataset
 from guideloom_pipes.formats import StreamNumpyFormat
@@ -151,9 +152,11 @@ class Bench:
         hand = HandLoop(storage, length, batch, SEED)
         stream = {"sequence_length": length, "local_batch_size": batch}
         limit = CopyLimit(storage, length, batch, SEED)
+        gather = NumpyGather(storage, length, batch, SEED)
         contenders = [
             Contender("hand loop", lambda: iter(hand), count),
             Contender(COPY_LIMIT, lambda: iter(limit), count),
+            Contender(NUMPY_GATHER, lambda: iter(gather), count),
             _ours_contender(
                 OURS_0_ARRAYS, storage, None, count, num_workers=0, prefetch=4, **stream
             ),
