@@ -54,6 +54,15 @@ class StreamDatasetReader(DatasetReaderBase):
         length = self.sequence_length
         return self._storage_reader.read(index * length, length)
 
+    def decodes_small_objects(self) -> bool:
+        """Whether its samples are many small Python objects (a loader that decodes them in
+        its own process then keeps small-object memory mapped for them): not windows of a
+        ``StreamNumpyFormat`` stream, which are arrays (a dict of them per sample, or a
+        :class:`~guideloom_pipes.batch.Batch` of columns)."""
+        reader = self._storage_reader
+        format = reader.storage.format
+        return not isinstance(format, StreamNumpyFormat) or isinstance(reader, StreamWithMetaReader)
+
     def read_arrays(
         self, ids: Sequence[int] | np.ndarray, out: WindowBuffers | None = None
     ) -> Batch | list[Any]:
