@@ -30,6 +30,11 @@ alternating rounds (A B C A B C ...), reporting the median round:
     in a subprocess: a sparse dataset of 2**40 tokens in 1,000 shards; seconds and peak memory
     to the first batch, and the first batch after ``load_state_dict`` at offset 0 and at the
     last batch of the epoch.
+``first-batch``
+    each contender in a fresh process of its own, alternating: from building the storage and
+    the loader (imports done) to the first batch of the tokens (shuffled, ``L=2048`` batch 8),
+    ours with ``prefetch=4`` and without, the same resumed from a state saved mid-epoch by an
+    earlier run, and torch's ``DataLoader(num_workers=0)``; median milliseconds (issue 31).
 ``train-loop``
     a training loop whose step is 50 calls that release the GIL over 10 ms (as a GPU step's
     kernel launches and wait do), ``prefetch=2``, over the tokens (``L=2048`` batch 8) and

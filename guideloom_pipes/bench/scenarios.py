@@ -82,6 +82,7 @@ SCENARIOS = (
     "shuffle",
     "scale",
     "resume",
+    "first-batch",
     "train-loop",
     "mixture",
     "packed",
@@ -658,6 +659,14 @@ class Bench:
             f"  resume        offset 0 {resume['resume_offset0_s']:.4f} s, near end "
             f"{resume['resume_near_end_s']:.4f} s"
         )
+
+    def first_batch_scenario(self) -> None:
+        """Build + first batch in fresh processes, ours (new and resumed) against torch's
+        ``DataLoader`` (``bench/first_batch.py``)."""
+        from guideloom_pipes.bench import first_batch
+
+        figures = first_batch.first_batch_figures(self.tokens(), self.sizes.resume_rounds, self.log)
+        self.extra[first_batch.SCENARIO] = figures
 
     def train_loop_scenario(self) -> None:
         from guideloom_pipes.loader import StatefulDataLoader

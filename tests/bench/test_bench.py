@@ -189,6 +189,40 @@ def test_scale_resume_and_train_loop_figures_are_positive(report: dict[str, Any]
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_the_first_batch_figures_are_each_contenders_fresh_process(
+    report: dict[str, Any],
+) -> None:
+    from guideloom_pipes.bench import first_batch
+
+    figures = report["scenarios"][first_batch.SCENARIO]
+    assert set(figures["median_ms"]) == set(first_batch.CONTENDERS)
+    for name, times in figures["ms"].items():
+        assert len(times) == 1 and all(_positive(ms) for ms in times), name  # (1 round)
+        assert figures["median_ms"][name] == times[0]
+    first = figures["first_tokens"]
+    # a new loader of ours starts the epoch, a resumed one where the saved run stopped
+    assert first[first_batch.OURS_4] == first[first_batch.OURS_0]
+    assert first[first_batch.RESUMED_4] == first[first_batch.RESUMED_0]
+    assert first[first_batch.RESUMED_4] != first[first_batch.OURS_4]
+
+
+def test_a_resumed_first_batch_child_reads_where_the_saved_run_stopped(tmp_path: Path) -> None:
+    from guideloom_pipes.bench import first_batch
+
+    storage = bench.build_tokens(tmp_path / "t", 300_000, 3)
+    state = first_batch.saved_state(storage)
+    arguments = {"directory": str(storage.dir), "state": state}
+    resumed = first_batch.first_batch_child(
+        {**arguments, "who": "ours", "prefetch": 0, "resume": True}
+    )
+    loader = first_batch.ours_loader(storage, 0)
+    batches = list(loader)
+    assert resumed["first"] == batches[first_batch.SAVED_AFTER][0, :4].tolist()
+    assert _positive(resumed["seconds"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
     names = [target["name"] for target in report["targets"]]
     for prefix in (
@@ -205,6 +239,10 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "scale: first batch",
         "scale: peak RSS",
         "resume: near end",
+        "first-batch: ours prefetch=4 / torch DataLoader workers=0",
+        "first-batch: ours prefetch=0 / torch DataLoader workers=0",
+        "first-batch: ours resumed, prefetch=4 / ours prefetch=4",
+        "first-batch: ours resumed, prefetch=0 / ours prefetch=0",
         "train-loop: ours workers=0",
         "train-loop: ours workers=2",
         "train-loop: documents, ours workers=2 processes prefetch=2: step / step alone",
