@@ -266,7 +266,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
         local = starts - self._starts[first]
         if self._mapped_array(int(first[0])) is None:
-            self._read_rows(out, starts, first, last, local, length)
+            _read_rows(self, out, starts, first, last, local, length)
             return out.view(self.dtype)
         if first[0] == last[-1] and bool((first == last).all()) and bool((first == first[0]).all()):
             # all in one shard (one shard, or a small batch): one gather, one copy per token
@@ -307,14 +307,14 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         the opaque ``_raw``."""
         count = len(numbers)
         raw = self._raw if dtype is None else dtype
-        if self._on_grid(count, length):
+        if _on_grid(count, length * self.dtype.itemsize, self._gather):
             assert self._gather is not None
             windows = self._grids.get(length)
             if windows is None:
                 windows = self._grids[length] = WindowGrid(self._starts, length, self._mapped_array)
             out = self._pool.take((count, length), raw)
             numbers = numbers.astype(np.int64, copy=False)
-            done = windows.gather(numbers, out.view(self._gather), self._copy_window_across)
+            done = windows.gather(numbers, out.view(self._gather), self._copy_across)
             return out if done else None
         if count >= _FEW_ROWS and not self._by_rows(count, length):
             return None
@@ -323,19 +323,6 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             return None
         out = self._pool.take((count, length), raw)
         return out if self._copy_rows(out, listed, length, length) else None
-
-    def _on_grid(self, count: int, length: int) -> bool:
-        """Whether ``count`` windows of ``length`` at multiples of it are gathered a shard at
-        a time (:class:`WindowGrid`) rather than copied row by row: many short ones."""
-        return (
-            count >= _FEW_ROWS
-            and length * self.dtype.itemsize < _ROW_BYTES
-            and self._gather is not None
-        )
-
-    def _copy_window_across(self, out: np.ndarray, start: int, shard: int) -> None:
-        """:meth:`_copy_across` of a window as long as ``out``."""
-        self._copy_across(out, start, shard, len(out))
 
     def _by_rows(self, count: int, length: int) -> bool:
         """Whether ``count`` windows of ``length`` are copied row by row (see
@@ -412,35 +399,6 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         for row in np.flatnonzero(~inside).tolist():
             self._copy_across(out[row], int(starts[row]), int(first[row]), length)
 
-    def _read_rows(
-        self,
-        out: np.ndarray,
-        starts: np.ndarray,
-        first: np.ndarray,
-        last: np.ndarray,
-        local: np.ndarray,
-        length: int,
-    ) -> None:
-        """Windows of a byte-range backend: each read straight into its row of ``out``.
-
-        With many threads reading from slow storage, this loop's time under the GIL bounds
-        how many reads run at once, so it keeps to one call per window.
-        """
-        size = length * self.dtype.itemsize
-        rows = out.data.cast("B")  # out is C-contiguous: row r is rows[r*size:(r+1)*size]
-        readinto = self._in_band.readinto
-        begin = 0
-        for row, (shard, end_shard, offset) in enumerate(
-            zip(first.tolist(), last.tolist(), (local * self.dtype.itemsize).tolist())
-        ):
-            if shard != end_shard:
-                self._copy_across(out[row], int(starts[row]), shard, length)
-            else:
-                got = readinto(shard, offset, rows[begin : begin + size])
-                if got != size:
-                    raise self._short_read(shard, got, size)
-            begin += size
-
     def _short_read(self, shard: int, got: int, expected: int) -> CorruptShardError:
         return CorruptShardError(
             f"{self._shard_path(shard, IN_BAND)} returned {got} bytes where {expected} were "
@@ -478,3 +436,40 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         shards = np.arange(first, last + 1, dtype=np.int64)
         keep = lengths > 0  # empty shards inside the span hold none of it
         return lengths[keep], shards[keep]
+
+
+def _read_rows(
+    reader: StreamReader,
+    out: np.ndarray,
+    starts: np.ndarray,
+    first: np.ndarray,
+    last: np.ndarray,
+    local: np.ndarray,
+    length: int,
+) -> None:
+    """Windows of a byte-range backend: each read straight into its row of ``out``.
+
+    With many threads reading from slow storage, this loop's time under the GIL bounds
+    how many reads run at once, so it keeps to one call per window.
+    """
+    size = length * reader.dtype.itemsize
+    rows = out.data.cast("B")  # out is C-contiguous: row r is rows[r*size:(r+1)*size]
+    readinto = reader._in_band.readinto
+    begin = 0
+    for row, (shard, end_shard, offset) in enumerate(
+        zip(first.tolist(), last.tolist(), (local * reader.dtype.itemsize).tolist())
+    ):
+        if shard != end_shard:
+            reader._copy_across(out[row], int(starts[row]), shard, length)
+        else:
+            got = readinto(shard, offset, rows[begin : begin + size])
+            if got != size:
+                raise reader._short_read(shard, got, size)
+        begin += size
+
+
+def _on_grid(count: int, width: int, gather: np.dtype[Any] | None) -> bool:
+    """Whether ``count`` windows of ``width`` bytes at multiples of their length are gathered
+    a shard at a time (:class:`WindowGrid`, through the unsigned ``gather`` dtype) rather
+    than copied row by row: many short ones."""
+    return count >= _FEW_ROWS and width < _ROW_BYTES and gather is not None

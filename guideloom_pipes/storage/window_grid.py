@@ -63,13 +63,13 @@ class WindowGrid:
         self,
         numbers: np.ndarray,
         out: np.ndarray,
-        across: Callable[[np.ndarray, int, int], Any],
+        across: Callable[[np.ndarray, int, int, int], Any],
     ) -> bool:
         """Windows ``numbers`` (a non-empty int64 array of window numbers) into the rows of
         ``out`` (a C-contiguous ``(len(numbers), L)`` array of the mapped arrays'
-        dtype): one ``np.take`` per shard they touch. ``across(row, start, shard)`` copies
-        a window that begins in ``shard`` at element ``start`` and ends in a later one into
-        ``row``. False, with nothing written, where a number is not a window of the stream
+        dtype): one ``np.take`` per shard they touch. ``across(row, start, shard, L)``
+        copies a window that begins in ``shard`` at element ``start`` and ends in a later one
+        into ``row``. False, with nothing written, where a number is not a window of the stream
         (``0 <= n < windows``) or a shard they touch is not mapped."""
         firsts, ends, grids = self._firsts, self._ends, self._grids
         order = numbers.argsort(kind="stable")
@@ -100,6 +100,6 @@ class WindowGrid:
         for grid, shard, begin, inside, end in pieces:
             grid.take(ordered[begin:inside] - firsts[shard], 0, scratch[begin:inside], "clip")
             for row in range(inside, end):  # (windows crossing into the next shard)
-                across(scratch[row], listed[row] * self.length, shard)
+                across(scratch[row], listed[row] * self.length, shard, self.length)
         scratch.take(order.argsort(), 0, out, "clip")
         return True
