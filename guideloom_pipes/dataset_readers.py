@@ -54,6 +54,15 @@ class StreamDatasetReader(DatasetReaderBase):
         length = self.sequence_length
         return self._storage_reader.read(index * length, length)
 
+    def decodes_small_objects(self) -> bool:
+        """Whether its samples are many small Python objects (a loader that decodes them in
+        its own process then keeps small-object memory mapped for them): not windows of a
+        ``StreamNumpyFormat`` stream, which are arrays (a dict of them per sample, or a
+        :class:`~guideloom_pipes.batch.Batch` of columns)."""
+        reader = self._storage_reader
+        format = reader.storage.format
+        return not isinstance(format, StreamNumpyFormat) or isinstance(reader, StreamWithMetaReader)
+
     def read_arrays(
         self, ids: Sequence[int] | np.ndarray, out: WindowBuffers | None = None
     ) -> Batch | list[Any]:
@@ -93,22 +102,21 @@ class StreamDatasetReader(DatasetReaderBase):
 
     def read_column(self, ids: Any) -> np.ndarray | None:
         """The one column of a one-field stream's batch at ``ids`` (a 1-D integer array of
-        ids inside the dataset): its few windows copied row by row into a recycled array
-        of the field's dtype, which is the column; nothing else per batch. None where the
+        ids inside the dataset): its windows copied row by row, or gathered a shard at a
+        time, into a recycled array of the field's dtype, which is the column; nothing else
+        per batch. None where the
         batch takes :meth:`read_arrays`' general read (another format, other ids, many
         windows): that read also names what is wrong with the ids."""
         one = self._one_field
-        if one is None or type(ids) is not np.ndarray or ids.ndim != 1:
-            return None
-        listed = ids.tolist()
         if (
-            not listed
+            one is None
+            or type(ids) is not np.ndarray
+            or ids.ndim != 1
+            or not len(ids)
             or ids.dtype.kind not in "iu"
-            or min(listed) < 0
-            or max(listed) >= self._length
         ):
             return None
-        return self._storage_reader._few_windows(listed, self.sequence_length, one[1])
+        return self._storage_reader._few_windows(ids, self.sequence_length, one[1])
 
     def reads_into_buffers(self) -> bool:
         """Whether :meth:`read_arrays` with ``out`` returns columns that are views of the

@@ -354,6 +354,34 @@ def test_few_windows_of_a_one_field_stream_are_the_samples_whatever_the_ids_dtyp
             reader.read_arrays(np.array([0.0, 1.0]))
 
 
+@pytest.mark.parametrize("backend", [None, PosixPreadIO()], ids=["mmap", "pread"])
+@pytest.mark.parametrize(
+    "shards", [(3000,), SHARDS, (5, 3, 400, 9, 250)], ids=["one", "odd", "shorter-than-L"]
+)
+def test_many_short_windows_gathered_a_shard_at_a_time_are_the_samples(
+    tmp_path: Path, backend: Any, shards: tuple[int, ...]
+) -> None:
+    """A loader's batch of many short windows of a one-field stream is gathered a shard at a
+    time (a ``WindowGrid``): in the batch's order, windows crossing shards (even shards
+    shorter than a window) and repeated ids included, whatever the ids' dtype."""
+    dtype = np.dtype([("tokens", "<i4")])
+    storage = StreamStorage(tmp_path, StreamNumpyFormat(dtype), backend)
+    with storage.sync_writer() as writer:
+        start = 0
+        for shard, size in enumerate(shards):
+            writer.append(shard, {"tokens": np.arange(start, start + size)})
+            start += size
+    with StreamDataset(storage, LENGTH).sync_reader() as reader:
+        rng = np.random.default_rng(len(shards))
+        every = np.arange(len(reader))
+        for ids in (rng.permutation(every), every[::-1], rng.integers(0, len(reader), 40)):
+            for kind in (np.int64, np.int32, np.uint16):
+                column = reader.read_arrays(ids.astype(kind)).columns["tokens"]  # type: ignore[index]
+                assert column.flags.c_contiguous
+                expected = [list(range(i * LENGTH, (i + 1) * LENGTH)) for i in ids.tolist()]
+                assert column.tolist() == expected
+
+
 def test_a_format_of_our_own_with_its_own_columns_is_asked_for_them(tmp_path: Path) -> None:
     class Doubled(StreamNumpyFormat):
         def unpack_columns(self, windows: np.ndarray) -> dict[str, np.ndarray]:

@@ -9,7 +9,10 @@ alternating rounds (A B C A B C ...), reporting the median round:
     stream storage, shuffled, ``L=2048`` batch 8 / ``L=128`` batch 64; ours with 0 and 2
     thread workers against the *hand loop* (baseline: a precomputed permutation, each window
     copied out of per-shard ``np.memmap`` s, ``np.stack``, ``torch.from_numpy``) and
-    ``torch.utils.data.DataLoader`` over a memmap-backed ``Dataset`` with 0 and 2 workers.
+    ``torch.utils.data.DataLoader`` over a memmap-backed ``Dataset`` with 0 and 2 workers;
+    and the *numpy gather* (issue 31): our loader's batches, where each window lies worked
+    out before the loop, gathered by ``np.take`` a shard at a time into one preallocated
+    ``(B, L)`` buffer (the floor of ``collate_fn=None``, whose rows are compared to it).
 ``meta``
     stream with metadata (a payload per chunk of about 100 tokens), ``L=2048`` batch 8.
 ``documents``
@@ -27,6 +30,16 @@ alternating rounds (A B C A B C ...), reporting the median round:
     in a subprocess: a sparse dataset of 2**40 tokens in 1,000 shards; seconds and peak memory
     to the first batch, and the first batch after ``load_state_dict`` at offset 0 and at the
     last batch of the epoch.
+``scale-shards``
+    datasets of 10^3 to 10^6 committed 1,000-token shards (sparse), opened in fresh processes
+    without and with their manifest: open + first batch, resume + first batch, peak RSS above
+    import, the open's file-system calls (``strace -c``), shuffled throughput at 10^6
+    (``bench/scale_shards.py``; without a manifest only up to ``--scale-listing-max``).
+``first-batch``
+    each contender in a fresh process of its own, alternating: from building the storage and
+    the loader (imports done) to the first batch of the tokens (shuffled, ``L=2048`` batch 8),
+    ours with ``prefetch=4`` and without, the same resumed from a state saved mid-epoch by an
+    earlier run, and torch's ``DataLoader(num_workers=0)``; median milliseconds (issue 31).
 ``train-loop``
     a training loop whose step is 50 calls that release the GIL over 10 ms (as a GPU step's
     kernel launches and wait do), ``prefetch=2``, over the tokens (``L=2048`` batch 8) and

@@ -66,6 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--child-phase", default="open", help=argparse.SUPPRESS)
     parser.add_argument("--child-dataloader-memory", help=argparse.SUPPRESS)
     parser.add_argument("--child-megatron-open", help=argparse.SUPPRESS)
+    parser.add_argument("--child-first-batch", help=argparse.SUPPRESS)
     return parser
 
 
@@ -85,6 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from guideloom_pipes.bench.dataloader import memory_child
 
         print(json.dumps(memory_child(json.loads(args.child_dataloader_memory))))
+        return 0
+    if args.child_first_batch is not None:
+        from guideloom_pipes.bench.first_batch import first_batch_child
+
+        print(json.dumps(first_batch_child(json.loads(args.child_first_batch))))
         return 0
     if args.child_megatron_open is not None:
         from guideloom_pipes.bench.corpora import open_child
@@ -119,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("shuffle", bench.shuffle_scenario),
             ("scale", bench.scale_scenario),
             ("scale-shards", bench.scale_shards_scenario),
+            ("first-batch", bench.first_batch_scenario),
             ("train-loop", bench.train_loop_scenario),
             ("mixture", bench.mixture_scenario),
             ("packed", bench.packed_scenario),

@@ -17,6 +17,7 @@ from guideloom_pipes.bench.contenders import (
     OURS_2,
     OURS_2_ARRAYS,
     OURS_2P,
+    OURS_INLINE_ARRAYS,
     PACKED,
     PLAIN,
     SCHEDULED,
@@ -24,6 +25,8 @@ from guideloom_pipes.bench.contenders import (
     _slow_name,
     dataset_row,
 )
+from guideloom_pipes.bench.first_batch import first_batch_lines, first_batch_targets
+from guideloom_pipes.bench.gather import NUMPY_GATHER
 from guideloom_pipes.bench.harness import Row
 from guideloom_pipes.bench.scenarios import DOCUMENTS, TOKENS, TRAIN_DOCUMENTS_OURS
 
@@ -102,6 +105,8 @@ def targets(rows: list[Row], extra: dict[str, Any]) -> list[Target]:
     if "resume" in extra:
         resume = extra["resume"]
         out.append(Target("resume: near end / offset 0", resume["resume_ratio"], 2.0, False))
+    for name, measured, threshold in first_batch_targets(extra):  # issue 31
+        out.append(Target(name, measured, threshold, False))
     # issue 10: a blend as fast as one stream, packing at most twice the cost of windows
     # issue 30: a weight schedule as fast as fixed weights (both read in order)
     pairs = (
@@ -282,6 +287,11 @@ def _issue9_targets(rows: list[Row], scenarios: set[str]) -> list[Target]:
         for row in (OURS_0_ARRAYS, OURS_2_ARRAYS):
             ours = _rate(rows, "tokens-128", row)
             out.append(Target(f"tokens-128: {row} / hand loop", ours / hand, 2.0, True))
+        # issue 31: a batch of short windows costs little more than numpy's gather of them
+        gather = _rate(rows, "tokens-128", NUMPY_GATHER)
+        for row in (OURS_INLINE_ARRAYS, OURS_0_ARRAYS):
+            ours = _rate(rows, "tokens-128", row)
+            out.append(Target(f"tokens-128: {row} / {NUMPY_GATHER}", ours / gather, 0.5, True))
     if "meta" in scenarios:
         torch0 = _rate(rows, "meta", TORCH_0)
         for row in (OURS_0, OURS_2):
@@ -408,6 +418,7 @@ def report(
         )
     from guideloom_pipes.bench.fitting import figure_lines
 
+    latency += first_batch_lines(extra)
     latency += figure_lines(extra)
     opened = extra.get("megatron-open", {})
     for who, name in (("ours", "ours (MegatronIndexedStorage)"), ("megatron", "GPTDataset")):

@@ -67,6 +67,7 @@ from guideloom_pipes.bench.data import (
     collate_pad,
     collate_tokens,
 )
+from guideloom_pipes.bench.gather import NUMPY_GATHER, NumpyGather
 from guideloom_pipes.bench.harness import Contender, Row, Sizes, _close_iterator, measure
 from guideloom_pipes.datasets import StreamDataset
 from guideloom_pipes.formats import StreamNumpyFormat
@@ -82,6 +83,7 @@ SCENARIOS = (
     "scale",
     "resume",
     "scale-shards",
+    "first-batch",
     "train-loop",
     "mixture",
     "packed",
@@ -152,9 +154,11 @@ class Bench:
         hand = HandLoop(storage, length, batch, SEED)
         stream = {"sequence_length": length, "local_batch_size": batch}
         limit = CopyLimit(storage, length, batch, SEED)
+        gather = NumpyGather(storage, length, batch, SEED)
         contenders = [
             Contender("hand loop", lambda: iter(hand), count),
             Contender(COPY_LIMIT, lambda: iter(limit), count),
+            Contender(NUMPY_GATHER, lambda: iter(gather), count),
             _ours_contender(
                 OURS_0_ARRAYS, storage, None, count, num_workers=0, prefetch=4, **stream
             ),
@@ -664,6 +668,14 @@ class Bench:
         self.extra["scale-shards"] = scale_shards_rows(
             self.root, counts, self.sizes.scale_listing_max, self.log
         )
+
+    def first_batch_scenario(self) -> None:
+        """Build + first batch in fresh processes, ours (new and resumed) against torch's
+        ``DataLoader`` (``bench/first_batch.py``)."""
+        from guideloom_pipes.bench import first_batch
+
+        figures = first_batch.first_batch_figures(self.tokens(), self.sizes.resume_rounds, self.log)
+        self.extra[first_batch.SCENARIO] = figures
 
     def train_loop_scenario(self) -> None:
         from guideloom_pipes.loader import StatefulDataLoader

@@ -224,6 +224,10 @@ def _load_position(
 ) -> None:
     """The checks that need the state's seed in place (the shard order's plan follows it),
     then the position itself."""
+    # The checks read the dataset (its fingerprint, its size): they read the loader's own
+    # reader, opened now for the next iter() (a reader opened for them alone made a resume
+    # open the dataset three times: fingerprint, size, iter())
+    loader.open()
     saved_fingerprint = state_dict.get(FINGERPRINT_KEY)
     if saved_fingerprint is not None:
         check_fingerprint(loader, saved_fingerprint)

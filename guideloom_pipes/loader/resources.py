@@ -54,9 +54,13 @@ class LoaderResources:
         self.reader, self.owns_reader = reader, owns_reader
         self.is_open = True
         self.fingerprint = reader_fingerprint(reader)
-        if not (settings.num_workers > 0 and settings.parallel_method == "process"):
+        if (
+            not (settings.num_workers > 0 and settings.parallel_method == "process")
+            and getattr(reader, "decodes_small_objects", lambda: True)()
+        ):
             # samples are decoded in this process: keep small-object memory mapped for
-            # them while the loader is open (see reserve_small_object_memory)
+            # them while the loader is open (see reserve_small_object_memory); not for
+            # windows of arrays (4 MiB of blocks to make cost 5-15 ms of the first batch)
             self._reserve = weakref.finalize(self, hold_small_object_reserve())
 
     def close(self) -> None:

@@ -484,6 +484,7 @@ class StatefulDataLoader(Iterable[BatchT], Sized, SyncContextManager, Generic[So
         size warns. A state's ``base_seed`` replaces this loader's (worker processes started
         with another one start again), so the resumed batches draw what the saved run's did.
         A state of another dataset version, mixture or order is refused (``ValueError``).
+        It opens the loader, as ``iter()`` does (the checks read the dataset through it).
 
         Args:
             state_dict: A dict from :meth:`state_dict` (or GuideLoom's).

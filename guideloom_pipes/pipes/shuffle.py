@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.random  # (imported now, not in the first batch: see below)
 import numpy.typing as npt
 from torchdata.nodes import BaseNode
 
@@ -17,6 +18,9 @@ from guideloom_pipes.shuffle import FeistelPermutation
 
 __all__ = ["Shuffle", "draw_seed", "state_marks"]
 
+# numpy imports numpy.random lazily, on first use: here it is the epoch's Feistel key
+# (FeistelPermutation.for_epoch), so without the import above the first batch of a shuffled
+# loader would pay for it (10-100 ms), after the loader was built.
 _I64 = npt.NDArray[np.int64]
 _EMPTY = np.empty(0, dtype=np.int64)
 _EMPTY.flags.writeable = False

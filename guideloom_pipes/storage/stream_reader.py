@@ -18,6 +18,7 @@ from guideloom_pipes.storage.names import IN_BAND, shard_name
 from guideloom_pipes.storage.recycle import BufferPool
 from guideloom_pipes.storage.shard_listing import FileSizes, ShardListing
 from guideloom_pipes.storage.stream_checks import _checked_out, as_indexes, check_read_size
+from guideloom_pipes.storage.window_grid import WindowGrid
 from guideloom_pipes.types import StreamStorageSyncReaderAbstract
 
 if TYPE_CHECKING:
@@ -28,7 +29,9 @@ if TYPE_CHECKING:
 #: ``memoryview`` slices (:meth:`StreamReader._copy_rows`). Measured, in microseconds per
 #: window of 4-byte tokens, gathered / row by row: 64 windows of 128 tokens 0.70 / 0.35,
 #: of 2048 1.35 / 0.91; 16 of 2048 2.9 / 1.0; 512 of 2048 0.94 / 0.96; 512 of 128
-#: 0.19 / 0.36; 256 of 32 0.20 / 0.28; 4096 of 16 0.11 / 0.39.
+#: 0.19 / 0.36; 256 of 32 0.20 / 0.28; 4096 of 16 0.11 / 0.39. (A loader's windows, at
+#: multiples of their length, take :class:`WindowGrid`'s gather instead from ``_FEW_ROWS``
+#: short ones on: 64 of 128 in about half the time of their row copies.)
 _GATHER_ROWS = 128
 #: ... and fewer windows than this always.
 _FEW_ROWS = 16
@@ -102,6 +105,8 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         # a few windows: a memoryview slice assignment costs a third of numpy's per row)
         self._bytes: list[memoryview | None] = [None] * listing.num_shards
         self._views: dict[tuple[int, int], np.ndarray] = {}
+        # per window length: the windows at its multiples as rows of each shard's mapping
+        self._grids: dict[int, WindowGrid] = {}
         # the arrays of the windows read, reused once no batch refers to them (see recycle)
         self._pool = BufferPool()
 
@@ -142,6 +147,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         self._arrays = []
         self._bytes = []
         self._views = {}
+        self._grids = {}
         pool = getattr(self, "_pool", None)  # (None: never opened)
         if pool is not None:
             pool.clear()
@@ -260,14 +266,15 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         last = np.searchsorted(self._starts, starts + (length - 1), side="right") - 1
         local = starts - self._starts[first]
         if self._mapped_array(int(first[0])) is None:
-            self._read_rows(out, starts, first, last, local, length)
+            _read_rows(self, out, starts, first, last, local, length)
             return out.view(self.dtype)
         if first[0] == last[-1] and bool((first == last).all()) and bool((first == first[0]).all()):
             # all in one shard (one shard, or a small batch): one gather, one copy per token
             view = self._window_view(int(first[0]), length)
             if view is not None:
                 rows_out = out.view(self._gather) if self._gather is not None else out
-                np.take(view, local, axis=0, out=rows_out)
+                # (fancy indexing: np.take would first copy the strided view, the whole shard)
+                rows_out[...] = view[local]
                 return out.view(self.dtype)
         if len(starts) >= _GATHER_ROWS:
             self._gather_rows(out, starts, first, last, local, length)
@@ -289,18 +296,33 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         return out.view(self.dtype)
 
     def _few_windows(
-        self, numbers: list[int], length: int, dtype: np.dtype[Any] | None = None
+        self, numbers: np.ndarray, length: int, dtype: np.dtype[Any] | None = None
     ) -> np.ndarray | None:
-        """Windows ``[n * length, (n + 1) * length)`` for the ``numbers`` (Python ints, checked
-        to lie inside the stream) as a recycled ``(len(numbers), length)`` array, copied row
-        by row, where they are few and their shards mapped; else None (then
-        :meth:`_windows` reads them). The array is of ``dtype`` (one as wide as the
-        element: a column's own), by default the opaque ``_raw``."""
+        """Windows ``[n * length, (n + 1) * length)`` for the ``numbers`` (a non-empty 1-D
+        integer array) as a recycled ``(len(numbers), length)`` array, where their shards
+        are mapped: a few, or long ones, copied row by row; many short ones gathered a shard
+        at a time (:class:`WindowGrid`). Else None (then :meth:`_windows` reads them), also
+        where a number is not a window of the stream (the caller's general read names it).
+        The array is of ``dtype`` (one as wide as the element: a column's own), by default
+        the opaque ``_raw``."""
         count = len(numbers)
+        raw = self._raw if dtype is None else dtype
+        if _on_grid(count, length * self.dtype.itemsize, self._gather):
+            assert self._gather is not None
+            windows = self._grids.get(length)
+            if windows is None:
+                windows = self._grids[length] = WindowGrid(self._starts, length, self._mapped_array)
+            out = self._pool.take((count, length), raw)
+            numbers = numbers.astype(np.int64, copy=False)
+            done = windows.gather(numbers, out.view(self._gather), self._copy_across)
+            return out if done else None
         if count >= _FEW_ROWS and not self._by_rows(count, length):
             return None
-        out = self._pool.take((count, length), self._raw if dtype is None else dtype)
-        return out if self._copy_rows(out, numbers, length, length) else None
+        listed = numbers.tolist()
+        if min(listed) < 0 or max(listed) >= self._total // length:
+            return None
+        out = self._pool.take((count, length), raw)
+        return out if self._copy_rows(out, listed, length, length) else None
 
     def _by_rows(self, count: int, length: int) -> bool:
         """Whether ``count`` windows of ``length`` are copied row by row (see
@@ -377,35 +399,6 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         for row in np.flatnonzero(~inside).tolist():
             self._copy_across(out[row], int(starts[row]), int(first[row]), length)
 
-    def _read_rows(
-        self,
-        out: np.ndarray,
-        starts: np.ndarray,
-        first: np.ndarray,
-        last: np.ndarray,
-        local: np.ndarray,
-        length: int,
-    ) -> None:
-        """Windows of a byte-range backend: each read straight into its row of ``out``.
-
-        With many threads reading from slow storage, this loop's time under the GIL bounds
-        how many reads run at once, so it keeps to one call per window.
-        """
-        size = length * self.dtype.itemsize
-        rows = out.data.cast("B")  # out is C-contiguous: row r is rows[r*size:(r+1)*size]
-        readinto = self._in_band.readinto
-        begin = 0
-        for row, (shard, end_shard, offset) in enumerate(
-            zip(first.tolist(), last.tolist(), (local * self.dtype.itemsize).tolist())
-        ):
-            if shard != end_shard:
-                self._copy_across(out[row], int(starts[row]), shard, length)
-            else:
-                got = readinto(shard, offset, rows[begin : begin + size])
-                if got != size:
-                    raise self._short_read(shard, got, size)
-            begin += size
-
     def _short_read(self, shard: int, got: int, expected: int) -> CorruptShardError:
         return CorruptShardError(
             f"{self._shard_path(shard, IN_BAND)} returned {got} bytes where {expected} were "
@@ -443,3 +436,40 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         shards = np.arange(first, last + 1, dtype=np.int64)
         keep = lengths > 0  # empty shards inside the span hold none of it
         return lengths[keep], shards[keep]
+
+
+def _read_rows(
+    reader: StreamReader,
+    out: np.ndarray,
+    starts: np.ndarray,
+    first: np.ndarray,
+    last: np.ndarray,
+    local: np.ndarray,
+    length: int,
+) -> None:
+    """Windows of a byte-range backend: each read straight into its row of ``out``.
+
+    With many threads reading from slow storage, this loop's time under the GIL bounds
+    how many reads run at once, so it keeps to one call per window.
+    """
+    size = length * reader.dtype.itemsize
+    rows = out.data.cast("B")  # out is C-contiguous: row r is rows[r*size:(r+1)*size]
+    readinto = reader._in_band.readinto
+    begin = 0
+    for row, (shard, end_shard, offset) in enumerate(
+        zip(first.tolist(), last.tolist(), (local * reader.dtype.itemsize).tolist())
+    ):
+        if shard != end_shard:
+            reader._copy_across(out[row], int(starts[row]), shard, length)
+        else:
+            got = readinto(shard, offset, rows[begin : begin + size])
+            if got != size:
+                raise reader._short_read(shard, got, size)
+        begin += size
+
+
+def _on_grid(count: int, width: int, gather: np.dtype[Any] | None) -> bool:
+    """Whether ``count`` windows of ``width`` bytes at multiples of their length are gathered
+    a shard at a time (:class:`WindowGrid`, through the unsigned ``gather`` dtype) rather
+    than copied row by row: many short ones."""
+    return count >= _FEW_ROWS and width < _ROW_BYTES and gather is not None

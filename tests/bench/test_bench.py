@@ -211,6 +211,40 @@ def test_scale_shards_opens_each_dataset_with_and_without_its_manifest(
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
+def test_the_first_batch_figures_are_each_contenders_fresh_process(
+    report: dict[str, Any],
+) -> None:
+    from guideloom_pipes.bench import first_batch
+
+    figures = report["scenarios"][first_batch.SCENARIO]
+    assert set(figures["median_ms"]) == set(first_batch.CONTENDERS)
+    for name, times in figures["ms"].items():
+        assert len(times) == 1 and all(_positive(ms) for ms in times), name  # (1 round)
+        assert figures["median_ms"][name] == times[0]
+    first = figures["first_tokens"]
+    # a new loader of ours starts the epoch, a resumed one where the saved run stopped
+    assert first[first_batch.OURS_4] == first[first_batch.OURS_0]
+    assert first[first_batch.RESUMED_4] == first[first_batch.RESUMED_0]
+    assert first[first_batch.RESUMED_4] != first[first_batch.OURS_4]
+
+
+def test_a_resumed_first_batch_child_reads_where_the_saved_run_stopped(tmp_path: Path) -> None:
+    from guideloom_pipes.bench import first_batch
+
+    storage = bench.build_tokens(tmp_path / "t", 300_000, 3)
+    state = first_batch.saved_state(storage)
+    arguments = {"directory": str(storage.dir), "state": state}
+    resumed = first_batch.first_batch_child(
+        {**arguments, "who": "ours", "prefetch": 0, "resume": True}
+    )
+    loader = first_batch.ours_loader(storage, 0)
+    batches = list(loader)
+    assert resumed["first"] == batches[first_batch.SAVED_AFTER][0, :4].tolist()
+    assert _positive(resumed["seconds"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
 def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
     names = [target["name"] for target in report["targets"]]
     for prefix in (
@@ -218,6 +252,8 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "tokens-2048: ours workers=2 threads prefetch=4 / ours workers=0",
         "tokens-128: ours workers=0 prefetch=4 / hand loop",
         "tokens-128: ours workers=2 threads prefetch=4 / ours workers=0",
+        "tokens-128: ours workers=0 prefetch=0 (inline), collate_fn=None / numpy gather",
+        "tokens-128: ours workers=0 prefetch=4, collate_fn=None / numpy gather",
         "documents: processes / threads",
         "slow-storage: 8 workers",
         "slow-storage: 32 workers",
@@ -225,6 +261,10 @@ def test_every_target_of_the_issue_is_checked(report: dict[str, Any]) -> None:
         "scale: first batch",
         "scale: peak RSS",
         "resume: near end",
+        "first-batch: ours prefetch=4 / torch DataLoader workers=0",
+        "first-batch: ours prefetch=0 / torch DataLoader workers=0",
+        "first-batch: ours resumed, prefetch=4 / ours prefetch=4",
+        "first-batch: ours resumed, prefetch=0 / ours prefetch=0",
         "train-loop: ours workers=0",
         "train-loop: ours workers=2",
         "train-loop: documents, ours workers=2 processes prefetch=2: step / step alone",
@@ -387,6 +427,32 @@ def test_hand_loop_crosses_shard_boundaries(tmp_path: Path) -> None:
         ids = loop.permutation[step * 4 : (step + 1) * 4]
         for row, sample in enumerate(ids.tolist()):
             assert batch[row].tolist() == stream[sample * 7 : sample * 7 + 7].tolist()
+
+
+@pytest.mark.parametrize(("length", "batch"), [(128, 64), (7, 16)])
+def test_the_numpy_gather_gives_our_loaders_batches(
+    tmp_path: Path, length: int, batch: int
+) -> None:
+    from guideloom_pipes import StatefulDataLoader
+    from guideloom_pipes.bench.gather import NumpyGather
+
+    storage = bench.build_tokens(tmp_path / "t", 100_003, 3)  # windows cross the shards
+    gather = NumpyGather(storage, length, batch, bench.SEED)
+    assert gather.across  # (some batch holds a window across shards)
+    loader = StatefulDataLoader.from_storage(
+        storage,
+        None,
+        sequence_length=length,
+        local_batch_size=batch,
+        shuffle=True,
+        shuffle_seed=bench.SEED,
+        device="cpu",
+    )
+    ours = [batch["tokens"] for batch in loader]
+    theirs = list(gather.batches())
+    assert len(ours) == len(theirs) == gather.steps
+    for mine, other in zip(ours, theirs):
+        assert torch.equal(mine, other)
 
 
 def test_memmap_meta_baseline_matches_our_reader(tmp_path: Path) -> None:
