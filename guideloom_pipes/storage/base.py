@@ -121,6 +121,16 @@ class StorageBase(Storage):
         """The read backend behind the one calling convention the readers use."""
         return resolve_backend(self.read_interface)
 
+    def _local_io(self, why: str) -> ResolvedBackend:
+        """The read backend, which must be a local one: ``why`` says what needs it."""
+        io = self._resolve_io()
+        if not io.local:
+            raise TypeError(
+                f"{why}, so it needs a local directory; {self.read_interface!r} is not a "
+                f"local backend"
+            )
+        return io
+
     def verify(self) -> dict[str, int]:
         """Check every committed shard's checksums; raise on a mismatch. Counts checked.
 
@@ -147,12 +157,7 @@ class StorageBase(Storage):
         write lock. Only seal shards whose writers have finished. Returns the shard ids
         sealed (``[]`` if every shard already had a record).
         """
-        io = self._resolve_io()
-        if not io.local:
-            raise TypeError(
-                f"seal() writes records next to the shard files, so it needs a local directory; "
-                f"{self.read_interface!r} is not a local backend"
-            )
+        io = self._local_io("seal() writes records next to the shard files")
         listing = discover(io, self.dir, self.suffixes)
         bare = [shard for shard in range(listing.num_shards) if shard not in listing.records]
         if not bare:
@@ -192,12 +197,7 @@ class StorageBase(Storage):
         a writer is writing (:class:`~guideloom_pipes.storage.ShardLockedError`).
         ``own_marker``: the marker of a writer that indexes what it wrote (write_parallel).
         """
-        io = self._resolve_io()
-        if not io.local:
-            raise TypeError(
-                f"index() writes the manifest into the dataset directory, so it needs a local "
-                f"directory; {self.read_interface!r} is not a local backend"
-            )
+        io = self._local_io("index() writes the manifest into the dataset directory")
         listing = discover(io, self.dir, self.suffixes)
         reader = self.sync_reader()
         check_listing(
@@ -229,11 +229,7 @@ class StorageBase(Storage):
         holds are left alone. Every writer's ``open`` does the same. Returns the shard ids
         ``{"rolled_forward": [...], "removed": [...], "cleaned": [...]}``.
         """
-        if not self._resolve_io().local:
-            raise TypeError(
-                f"recover() changes files of the dataset directory, so it needs a local "
-                f"directory; {self.read_interface!r} is not a local backend"
-            )
+        self._local_io("recover() changes files of the dataset directory")
         return recover_directory(os.fspath(self.dir))
 
     def __repr__(self) -> str:
