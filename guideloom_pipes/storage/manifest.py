@@ -18,8 +18,9 @@ package list only shard file names, and ignore it):
 
 A table file: 8 magic bytes, the header's length (8 bytes, little-endian), the header (JSON),
 zero padding to 8 bytes, then each column (``int64``, little-endian) in the order the header
-names them. The header holds each column's CRC-32, checked when the column is first used:
-an open of a million shards reads only the size columns.
+names them. The header holds the CRC-32 of each block of 65,536 rows of each column, checked
+when the block is first used: an open of a million shards reads its size columns, and each
+shard's first read a block of the others.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ SUFFIX = ".bin"
 _MAGIC = b"GLPMAN\x00\x01"
 VERSION = 1
 
+#: rows per checksummed block of a column (512 KiB)
+BLOCK_ROWS = 1 << 16
 #: columns every table has (``-1``: unknown or absent, e.g. no record)
 BASE_COLUMNS = ("shard", "record_size", "record_ino", "record_mtime", "count", "payloads")
 #: columns per file kind, named ``<what><i>`` for the storage's ``i``-th suffix
@@ -85,6 +88,7 @@ class ManifestTable:
     #: where the columns were read from (their CRC-32 checked on first use), else None
     _source: str | None = None
     _checked: set[str] = field(default_factory=set)
+    _checked_blocks: set[tuple[str, int]] = field(default_factory=set)
 
     @property
     def rows(self) -> int:
@@ -95,17 +99,34 @@ class ManifestTable:
         return tuple(self.header["suffixes"])
 
     def column(self, name: str) -> np.ndarray:
-        """Column ``name``, checked against its CRC-32 the first time."""
+        """Column ``name``, each block checked against its CRC-32 the first time."""
         found = self.columns[name]
         if name not in self._checked:
-            crc = self.header.get("crc32", {}).get(name)
-            if crc is not None and zlib.crc32(found.data) != crc:
-                raise CorruptShardError(
-                    f"the manifest {self._source} is damaged (column {name!r} fails its "
-                    f"checksum); delete it and run `guideloom-pipes index` on the dataset"
-                )
+            for block in range(-(-len(found) // BLOCK_ROWS)):
+                self._check(name, block)
             self._checked.add(name)
         return found
+
+    def value(self, name: str, row: int) -> int:
+        """Column ``name`` at ``row``, its block checked against its CRC-32 the first time
+        (what a shard's first read needs: a few pages of each column, not all of them)."""
+        found = self.columns[name]
+        if name not in self._checked:
+            self._check(name, row // BLOCK_ROWS)
+        return int(found[row])
+
+    def _check(self, name: str, block: int) -> None:
+        key = (name, block)
+        if key in self._checked_blocks:
+            return
+        crcs = self.header.get("crc32", {}).get(name)
+        found = self.columns[name][block * BLOCK_ROWS : (block + 1) * BLOCK_ROWS]
+        if crcs is not None and zlib.crc32(found.data) != crcs[block]:
+            raise CorruptShardError(
+                f"the manifest {self._source} is damaged (column {name!r} fails its "
+                f"checksum); delete it and run `guideloom-pipes index` on the dataset"
+            )
+        self._checked_blocks.add(key)
 
     def file_column(self, what: str, suffix: str) -> np.ndarray:
         """Column ``what`` (size, ino, mtime, crc) of the ``suffix`` files."""
@@ -118,7 +139,13 @@ class ManifestTable:
         if any(len(c) != self.rows for c in columns):
             raise ValueError("manifest columns of different lengths")
         header = dict(self.header, columns=list(names), version=VERSION)
-        header["crc32"] = {n: zlib.crc32(c.data) for n, c in zip(names, columns)}
+        header["crc32"] = {
+            n: [
+                zlib.crc32(c[start : start + BLOCK_ROWS].data)
+                for start in range(0, len(c), BLOCK_ROWS)
+            ]
+            for n, c in zip(names, columns)
+        }
         raw = json.dumps(header, sort_keys=True).encode()
         raw += b" " * (-(len(raw) + 16) % 8)
         temporary = f"{path}.{secrets.token_hex(4)}.tmp"

@@ -169,6 +169,9 @@ class _Columns(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         return self._table.column(name)
 
+    def value(self, name: str, row: int) -> int:
+        return self._table.value(name, row)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._table.columns)
 
@@ -262,7 +265,7 @@ class _FileColumn(Mapping[tuple[int, str], Any]):
         listing = self._listing
         if not 0 <= shard < listing.num_shards or suffix not in listing.suffixes:
             raise KeyError(key)
-        value = int(listing.file_column(self._what, suffix)[shard])
+        value = listing.value(f"{self._what}{listing.suffixes.index(suffix)}", shard)
         return (listing.dev, value) if self._what == "ino" else value
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
@@ -328,6 +331,13 @@ class ManifestListing(ShardListing):
     def file_column(self, what: str, suffix: str) -> np.ndarray:
         return self.loaded.columns[f"{what}{self.suffixes.index(suffix)}"]
 
+    def value(self, name: str, shard: int) -> int:
+        """Column ``name`` at ``shard`` (of a table read from disk: its block checked)."""
+        columns = self.loaded.columns
+        if isinstance(columns, _Columns):
+            return columns.value(name, shard)
+        return int(columns[name][shard])
+
     def file_sizes(self) -> FileSizes:
         """Each shard's file sizes, straight from the table."""
         return FileSizes({suffix: self.file_column("size", suffix) for suffix in self.suffixes})
@@ -338,7 +348,7 @@ class ManifestListing(ShardListing):
         with the shard's first file, the record itself, read and checked again as the open
         would if it is not the file the table describes. Raises the error that open would
         raise; False where the shard was recommitted (a new record)."""
-        committed = int(self.file_column("size", suffix)[shard])
+        committed = self.value(f"size{self.suffixes.index(suffix)}", shard)
         if info.st_size != committed:
             where, name = os.fspath(self.directory), shard_name(shard) + suffix
             change = "was truncated" if info.st_size < committed else "grew"
@@ -349,16 +359,15 @@ class ManifestListing(ShardListing):
             )
         if suffix != self.suffixes[0] or not self.has_records:
             return True
-        columns = self.loaded.columns
         path = os.fspath(self.directory / (shard_name(shard) + RECORD))
         try:
             record = os.stat(path)
         except FileNotFoundError:
             return False
         row = (
-            int(columns["record_ino"][shard]),
-            int(columns["record_size"][shard]),
-            int(columns["record_mtime"][shard]),
+            self.value("record_ino", shard),
+            self.value("record_size", shard),
+            self.value("record_mtime", shard),
         )
         if (record.st_ino, record.st_size, record.st_mtime_ns) == row:
             return True
@@ -371,7 +380,7 @@ class ManifestListing(ShardListing):
         the files the table does."""
         with open(path, "rb") as file:
             record = ShardRecord.from_json(file.read(), path)  # raises: unreadable
-        found = {s: int(self.file_column("size", s)[shard]) for s in self.suffixes}
+        found = {s: self.value(f"size{i}", shard) for i, s in enumerate(self.suffixes)}
         single = ShardListing(
             self.directory,
             self.num_shards,
@@ -381,7 +390,7 @@ class ManifestListing(ShardListing):
         check_shard(single, self.loaded.header["kind"], self.suffixes, self.dtype, shard)
         for i, suffix in enumerate(self.suffixes):
             committed = record.files.get(suffix.lstrip("."))
-            crc = int(self.loaded.columns[f"crc{i}"][shard])
+            crc = self.value(f"crc{i}", shard)
             if committed is None or committed.crc32 != crc:
                 return False
         return True

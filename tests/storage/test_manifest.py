@@ -19,7 +19,7 @@ from shard_kinds import KINDS, SUFFIXES, expected, read, storage, write
 
 from guideloom_pipes.storage import CorruptShardError, StaleManifestWarning
 from guideloom_pipes.storage import base as storage_base
-from guideloom_pipes.storage.manifest import MAIN, MANIFEST_DIR, MARKER_PREFIX
+from guideloom_pipes.storage.manifest import MAIN, MANIFEST_DIR, MARKER_PREFIX, ManifestTable
 from guideloom_pipes.storage.manifest_open import ManifestListing
 from guideloom_pipes.storage.shard_listing import ShardListing
 
@@ -240,3 +240,35 @@ def test_write_parallel_leaves_a_whole_checked_manifest(
 
 def _tokens(item: int) -> list[dict[str, np.ndarray]]:
     return [{"tokens": np.array([item, item + 1], dtype=np.int32)}]
+
+
+def test_a_damaged_manifest_block_is_named_when_a_shard_in_it_is_first_read(
+    tmp_path: Path,
+) -> None:
+    write("stream", tmp_path, SHARDS)
+    main = tmp_path / MANIFEST_DIR / MAIN
+    storage("stream", tmp_path).index()
+    table = ManifestTable.read(str(main))
+    offset = main.stat().st_size - 8 * table.rows * len(table.columns)
+    names = list(table.header["columns"])
+    at = offset + 8 * table.rows * names.index("record_mtime") + 8 * 2  # shard 2
+    raw = bytearray(main.read_bytes())
+    raw[at] ^= 0xFF
+    main.write_bytes(bytes(raw))  # in place: the directory does not change
+    with pytest.raises(CorruptShardError, match=r"manifest .* is damaged .*'record_mtime'"):
+        read("stream", tmp_path)
+
+
+def test_a_reader_of_many_shards_keeps_their_bounds_in_an_array_and_reads_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from guideloom_pipes.storage import stream_reader
+
+    write("stream", tmp_path, SHARDS)
+    listed = read("stream", tmp_path)
+    monkeypatch.setattr(stream_reader, "_LISTED_BOUNDS", 1)  # as past 65,536 shards
+    with storage("stream", tmp_path).sync_reader() as reader:
+        assert not isinstance(reader._bounds, list)
+        windows = reader.read_windows(np.array([0, 3, 5, 9, 13]), 4)["tokens"].tolist()
+    assert windows == [listed[s : s + 4] for s in (0, 3, 5, 9, 13)]
+    assert read("stream", tmp_path) == listed
