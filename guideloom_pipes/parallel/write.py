@@ -111,6 +111,9 @@ def write_parallel(
     manifest = _Manifest(storage, plan)
     try:
         report = _run(plan, run, mode)
+    except KeyboardInterrupt as interrupt:
+        manifest.end(written=False)
+        raise interrupt.with_traceback(None) from None
     except BaseException:
         manifest.end(written=False)
         raise
@@ -122,9 +125,9 @@ def _run(plan: _Plan, run: _Run, mode: str) -> WriteReport:
     """Run the items; the report (see :func:`_finish`)."""
     try:
         run.submit_and_collect()
-    except KeyboardInterrupt as interrupt:
+    except KeyboardInterrupt:
         _interrupted(run.executor, run.owned, run.pending, plan.report, len(plan.work))
-        raise interrupt.with_traceback(None) from None
+        raise  # write_parallel raises it anew: its traceback starts at the caller
     finally:
         run.close()
     return _finish(plan, run, mode)
