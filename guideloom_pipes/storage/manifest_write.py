@@ -200,8 +200,7 @@ class ManifestSession:
         manifest without listing the directory while its modification time stays
         ``after``."""
         names = os.listdir(self.folder)
-        mine = os.path.basename(self.marker)
-        if any(n.startswith(MARKER_PREFIX) and n != mine for n in names):
+        if _other_markers(names, self.marker):
             return False  # its writer verifies when it finishes
         tables = [table]
         for name in names:
@@ -247,8 +246,14 @@ def _shard_files(directory: str) -> bool:
 
 
 def _only_marker(folder: str, marker: str) -> bool:
+    return not _other_markers(os.listdir(folder), marker)
+
+
+def _other_markers(names: Iterable[str], marker: str) -> bool:
+    """Whether ``names`` (the manifest folder's) hold another writer's marker than
+    ``marker``."""
     mine = os.path.basename(marker)
-    return not any(n.startswith(MARKER_PREFIX) and n != mine for n in os.listdir(folder))
+    return any(n.startswith(MARKER_PREFIX) and n != mine for n in names)
 
 
 class _CompactLock:
