@@ -1248,3 +1248,55 @@ def test_a_loop_stopped_by_a_failed_batch_frees_the_iterator_without_the_collect
     finally:
         gc.enable()
         loader.close()
+
+
+#: How the read stage may deliver a batch, as its schedule decides from the timings it
+#: measures (so a loaded machine takes any of them): the calling thread reading chunks of
+#: batches with one read (a failed read is then read again batch by batch), or batch by
+#: batch; the workers reading jobs of one or of several batches.
+_ROUTES = {
+    "caller-chunks": (True, 4),
+    "caller-one-by-one": (True, 1),
+    "workers-chunks": (False, 4),
+    "workers-one-by-one": (False, 1),
+}
+
+
+@pytest.mark.filterwarnings("ignore:prefetch \\* local_batch_size")
+@pytest.mark.parametrize("route", list(_ROUTES))
+@pytest.mark.parametrize("kw", [{"num_workers": 2}, {"prefetch": 2}], ids=str)
+def test_a_failed_batch_frees_the_iterator_whichever_way_the_schedule_read_it(
+    monkeypatch, route, kw
+):
+    """The same, with each of the schedule's ways to read forced (the test above takes
+    whichever the timings choose, and failed in a CI run): a failed batch's outcome kept its
+    error after it was raised, and the error's traceback holds the frames that read the
+    batch and, through their callers, the lists that held that outcome, a cycle that kept
+    the iterator alive until the collector ran. The error is raised once, without the
+    failed chunk read's error as its context."""
+    from guideloom_pipes.pipes.workers.schedule import ReadSchedule
+
+    inline, chunk = _ROUTES[route]
+    monkeypatch.setattr(ReadSchedule, "reads_inline", lambda self: inline)
+    monkeypatch.setattr(ReadSchedule, "chunk_size", lambda self: chunk)
+
+    class FailsAt(_Recording):
+        def read_batch(self, ids: np.ndarray) -> list[int]:
+            if 5 in ids:
+                raise ValueError("sample 5 cannot be read")
+            return super().read_batch(ids)
+
+    loader = _loader(FailsAt(22), **kw)
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(ValueError, match="sample 5") as raised:
+            for _batch in loader:
+                pass
+        assert raised.value.__context__ is None
+        del raised
+        assert loader._active_iterator() is None
+        assert threads_end(timeout=5) == []
+    finally:
+        gc.enable()
+        loader.close()

@@ -235,11 +235,12 @@ def _dump_outcomes(outcomes: list[Any], ring: ResultRing | None) -> tuple[bytes,
         return dump_result(outcomes, ring)
     except Exception as error:
         try:
-            failed = [Failed(error)] * len(outcomes)
+            failed = [Failed(error) for _ in outcomes]
             return pickle.dumps(failed, protocol=5), []
         except Exception:
             replacement = RuntimeError(f"{type(error).__name__}: {error}")
-            return pickle.dumps([Failed(replacement)] * len(outcomes), protocol=5), []
+            failed = [Failed(replacement) for _ in outcomes]
+            return pickle.dumps(failed, protocol=5), []
 
 
 def pack_ids(batches: list[Ids]) -> tuple[bytes, list[int]]:
@@ -368,7 +369,7 @@ def _process_worker(
             try:
                 outcomes = state.run(batches, extra)
             except BaseException as error:  # a KeyboardInterrupt or SystemExit of user code
-                outcomes = [Failed(error)] * len(batches)
+                outcomes = [Failed(error) for _ in batches]
             _answer(conn, ring, job_id, started, outcomes)
             del outcomes
     except (KeyboardInterrupt, BrokenPipeError, ConnectionResetError):

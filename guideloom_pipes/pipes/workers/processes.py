@@ -26,7 +26,7 @@ from guideloom_pipes.pipes.workers.process_main import (
     _process_worker,
     pack_ids,
 )
-from guideloom_pipes.pipes.workers.tasks import Failed, RemoteTraceback
+from guideloom_pipes.pipes.workers.tasks import Failed
 from guideloom_pipes.pipes.workers.threads import WAKE_SECONDS, timed_out
 from guideloom_pipes.pipes.workers.transport import ResultRing, load_result
 
@@ -429,7 +429,7 @@ class ProcessPool:
         job_id, elapsed, places, data = pickle.loads(message)
         if job_id < 0:  # the worker could not start
             failed = load_result(data, [], None)[0]
-            raise failed.error from RemoteTraceback(failed.remote)
+            raise failed.raised()
         job = worker.jobs.popleft()
         assert job.id == job_id, (job.id, job_id)
         if job.abandoned:
@@ -439,7 +439,7 @@ class ProcessPool:
         try:
             outcomes = load_result(data, places, worker.ring)
         except Exception as error:
-            outcomes = [Failed(error)] * job.size
+            outcomes = [Failed(error) for _ in range(job.size)]
         job.result = (outcomes, elapsed)
         job.done = True
 

@@ -37,21 +37,28 @@ class Failed:
     __slots__ = ("error", "remote")
 
     def __init__(self, error: BaseException, remote: str | None = None) -> None:
-        self.error = error
+        self.error: BaseException | None = error
         self.remote = remote
 
     def __reduce__(self) -> tuple[Any, ...]:
-        remote = self.remote
+        error, remote = self.error, self.remote
+        if error is None:
+            raise RuntimeError("a failed batch whose error was raised is not sent on")
         if remote is None:
-            remote = "".join(
-                traceback.format_exception(type(self.error), self.error, self.error.__traceback__)
-            )
-        return (Failed, (self.error, remote))
+            remote = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        return (Failed, (error, remote))
 
     def raised(self) -> BaseException:
         """The error to raise, with the worker's traceback as its cause where it came from
-        a worker process."""
+        a worker process; taken out of this outcome, which is spent then (each batch has
+        its own). Once raised, the error's traceback holds the frames that read the batch,
+        and with them (through their callers) the lists that held this outcome: an outcome
+        that kept its error would close a cycle back to the read stage and its iterator,
+        alive until the garbage collector ran."""
         error = self.error
+        if error is None:
+            raise RuntimeError("this failed batch's error was already raised")
+        self.error = None
         if self.remote is not None:
             error.__cause__ = RemoteTraceback(self.remote)
         return error
@@ -277,6 +284,11 @@ class ReadTask:
             if len(samples) != total:
                 raise ValueError("a read returned the wrong number of samples")
         except Exception:
+            samples = None
+        if samples is None:
+            # Read again batch by batch, after the handler: an error raised there now would
+            # carry the chunk's as its context (shown twice, and the chunk's traceback holds
+            # the frames that list the outcomes: a cycle back to the read stage).
             return self._each_alone(batches, seeds)
         collate = self._collate
         out: list[Any] = []
