@@ -5,6 +5,13 @@ inside shard ``k`` are the rows of one C-contiguous ``(m, L)`` array of its mapp
 shard's elements from the first multiple of ``L`` in it), so a batch of them is one
 ``np.take`` per shard it touches: no index arrays built per window, no copy of the mapping
 (``np.take`` copies a non-contiguous source, such as a ``sliding_window_view``, whole).
+
+Sorting a batch's windows by shard costs more than its copies when the windows are short.
+A loader's batches are consecutive slices of one read-only block of shuffled ids (the
+shuffle stage computes thousands ahead), so a batch that is such a slice is looked up in a
+:class:`BlockPlan` made once for the whole block: each of its batches already sorted by
+shard, with where each shard's run ends and the order back. Each batch is checked to equal
+its planned row (a byte compare), so a plan never gives what was not asked for.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WindowGrid"]
+__all__ = ["BlockPlan", "WindowGrid"]
 
 
 class WindowGrid:
@@ -44,6 +51,8 @@ class WindowGrid:
         self.windows = bounds[-1] // length
         self._mapped = mapped
         self._grids: list[np.ndarray | None] = [None] * (len(bounds) - 1)
+        self._plan: BlockPlan | None = None
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
 
     def _grid(self, shard: int) -> np.ndarray | None:
         """Shard ``shard``'s windows as rows of a ``(m, L)`` view of its mapping (row ``r``
@@ -67,10 +76,19 @@ class WindowGrid:
     ) -> bool:
         """Windows ``numbers`` (a non-empty int64 array of window numbers) into the rows of
         ``out`` (a C-contiguous ``(len(numbers), L)`` array of the mapped arrays'
-        dtype): one ``np.take`` per shard they touch. ``across(row, start, shard, L)``
-        copies a window that begins in ``shard`` at element ``start`` and ends in a later one
-        into ``row``. False, with nothing written, where a number is not a window of the stream
-        (``0 <= n < windows``) or a shard they touch is not mapped."""
+        dtype): one ``np.take`` per shard they touch (sorted by shard once per block, where
+        ``numbers`` is a slice of a block of ids: see :class:`BlockPlan`).
+        ``across(row, start, shard, L)`` copies a window that begins in ``shard`` at element
+        ``start`` and ends in a later one into ``row``. False, with nothing written, where a
+        number is not a window of the stream (``0 <= n < windows``) or a shard they touch is
+        not mapped."""
+        plan = self._plan
+        if plan is None or numbers.base is not plan.base:
+            plan = self._planned(numbers)
+        if plan is not None:
+            row = plan.row_of(numbers)
+            if row >= 0:
+                return self._gather_planned(plan, row, out, across)
         firsts, ends, grids = self._firsts, self._ends, self._grids
         order = numbers.argsort(kind="stable")
         ordered = numbers[order]
@@ -103,3 +121,175 @@ class WindowGrid:
                 across(scratch[row], listed[row] * self.length, shard, self.length)
         scratch.take(order.argsort(), 0, out, "clip")
         return True
+
+    def _planned(self, numbers: np.ndarray) -> BlockPlan | None:
+        """A plan of the block ``numbers`` is a slice of (kept as the grid's plan), or None
+        where it is not one (see :meth:`BlockPlan.of`)."""
+        plan = BlockPlan.of(numbers, self)
+        if plan is not None:
+            self._plan = plan
+        return plan
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(firsts, ends, keyed)`` as int64 arrays, made once (a plan of each block uses
+        them). ``keyed`` interleaves them (``firsts[1], ends[1], firsts[2], ...`` after
+        ``ends[0]``) where that is in order, so that the count of its values up to a window
+        number is the window's key (``2 * shard``, plus 1 where it crosses into a later
+        shard); None where a shard shorter than the windows breaks the order."""
+        arrays = self._arrays
+        if arrays is None:
+            firsts = np.asarray(self._firsts, dtype=np.int64)
+            ends = np.asarray(self._ends, dtype=np.int64)
+            keyed: np.ndarray | None = np.empty(2 * len(ends) - 1, dtype=np.int64)
+            assert keyed is not None
+            keyed[0::2] = ends
+            keyed[1::2] = firsts[1 : len(ends)]
+            if len(keyed) > 1 and bool((keyed[1:] < keyed[:-1]).any()):
+                keyed = None
+            arrays = self._arrays = (firsts, ends, keyed)
+        return arrays
+
+    def _gather_planned(
+        self,
+        plan: BlockPlan,
+        row: int,
+        out: np.ndarray,
+        across: Callable[[np.ndarray, int, int, int], Any],
+    ) -> bool:
+        """:meth:`gather` of row ``row`` of ``plan``: its runs, already sorted by shard."""
+        grids = self._grids
+        at = plan.row_at
+        low, high = at[row], at[row + 1]
+        keys, begins, ends = plan.keys, plan.begins, plan.ends
+        local = plan.local[row]
+        if high - low == 1 and not keys[low] & 1:
+            shard = keys[low] >> 1
+            grid = grids[shard] if grids[shard] is not None else self._grid(shard)
+            if grid is None:
+                return False
+            # one shard, no window crossing out of it: straight into out, in the batch's order
+            grid.take(local.take(plan.inverse[row]), 0, out, "clip")
+            return True
+        # (an array of its own per call: threads may gather batches of one plan at once)
+        scratch = np.empty_like(out)
+        length = self.length
+        for run in range(low, high):
+            key, begin, end = keys[run], begins[run], ends[run]
+            shard = key >> 1
+            grid = grids[shard] if grids[shard] is not None else self._grid(shard)
+            if grid is None:
+                return False
+            if not key & 1:
+                grid.take(local[begin:end], 0, scratch[begin:end], "clip")
+                continue
+            first = self._firsts[shard]
+            for place in range(begin, end):  # (windows crossing into a later shard)
+                start = (int(local[place]) + first) * length
+                across(scratch[place], start, shard, length)
+        scratch.take(plan.inverse[row], 0, out, "clip")
+        return True
+
+
+class BlockPlan:
+    """Every batch of a read-only block of window numbers, sorted by shard at once.
+
+    The batches are the block's consecutive slices of ``count`` numbers from ``phase``
+    (``batches``, row ``r`` batch ``r``). Each row is sorted by shard (and within a shard,
+    windows inside it before those crossing into a later one, each in the batch's order):
+    ``local`` holds each sorted window's row in its shard's grid, ``inverse`` where each
+    sorted window goes in the batch. Its runs of one shard are ``keys`` (``2 * shard +
+    crossing``), ``begins`` and ``ends``, those of row ``r`` at ``row_at[r]:row_at[r + 1]``
+    (Python lists: the gather loops over them). A block whose numbers are not all windows
+    of the stream gets no plan (the general gather names what is wrong).
+    """
+
+    #: Blocks larger than this are not planned (a shuffle stage's block is 8,192 ids; a
+    #: plan holds about 30 bytes per id).
+    MOST = 1 << 17
+
+    __slots__ = (
+        "_firsts",
+        "base",
+        "batches",
+        "begins",
+        "ends",
+        "inverse",
+        "keys",
+        "local",
+        "row_at",
+    )
+
+    def __init__(self, base: np.ndarray, phase: int, count: int, grid: WindowGrid) -> None:
+        rows = (len(base) - phase) // count
+        numbers = base.view(np.int64)[phase : phase + rows * count].reshape(rows, count)
+        firsts, ends, keyed = grid.bounds()
+        # key 2k: inside shard k; 2k + 1: starts in k and crosses into a later one
+        if keyed is not None:
+            keys = np.searchsorted(keyed, numbers, side="right")
+        else:
+            keys = (np.searchsorted(firsts[: len(ends)], numbers, side="right") - 1) * 2
+            keys += numbers >= ends[keys >> 1]
+        # (a stable sort of 16-bit keys is a radix sort: 4x faster than of int64 ones)
+        small = keys.astype(np.int16) if len(ends) < 1 << 14 else keys
+        order = np.argsort(small, axis=1, kind="stable")
+        self.base = base
+        self.batches = numbers.copy()  # (as planned: the block's owner may be written since)
+        # (flat takes by the order's flat index: take_along_axis builds index arrays itself)
+        flat = order + np.arange(0, rows * count, count, dtype=np.int64)[:, None]
+        self.local = (numbers - firsts[keys >> 1]).take(flat)
+        self.inverse = np.empty_like(order)
+        self.inverse.put(flat, np.arange(count, dtype=np.int64))
+        #: the first number of each batch -> its row (a block's numbers are distinct)
+        self._firsts = dict(zip(numbers[:, 0].tolist(), range(rows)))
+        sorted_keys = small.take(flat)
+        # the runs: where a row's key changes, each run ending where the next of its row
+        # begins (the row's last, at its end)
+        edges = np.ones(sorted_keys.shape, dtype=bool)
+        np.not_equal(sorted_keys[:, 1:], sorted_keys[:, :-1], out=edges[:, 1:])
+        at_rows, at_columns = np.nonzero(edges)
+        run_ends = np.full(len(at_columns), count, dtype=np.int64)
+        same_row = at_rows[1:] == at_rows[:-1]
+        run_ends[:-1][same_row] = at_columns[1:][same_row]
+        self.keys = sorted_keys[at_rows, at_columns].tolist()
+        self.begins = at_columns.tolist()
+        self.ends = run_ends.tolist()
+        self.row_at = np.searchsorted(at_rows, np.arange(rows + 1)).tolist()
+
+    @classmethod
+    def of(cls, numbers: np.ndarray, grid: WindowGrid) -> BlockPlan | None:
+        """The plan of the block ``numbers`` is a read-only slice of: a 1-D array of 8-byte
+        integers (its owner, an int64 view of which the slice is) of at most :data:`MOST`
+        numbers, all windows of ``grid``, holding at least two batches; else None. (Each
+        batch is compared with its row anyway: a block changed since is never trusted.)"""
+        owner = numbers.base
+        count = len(numbers)
+        if (
+            type(owner) is not np.ndarray
+            or numbers.flags.writeable  # (a shuffle stage hands its blocks out read-only)
+            or owner.ndim != 1
+            or owner.dtype.kind not in "iu"
+            or owner.dtype.itemsize != 8
+            or not 2 * count <= len(owner) <= cls.MOST
+            or numbers.dtype != np.int64
+            or not numbers.flags.c_contiguous
+        ):
+            return None
+        base = owner.view(np.int64)
+        at = np.flatnonzero(base == numbers[0])
+        if len(at) != 1:
+            return None
+        start = int(at[0])
+        if start + count > len(base) or base[start : start + count].tobytes() != numbers.tobytes():
+            return None
+        low, high = int(base.min()), int(base.max())
+        if low < 0 or high >= grid.windows:
+            return None
+        return cls(owner, start % count, count, grid)
+
+    def row_of(self, numbers: np.ndarray) -> int:
+        """The row of the batch ``numbers``, or -1 where it is not one of the plan's."""
+        row = self._firsts.get(int(numbers[0]), -1)
+        if row < 0 or len(numbers) != self.batches.shape[1]:
+            return -1
+        # (a byte compare: ~0.2 us for a batch of 64 ids)
+        return row if self.batches[row].tobytes() == numbers.tobytes() else -1
