@@ -94,9 +94,11 @@ class ShardFiles:
         self.max_open = max(1, max_open_per_kind() if max_open is None else max_open)
         # with no more shards than max_open nothing is ever evicted: reads skip the LRU lock
         self._never_evicts = num_shards <= self.max_open
-        self._readers: list[Any] = [None] * num_shards
-        # per shard, its reader's fill(offset, buffer) (only where readers are never evicted)
-        self._fills: list[Callable[[int, memoryview], int] | None] = [None] * num_shards
+        # per shard opened, its reader; per shard read into, its reader's fill(offset, buffer)
+        # (only where readers are never evicted). Dicts of the shards touched, not lists of
+        # every shard: 8 bytes a shard per list, 8 MB for a million shards
+        self._readers: dict[int, Any] = {}
+        self._fills: dict[int, Callable[[int, memoryview], int]] = {}
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
         self._lru: OrderedDict[int, int] = OrderedDict()  # shard -> readers in use
         self._lock = threading.Lock()
@@ -211,7 +213,7 @@ class ShardFiles:
         of the shard's file; returns how many bytes the file had there (fewer than
         ``len(buffer)`` only past its end)."""
         if not self.bounded or self._never_evicts:
-            fill = self._fills[shard]
+            fill = self._fills.get(shard)
             if fill is None:
                 fill = self._fills[shard] = _fill_function(self._shared(shard))
             return int(fill(offset, buffer))
@@ -226,12 +228,12 @@ class ShardFiles:
 
         Opens of different shards run in parallel (an open may be slow: the shard cache
         downloads the whole file), two of one shard never."""
-        reader = self._readers[shard]
+        reader = self._readers.get(shard)
         if reader is None:
             with self._opening[shard % len(self._opening)]:
                 if self._closed:
                     raise RuntimeError("reader is closed")
-                reader = self._readers[shard]
+                reader = self._readers.get(shard)
                 if reader is None:
                     reader = self._open_within_limit(shard)
                     with self._lock:
@@ -257,7 +259,7 @@ class ShardFiles:
                 if error.errno not in (errno.EMFILE, errno.ENFILE):
                     raise
                 failure = error
-        held = sum(reader is not None for reader in self._readers) if self.bounded else 0
+        held = len(self._readers) if self.bounded else 0
         mmap = ", or read with MmapIO(), which holds no descriptor per open file"
         raise OSError(
             failure.errno,
@@ -273,15 +275,14 @@ class ShardFiles:
         idle = [shard for shard, users in self._lru.items() if users == 0]
         for shard in idle:
             del self._lru[shard]
-            reader, self._readers[shard] = self._readers[shard], None
-            reader.close()
+            self._readers.pop(shard).close()
         return bool(idle)
 
     def _acquire(self, shard: int) -> Any:
         with self._lock:
             if self._closed:
                 raise RuntimeError("reader is closed")
-            reader = self._readers[shard]
+            reader = self._readers.get(shard)
             if reader is None:
                 self._evict()
                 reader = self._readers[shard] = self._open_within_limit(shard)
@@ -300,8 +301,7 @@ class ShardFiles:
         for shard, users in list(self._lru.items()):
             if users == 0:
                 del self._lru[shard]
-                reader, self._readers[shard] = self._readers[shard], None
-                reader.close()
+                self._readers.pop(shard).close()
                 if len(self._lru) < self.max_open:
                     return
 
@@ -310,9 +310,8 @@ class ShardFiles:
         with self._lock:
             self._closed = True
             self._arrays.clear()
-            self._fills = [None] * self.num_shards
-            for shard, reader in enumerate(self._readers):
-                if reader is not None:
-                    reader.close()
-                    self._readers[shard] = None
+            self._fills.clear()
+            readers, self._readers = self._readers, {}
+            for reader in readers.values():
+                reader.close()
             self._lru.clear()

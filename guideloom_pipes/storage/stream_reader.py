@@ -18,7 +18,7 @@ from guideloom_pipes.storage.names import IN_BAND, shard_name
 from guideloom_pipes.storage.recycle import BufferPool
 from guideloom_pipes.storage.shard_listing import FileSizes, ShardListing
 from guideloom_pipes.storage.stream_checks import _checked_out, as_indexes, check_read_size
-from guideloom_pipes.storage.window_grid import WindowGrid
+from guideloom_pipes.storage.window_grid import LISTED_SHARDS, WindowGrid
 from guideloom_pipes.types import StreamStorageSyncReaderAbstract
 
 if TYPE_CHECKING:
@@ -49,10 +49,6 @@ _GATHER_DTYPES: dict[int, np.dtype[Any]] = {
     4: np.dtype(np.uint32),
     8: np.dtype(np.uint64),
 }
-
-
-#: most shards whose bounds the reader keeps as a list of Python ints
-_LISTED_BOUNDS = 1 << 16
 
 
 class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
@@ -93,10 +89,10 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         np.cumsum(lengths, out=self._starts[1:])
         self._total = int(self._starts[-1])
         # shard bounds as Python ints for the row copies' bisect (a third of numpy's time
-        # per lookup); past _LISTED_BOUNDS shards, the array itself (bisect works on it, a
+        # per lookup); past LISTED_SHARDS shards, the array itself (bisect works on it, a
         # little slower): 40 bytes per shard less, 40 MB for a million shards
         self._bounds: Any = (
-            self._starts.tolist() if listing.num_shards <= _LISTED_BOUNDS else self._starts
+            self._starts.tolist() if listing.num_shards <= LISTED_SHARDS else self._starts
         )
         self._in_band = self._files[IN_BAND]
         # windows gathered through an unsigned integer view of the element's size, if any
@@ -106,13 +102,12 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         # unsigned integer where there is one (numpy copies it faster than a void), else a
         # void of that size
         self._raw = self._gather if self._gather is not None else np.dtype((np.void, itemsize))
-        # per shard: its mapped _raw array, False for a byte-range backend, None until used
-        self._mapped: list[np.ndarray | bool | None] = [None] * listing.num_shards
-        # per shard: its mapped _raw array once mapped, else None (the copy loops' lookup)
-        self._arrays: list[np.ndarray | None] = [None] * listing.num_shards
-        # per shard: the bytes of its mapped array once mapped, else None (the row copies of
-        # a few windows: a memoryview slice assignment costs a third of numpy's per row)
-        self._bytes: list[memoryview | None] = [None] * listing.num_shards
+        # per shard used: its mapped _raw array, False for a byte-range backend (dicts of the
+        # shards touched, not lists of every shard: 8 MB a list for a million shards)
+        self._mapped: dict[int, np.ndarray | bool] = {}
+        # per shard mapped: the bytes of its mapped array (the row copies of a few windows: a
+        # memoryview slice assignment costs a third of numpy's per row)
+        self._bytes: dict[int, memoryview] = {}
         self._views: dict[tuple[int, int], np.ndarray] = {}
         # per window length: the windows at its multiples as rows of each shard's mapping
         self._grids: dict[int, WindowGrid] = {}
@@ -142,19 +137,18 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
     def _mapped_array(self, shard: int) -> np.ndarray | None:
         """Shard ``shard``'s elements as a mapped ``_raw`` array, or None for a byte-range
         backend."""
-        mapped = self._mapped[shard]
+        mapped = self._mapped.get(shard)
         if mapped is None:
             array = self._in_band.array(shard, self._raw)
             mapped = self._mapped[shard] = array if array is not None else False
-            self._arrays[shard] = array
-            self._bytes[shard] = array.data.cast("B") if array is not None else None
+            if array is not None:
+                self._bytes[shard] = array.data.cast("B")
         return mapped if isinstance(mapped, np.ndarray) else None
 
     def close(self) -> None:
         """Release every mapping and descriptor. Samples already returned stay valid."""
-        self._mapped = []
-        self._arrays = []
-        self._bytes = []
+        self._mapped = {}
+        self._bytes = {}
         self._views = {}
         self._grids = {}
         pool = getattr(self, "_pool", None)  # (None: never opened)
@@ -295,8 +289,10 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             if shard != end_shard:
                 self._copy_across(out[row], int(starts[row]), shard, length)
                 continue
-            mapped = maps[shard]
-            if mapped is None:
+            mapped: np.ndarray | bool | None
+            try:
+                mapped = maps[shard]
+            except KeyError:
                 mapped = self._mapped_array(shard)
             if isinstance(mapped, np.ndarray):
                 out[row] = mapped[offset : offset + length]
@@ -354,12 +350,12 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         for start in starts:
             start *= scale
             shard = find(bounds, start) - 1
-            view = views[shard]
-            if view is None:
+            try:
+                view = views[shard]
+            except KeyError:  # (a subscript: faster than get() where it is found)
                 if self._mapped_array(shard) is None:
                     return False
                 view = views[shard]
-                assert view is not None
             if start + length <= bounds[shard + 1]:
                 offset = (start - bounds[shard]) * size
                 rows[begin : begin + width] = view[offset : offset + width]

@@ -22,7 +22,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BlockPlan", "WindowGrid"]
+__all__ = ["LISTED_SHARDS", "BlockPlan", "WindowGrid"]
+
+#: up to this many shards, a stream's shard bounds are kept as lists of Python ints (for
+#: ``bisect``, a third of numpy's time per lookup); past it, as the int64 arrays themselves
+LISTED_SHARDS = 1 << 16
 
 
 class WindowGrid:
@@ -39,32 +43,37 @@ class WindowGrid:
     def __init__(
         self, starts: np.ndarray, length: int, mapped: Callable[[int], np.ndarray | None]
     ) -> None:
-        bounds = [int(start) for start in starts.tolist()]
         self.length = length
         # window numbers: the first one starting in each shard (and the stream's end), and
         # the end of those lying inside it (a window from there to the next shard's first
-        # one crosses into a later shard)
-        self._firsts = [-(-start // length) for start in bounds]
-        self._ends = [end // length for end in bounds[1:]]
-        self._starts = bounds
+        # one crosses into a later shard). Python ints for bisect (a third of numpy's time
+        # per lookup), past LISTED_SHARDS shards the arrays (bisect works on them, a little
+        # slower): a list of ints costs 40 bytes a shard, 120 MB for the three at 10^6
+        firsts = -(-starts // length)
+        ends = starts[1:] // length
+        listed = len(starts) - 1 <= LISTED_SHARDS
+        self._firsts: Any = firsts.tolist() if listed else firsts
+        self._ends: Any = ends.tolist() if listed else ends
+        self._starts: Any = starts.tolist() if listed else starts
         #: The windows in the stream.
-        self.windows = bounds[-1] // length
+        self.windows = int(starts[-1]) // length
         self._mapped = mapped
-        self._grids: list[np.ndarray | None] = [None] * (len(bounds) - 1)
+        # per shard gathered from: its grid (the shards touched, not a list of them all)
+        self._grids: dict[int, np.ndarray] = {}
         self._plan: BlockPlan | None = None
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
 
     def _grid(self, shard: int) -> np.ndarray | None:
         """Shard ``shard``'s windows as rows of a ``(m, L)`` view of its mapping (row ``r``
         is window ``firsts[shard] + r``); None where the shard is not mapped."""
-        grid = self._grids[shard]
+        grid = self._grids.get(shard)
         if grid is None:
             array = self._mapped(shard)
             if array is None:
                 return None
-            length, first = self.length, self._firsts[shard]
-            rows = max(self._ends[shard] - first, 0)
-            begin = first * length - self._starts[shard]
+            length, first = self.length, int(self._firsts[shard])
+            rows = max(int(self._ends[shard]) - first, 0)
+            begin = first * length - int(self._starts[shard])
             grid = self._grids[shard] = array[begin : begin + rows * length].reshape(rows, length)
         return grid
 
@@ -102,7 +111,7 @@ class WindowGrid:
             shard = bisect.bisect_right(firsts, listed[begin], 0, len(ends)) - 1
             end = bisect.bisect_left(listed, firsts[shard + 1], begin)
             inside = bisect.bisect_left(listed, ends[shard], begin, end)
-            grid = grids[shard] if grids[shard] is not None else self._grid(shard)
+            grid = grids[shard] if shard in grids else self._grid(shard)
             if grid is None:
                 return False
             pieces.append((grid, shard, begin, inside, end))
@@ -164,7 +173,7 @@ class WindowGrid:
         local = plan.local[row]
         if high - low == 1 and not keys[low] & 1:
             shard = keys[low] >> 1
-            grid = grids[shard] if grids[shard] is not None else self._grid(shard)
+            grid = grids[shard] if shard in grids else self._grid(shard)
             if grid is None:
                 return False
             # one shard, no window crossing out of it: straight into out, in the batch's order
@@ -176,13 +185,13 @@ class WindowGrid:
         for run in range(low, high):
             key, begin, end = keys[run], begins[run], ends[run]
             shard = key >> 1
-            grid = grids[shard] if grids[shard] is not None else self._grid(shard)
+            grid = grids[shard] if shard in grids else self._grid(shard)
             if grid is None:
                 return False
             if not key & 1:
                 grid.take(local[begin:end], 0, scratch[begin:end], "clip")
                 continue
-            first = self._firsts[shard]
+            first = int(self._firsts[shard])
             for place in range(begin, end):  # (windows crossing into a later shard)
                 start = (int(local[place]) + first) * length
                 across(scratch[place], start, shard, length)

@@ -215,3 +215,33 @@ def test_a_writer_past_the_descriptor_limit_says_how_many_shards_fit(tmp_path: P
     open_shards = int(message.split(" shards open")[0].rsplit(" ", 1)[1])
     assert f"at most about {open_shards - open_shards // 10} shards per writer" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the with block aborted it all
+
+
+def test_a_reader_keeps_no_state_for_the_shards_it_has_not_touched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opened from its manifest, a reader of many shards holds their bounds (two int64
+    arrays: 16 bytes a shard) and nothing per shard until a read touches it: its readers,
+    mappings and grids are kept for the shards touched (lists of every shard cost 8 bytes a
+    shard each, 40 MB at a million shards)."""
+    import tracemalloc
+
+    from guideloom_pipes.bench.scale_shards import TOKENS_DTYPE, TOKENS_PER_SHARD, build_shards
+    from guideloom_pipes.storage import stream_reader
+
+    # as past 65,536 shards: the bounds are not also kept as a list of Python ints
+    monkeypatch.setattr(stream_reader, "LISTED_SHARDS", 1)
+    shards = 5000
+    build_shards(tmp_path / "d", shards)
+    storage = StreamStorage(tmp_path / "d", StreamNumpyFormat(TOKENS_DTYPE))
+    storage.index()
+    tracemalloc.start()
+    try:
+        with storage.sync_reader() as reader:
+            starts = np.array([0, 7 * TOKENS_PER_SHARD + 5, (shards - 1) * TOKENS_PER_SHARD])
+            windows = reader.read_windows(starts, 16)["tokens"]
+            held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert windows.shape == (3, 16)
+    assert held < 24 * shards + 64 * 1024, f"{held / shards:.0f} bytes a shard"

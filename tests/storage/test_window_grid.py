@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from guideloom_pipes.storage import window_grid
 from guideloom_pipes.storage.window_grid import BlockPlan, WindowGrid
 
 LENGTH = 16
@@ -47,12 +48,17 @@ def _windows(stream: np.ndarray, numbers: np.ndarray) -> list[list[int]]:
     ids=["one-shard", "windows-crossing-shards", "shards-shorter-than-a-window"],
 )
 @pytest.mark.parametrize("phase", [0, 5], ids=["from-the-start", "resumed-mid-block"])
-def test_batches_sliced_from_one_block_are_gathered_by_its_plan(sizes, phase):
+@pytest.mark.parametrize("listed", [True, False], ids=["bounds-listed", "bounds-as-arrays"])
+def test_batches_sliced_from_one_block_are_gathered_by_its_plan(sizes, phase, listed, monkeypatch):
     """A loader's batches are consecutive read-only slices of one block of shuffled ids:
     the block is planned once (each batch sorted by shard), and each batch, looked up in
     the plan, is exactly its windows, in its order (windows crossing into later shards, and
-    shards shorter than a window, included)."""
+    shards shorter than a window, included); with the shard bounds kept as Python lists
+    and, as past ``LISTED_SHARDS`` shards, as arrays."""
+    if not listed:
+        monkeypatch.setattr(window_grid, "LISTED_SHARDS", 0)
     grid, stream = _grid(sizes)
+    assert isinstance(grid._firsts, list) is listed
     count = 16
     numbers = np.random.default_rng(len(sizes)).permutation(grid.windows)
     block, _ = _block(numbers)
@@ -88,7 +94,7 @@ def test_a_batch_changed_after_its_block_was_planned_is_gathered_as_it_is_now():
 def test_ids_that_are_not_a_read_only_block_of_windows_get_no_plan():
     """Only a read-only slice of a block of at least two batches, all of them windows of the
     stream, is planned; anything else takes the general gather (which names bad ids)."""
-    grid, stream = _grid((700, 1300))
+    grid, _ = _grid((700, 1300))
     numbers = np.random.default_rng(1).permutation(grid.windows)
     writable = numbers.copy()
     assert BlockPlan.of(writable[:16], grid) is None
