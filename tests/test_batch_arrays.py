@@ -404,7 +404,7 @@ def test_read_arrays_of_windows_inside_one_shard_gathers_them_in_one_copy(tmp_pa
         ids = np.array([499, 0, 3, 3, 250], dtype=np.int64)
         batch = reader.read_arrays(ids)
         tokens = batch.columns["tokens"]
-        mapped = [m for m in reader.storage_reader._arrays if m is not None]
+        mapped = [m for m in reader.storage_reader._mapped.values() if m is not False]
         assert mapped and not any(np.shares_memory(tokens, m) for m in mapped)
         assert tokens[:, 0].tolist() == (ids * 10).tolist()
         tokens[1, 0] = -1  # writable, and the storage is not touched
