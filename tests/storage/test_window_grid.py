@@ -44,19 +44,25 @@ def _windows(stream: np.ndarray, numbers: np.ndarray) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "sizes",
-    [(3000,), (700, 1300, 999, 2000), (5, 3, 400, 9, 250, 1000)],
-    ids=["one-shard", "windows-crossing-shards", "shards-shorter-than-a-window"],
+    [(3000,), (700, 1300, 999, 2000), (5, 3, 400, 9, 250, 1000), (333,) * 12],
+    ids=["one-shard", "windows-crossing-shards", "shards-shorter-than-a-window", "12-shards"],
 )
 @pytest.mark.parametrize("phase", [0, 5], ids=["from-the-start", "resumed-mid-block"])
 @pytest.mark.parametrize("listed", [True, False], ids=["bounds-listed", "bounds-as-arrays"])
-def test_batches_sliced_from_one_block_are_gathered_by_its_plan(sizes, phase, listed, monkeypatch):
+@pytest.mark.parametrize("ranks", ["16-bit", "64-bit"])
+def test_batches_sliced_from_one_block_are_gathered_by_its_plan(
+    sizes, phase, listed, ranks, monkeypatch
+):
     """A loader's batches are consecutive read-only slices of one block of shuffled ids:
     the block is planned once (each batch sorted by shard), and each batch, looked up in
     the plan, is exactly its windows, in its order (windows crossing into later shards, and
     shards shorter than a window, included); with the shard bounds kept as Python lists
-    and, as past ``LISTED_SHARDS`` shards, as arrays."""
+    and, as past ``LISTED_SHARDS`` shards, as arrays; with few shards (keyed by compares)
+    and more (by binary search)."""
     if not listed:
         monkeypatch.setattr(window_grid, "LISTED_SHARDS", 0)
+    if ranks == "64-bit":  # (as a block of more (row, shard) pairs than 16 bits hold)
+        monkeypatch.setattr(window_grid, "_NARROW_RANKS", 0)
     grid, stream = _grid(sizes)
     assert isinstance(grid._firsts, list) is listed
     count = 16
