@@ -226,22 +226,24 @@ def test_a_reader_keeps_no_state_for_the_shards_it_has_not_touched(
     shard each, 40 MB at a million shards)."""
     import tracemalloc
 
-    from guideloom_pipes.bench.scale_shards import TOKENS_DTYPE, TOKENS_PER_SHARD, build_shards
     from guideloom_pipes.storage import stream_reader
 
     # as past 65,536 shards: the bounds are not also kept as a list of Python ints
     monkeypatch.setattr(stream_reader, "LISTED_SHARDS", 1)
-    shards = 5000
-    build_shards(tmp_path / "d", shards)
-    storage = StreamStorage(tmp_path / "d", StreamNumpyFormat(TOKENS_DTYPE))
+    shards, per_shard = 5000, 64
+    storage = StreamStorage(tmp_path / "d", TOKENS)
+    with storage.sync_writer() as writer:
+        for shard in range(shards):
+            writer.append(shard, {"tokens": np.full(per_shard, shard, "<i4")})
     storage.index()
     tracemalloc.start()
     try:
         with storage.sync_reader() as reader:
-            starts = np.array([0, 7 * TOKENS_PER_SHARD + 5, (shards - 1) * TOKENS_PER_SHARD])
+            starts = np.array([0, 8 * per_shard - 5, (shards - 1) * per_shard])
             windows = reader.read_windows(starts, 16)["tokens"]
             held, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert windows.shape == (3, 16)
+    assert windows[:, 0].tolist() == [0, 7, shards - 1] and windows[1, -1] == 8  # 7 -> 8
     assert held < 24 * shards + 64 * 1024, f"{held / shards:.0f} bytes a shard"
