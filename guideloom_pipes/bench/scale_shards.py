@@ -37,8 +37,8 @@ from guideloom_pipes.storage.records import FileRecord, ShardRecord
 
 TOKENS_PER_SHARD = 1000
 LENGTH, BATCH = 2048, 8
-#: batches of the throughput row (each window spans about three shards: fewer memory
-#: maps than the kernel's default limit of 65,530 per process)
+#: batches of the throughput row (each window spans about three shards; a reader maps at
+#: most an eighth of vm.max_map_count shards at a time, and lets older ones go)
 THROUGHPUT_BATCHES = 1500
 #: the system calls that touch files (those an open of a dataset makes)
 FILE_CALLS = (

@@ -7,6 +7,7 @@ descriptors a storage reader's readers may hold (:func:`max_open_per_kind`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import stat
 from collections.abc import Callable, Iterable
@@ -55,6 +56,29 @@ def descriptor_limit() -> int | None:
         return None
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return None if soft == resource.RLIM_INFINITY or soft <= 0 else int(soft)
+
+
+#: Linux's default ``vm.max_map_count``.
+DEFAULT_MAP_LIMIT = 65530
+
+
+@functools.lru_cache(maxsize=1)
+def map_limit() -> int:
+    """The most memory mappings a process may hold (Linux's ``vm.max_map_count``, 65,530 by
+    default; that default where it cannot be read). Past it, ``mmap`` fails with
+    ``ENOMEM``."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as file:
+            return max(64, int(file.read().strip()))
+    except (OSError, ValueError):
+        return DEFAULT_MAP_LIMIT
+
+
+def max_mapped_per_kind() -> int:
+    """How many shards' files one file kind of a storage reader keeps mapped at once (the
+    oldest mapped is let go past it): an eighth of :func:`map_limit` (8,191 by default), so
+    that several readers and kinds in one process stay under the kernel's limit."""
+    return max(8, map_limit() // 8)
 
 
 def max_open_per_kind(kinds: int = 3) -> int:

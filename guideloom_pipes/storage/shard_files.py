@@ -14,7 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.backend_base import descriptor_limit, max_open_per_kind
+from guideloom_pipes.storage.backend_base import (
+    descriptor_limit,
+    max_mapped_per_kind,
+    max_open_per_kind,
+)
 from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import resolve_backend
 from guideloom_pipes.storage.names import shard_name
@@ -56,8 +60,11 @@ class ShardFiles:
     """Byte readers of one file kind (``suffix``) across the shards, opened lazily.
 
     Readers of backends that hold a descriptor per open file (``holds_fd``, and any custom
-    backend) are kept in an LRU of at most ``max_open``; memory-mapped ones hold none and
-    stay open. Thread-safe.
+    backend) are kept in an LRU of at most ``max_open``; memory-mapped ones hold none, and
+    at most ``max_mapped`` shards stay mapped: past that, the shard mapped first is let go
+    (its reader and arrays dropped, and :meth:`on_release` listeners told, so that the
+    mapping is unmapped once no array of it is in use; a later read maps it again, its
+    identity checked again). Thread-safe.
 
     Args:
         backend: the read backend.
@@ -69,6 +76,9 @@ class ShardFiles:
             ``ulimit -n``). Where opening one more fails for want of descriptors, idle
             readers are closed and the open tried again; if every open one is in use, an
             ``OSError`` says which limit to raise.
+        max_mapped: most shards kept mapped at once (default:
+            :func:`~guideloom_pipes.storage.backend_base.max_mapped_per_kind`, an eighth
+            of the kernel's limit on a process's mappings, ``vm.max_map_count``).
     """
 
     def __init__(
@@ -80,6 +90,7 @@ class ShardFiles:
         max_open: int | None = None,
         *,
         listing: ShardListing | None = None,
+        max_mapped: int | None = None,
     ) -> None:
         self.backend = resolve_backend(backend)
         self.directory = directory
@@ -100,6 +111,13 @@ class ShardFiles:
         self._readers: dict[int, Any] = {}
         self._fills: dict[int, Callable[[int, memoryview], int]] = {}
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
+        self.max_mapped = max(1, max_mapped_per_kind() if max_mapped is None else max_mapped)
+        # shards mapped, oldest first (kept only where there are more shards than may stay
+        # mapped), the dtypes their arrays were made in, and who drops theirs on a release
+        self._bounds_maps = num_shards > self.max_mapped
+        self._maps_order: dict[int, None] = {}
+        self._array_dtypes: set[str] = set()
+        self._on_release: list[Callable[[int], None]] = []
         self._lru: OrderedDict[int, int] = OrderedDict()  # shard -> readers in use
         self._lock = threading.Lock()
         #: locks of the opens of shards (striped: shard % len), so that a slow open of one
@@ -196,7 +214,29 @@ class ShardFiles:
                 view = buffer()
                 usable = len(view) - len(view) % dtype.itemsize
                 found = self._arrays[key] = np.frombuffer(view[:usable], dtype=dtype)
+                if self._bounds_maps:
+                    self._array_dtypes.add(key[1])
+                    self._maps_order[shard] = None
+                    if len(self._maps_order) > self.max_mapped:
+                        self._let_go(next(iter(self._maps_order)))
             return found
+
+    def on_release(self, forget: Callable[[int], None]) -> None:
+        """Call ``forget(shard)`` (under this object's lock: it should only drop references)
+        when a shard is let go for others to be mapped, so that a reader drops what it
+        keeps of the shard's arrays."""
+        self._on_release.append(forget)
+
+    def _let_go(self, shard: int) -> None:
+        """Let go of shard ``shard``'s mapping (under ``_lock``): its reader is dropped, not
+        closed (a read in another thread may be using it), and unmapped with its last view."""
+        del self._maps_order[shard]
+        for dtype in self._array_dtypes:
+            self._arrays.pop((shard, dtype), None)
+        self._readers.pop(shard, None)
+        self._fills.pop(shard, None)
+        for forget in self._on_release:
+            forget(shard)
 
     def read(self, shard: int, offset: int, size: int) -> Any:
         """``size`` bytes at ``offset`` of the shard's file."""
@@ -311,6 +351,7 @@ class ShardFiles:
             self._closed = True
             self._arrays.clear()
             self._fills.clear()
+            self._maps_order.clear()
             readers, self._readers = self._readers, {}
             for reader in readers.values():
                 reader.close()

@@ -74,16 +74,7 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
     def _setup(self, listing: ShardListing, sizes: FileSizes) -> None:
         self.dtype = self._element_dtype()
         itemsize = self.dtype.itemsize
-        in_band = sizes.column(IN_BAND)
-        ragged = np.flatnonzero(in_band % itemsize)
-        if len(ragged):
-            shard, size = int(ragged[0]), int(in_band[ragged[0]])
-            raise CorruptShardError(
-                f"{shard_name(shard)}{IN_BAND} in {self.storage.dir} is {size} bytes, not a "
-                f"multiple of the {itemsize}-byte element of {self.dtype}: it is truncated "
-                f"or was written with another dtype. Rewrite shard {shard}"
-            )
-        lengths = in_band // itemsize
+        lengths = _whole_elements(sizes.column(IN_BAND), self.dtype, self.storage.dir)
         self._lengths = lengths
         self._starts = np.zeros(listing.num_shards + 1, dtype=np.int64)
         np.cumsum(lengths, out=self._starts[1:])
@@ -108,11 +99,23 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         # per shard mapped: the bytes of its mapped array (the row copies of a few windows: a
         # memoryview slice assignment costs a third of numpy's per row)
         self._bytes: dict[int, memoryview] = {}
-        self._views: dict[tuple[int, int], np.ndarray] = {}
+        self._views: dict[int, dict[int, np.ndarray]] = {}  # length -> shard -> view
         # per window length: the windows at its multiples as rows of each shard's mapping
         self._grids: dict[int, WindowGrid] = {}
         # the arrays of the windows read, reused once no batch refers to them (see recycle)
         self._pool = BufferPool()
+        # a shard let go for others to be mapped (past the kernel's share of mappings for
+        # this kind: see ShardFiles) is dropped from every cache above
+        self._in_band.on_release(self._forget_shard)
+
+    def _forget_shard(self, shard: int) -> None:
+        """Drop what this reader keeps of shard ``shard``'s mapping (ShardFiles.on_release)."""
+        self._mapped.pop(shard, None)
+        self._bytes.pop(shard, None)
+        for grid in list(self._grids.values()):
+            grid.forget(shard)
+        for views in list(self._views.values()):
+            views.pop(shard, None)
 
     def _seal_args(self, shard: int) -> dict[str, Any]:
         return {"count": int(self._lengths[shard]), "dtype": self._record_dtype()}
@@ -353,9 +356,10 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             try:
                 view = views[shard]
             except KeyError:  # (a subscript: faster than get() where it is found)
-                if self._mapped_array(shard) is None:
+                mapped = self._mapped_array(shard)
+                if mapped is None:
                     return False
-                view = views[shard]
+                view = mapped.data.cast("B")  # (no lookup: another thread may let it go)
             if start + length <= bounds[shard + 1]:
                 offset = (start - bounds[shard]) * size
                 rows[begin : begin + width] = view[offset : offset + width]
@@ -370,14 +374,16 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         there is one, whose copies numpy does fastest), or None for a byte-range backend or a
         shard shorter than ``length``. Fancy-indexing its rows copies windows straight into
         a fresh ``(B, length)`` array. Kept per (shard, length) until the reader closes."""
-        key = (shard, length)
-        view = self._views.get(key)
+        views = self._views.get(length)
+        if views is None:
+            views = self._views[length] = {}
+        view = views.get(shard)
         if view is None:
             mapped = self._mapped_array(shard)
             if mapped is None or len(mapped) < length:
                 return None
             flat = mapped.view(self._gather) if self._gather is not None else mapped
-            view = self._views[key] = np.lib.stride_tricks.sliding_window_view(flat, length)
+            view = views[shard] = np.lib.stride_tricks.sliding_window_view(flat, length)
         return view
 
     def _gather_rows(
@@ -441,6 +447,20 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         shards = np.arange(first, last + 1, dtype=np.int64)
         keep = lengths > 0  # empty shards inside the span hold none of it
         return lengths[keep], shards[keep]
+
+
+def _whole_elements(in_band: np.ndarray, dtype: np.dtype[Any], directory: Any) -> np.ndarray:
+    """Elements of ``dtype`` per shard of ``in_band`` bytes (CorruptShardError if ragged)."""
+    itemsize = dtype.itemsize
+    ragged = np.flatnonzero(in_band % itemsize)
+    if len(ragged):
+        shard, size = int(ragged[0]), int(in_band[ragged[0]])
+        raise CorruptShardError(
+            f"{shard_name(shard)}{IN_BAND} in {directory} is {size} bytes, not a multiple of "
+            f"the {itemsize}-byte element of {dtype}: it is truncated or was written with "
+            f"another dtype. Rewrite shard {shard}"
+        )
+    return in_band // itemsize
 
 
 def _read_rows(

@@ -82,6 +82,10 @@ class WindowGrid:
             grid = self._grids[shard] = array[begin : begin + rows * length].reshape(rows, length)
         return grid
 
+    def forget(self, shard: int) -> None:
+        """Drop the grid kept of shard ``shard`` (its mapping was let go)."""
+        self._grids.pop(shard, None)
+
     def gather(
         self,
         numbers: np.ndarray,
