@@ -171,21 +171,30 @@ class ManifestTable:
             if size < 16:
                 raise _damaged(path, "too short")
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        if mapped[:8] != _MAGIC:
-            raise _damaged(path, "not a manifest of this version")
-        length = int.from_bytes(mapped[8:16], "little")
+        return cls.parse(mapped, path)
+
+    @classmethod
+    def parse(cls, data: Any, source: str) -> ManifestTable:
+        """The table whose file's bytes are ``data`` (a buffer: a mapped file, or the bytes
+        of a manifest read over the network), read from ``source``."""
+        size = len(data)
+        if size < 16:
+            raise _damaged(source, "too short")
+        if bytes(data[:8]) != _MAGIC:
+            raise _damaged(source, "not a manifest of this version")
+        length = int.from_bytes(data[8:16], "little")
         try:
-            header = json.loads(mapped[16 : 16 + length])
-        except ValueError:
-            raise _damaged(path, "its header is not JSON") from None
-        rows, names = int(header["rows"]), list(header["columns"])
+            header = json.loads(bytes(data[16 : 16 + length]))
+            rows, names = int(header["rows"]), list(header["columns"])
+        except (ValueError, KeyError, TypeError):
+            raise _damaged(source, "its header is not a manifest's") from None
         start = 16 + length
         if size != start + 8 * rows * len(names):
             wanted = start + 8 * rows * len(names)
-            raise _damaged(path, f"{size} bytes, not the {wanted} its header describes")
-        values = np.frombuffer(mapped, dtype="<i8", offset=start, count=rows * len(names))
+            raise _damaged(source, f"{size} bytes, not the {wanted} its header describes")
+        values = np.frombuffer(data, dtype="<i8", offset=start, count=rows * len(names))
         columns = {name: values[i * rows : (i + 1) * rows] for i, name in enumerate(names)}
-        return cls(header, columns, path)
+        return cls(header, columns, source)
 
 
 def _damaged(path: str, why: str) -> CorruptShardError:
