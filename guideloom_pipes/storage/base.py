@@ -16,7 +16,7 @@ from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import discover
 from guideloom_pipes.storage.manifest_open import ManifestListing, open_listing
-from guideloom_pipes.storage.manifest_remote import open_remote_listing
+from guideloom_pipes.storage.manifest_remote import index_remote, open_remote_listing
 from guideloom_pipes.storage.manifest_write import NotTabulated, build_manifest
 from guideloom_pipes.storage.names import shard_name
 from guideloom_pipes.storage.records import format_name
@@ -197,7 +197,22 @@ class StorageBase(Storage):
         the manifest instead of listing the directory and every commit record. Refused while
         a writer is writing (:class:`~guideloom_pipes.storage.ShardLockedError`).
         ``own_marker``: the marker of a writer that indexes what it wrote (write_parallel).
+
+        A dataset at an object store's URL (``s3://``, ...) is indexed there: its table
+        records each shard file's ETag too (see ``docs/remote.md``). An HTTP(S) URL cannot
+        be indexed (``ValueError``): index the directory the server serves.
         """
+        if not self._resolve_io().local:
+            reader = self.sync_reader()
+            suffixes = tuple(self.suffixes)
+            return index_remote(
+                self._resolve_io(),
+                self.dir,
+                self.kind,
+                suffixes,
+                reader._record_dtype(),
+                reader._dtype_hint,
+            )
         io = self._local_io("index() writes the manifest into the dataset directory")
         listing = discover(io, self.dir, self.suffixes)
         reader = self.sync_reader()

@@ -22,23 +22,33 @@ What a URL lets an open check cheaply, and what it does instead:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import PurePath
+from typing import Any
+
+import numpy as np
 
 from guideloom_pipes.storage.errors import (
     CorruptShardError,
     DatasetChangedError,
+    ShardLockedError,
     StaleManifestWarning,
 )
 from guideloom_pipes.storage.io import ResolvedBackend
-from guideloom_pipes.storage.manifest import MAIN, MANIFEST_DIR, ManifestTable
+from guideloom_pipes.storage.listing import discover
+from guideloom_pipes.storage.manifest import MAIN, MANIFEST_DIR, ManifestTable, column_names
 from guideloom_pipes.storage.manifest_open import Loaded, ManifestListing, combine
-from guideloom_pipes.storage.names import RECORD, shard_name
+from guideloom_pipes.storage.manifest_write import NotTabulated, _dtype_of, _header, _whole
+from guideloom_pipes.storage.names import RECORD, SHARD_NAME, shard_name
 from guideloom_pipes.storage.records import ExpectedFile, ShardRecord
-from guideloom_pipes.storage.remote import FsspecIO
+from guideloom_pipes.storage.remote import FsspecIO, ListingFsspecIO
+from guideloom_pipes.storage.shard_listing import ShardListing
+from guideloom_pipes.storage.verify import check_listing
 
 #: the header key of a table's ETags: ``{suffix: [ETag or None per shard]}``
 ETAGS = "etags"
@@ -175,4 +185,88 @@ class RemoteManifestListing(ManifestListing):
         self.describes(shard, record)  # state, kind, shard id and dtype, as an open checks
 
 
-__all__ = ["ETAGS", "RemoteManifestListing", "manifest_url", "open_remote_listing"]
+def index_remote(
+    backend: ResolvedBackend,
+    directory: PurePath,
+    kind: str,
+    suffixes: tuple[str, ...],
+    dtype: np.dtype[Any] | None,
+    dtype_hint: Callable[[np.dtype[Any]], str],
+) -> int:
+    """Write the whole table of the dataset at the URL ``directory`` (an object store,
+    which lists), with each shard file's ETag, from a listing checked as an open checks
+    it; the number of shards. Opens then read every file pinned to its ETag without asking
+    for it. The store is listed again once the table is written: a change meanwhile (a
+    writer committed) deletes the table and raises :class:`ShardLockedError`."""
+    io = backend.backend
+    if not isinstance(io, ListingFsspecIO):
+        raise ValueError(
+            f"cannot index {directory}: the files of an HTTP(S) server cannot be listed nor "
+            f"written; index the directory it serves (guideloom-pipes index DIR): the server "
+            f"then serves its {MANIFEST_DIR}/{MAIN}"
+        )
+    before = _shard_objects(io, directory)
+    listing = discover(backend, directory, suffixes)
+    check_listing(listing, backend, kind, suffixes, dtype, dtype_hint)
+    if listing.names:
+        shard = min(listing.names)[0]
+        raise ShardLockedError(
+            errno.EWOULDBLOCK,
+            f"a writer is publishing shard {shard_name(shard)} of {directory} (its record names "
+            f"versioned files); index it once the writer has closed",
+        )
+    try:
+        data = _remote_table(listing, kind, suffixes).to_bytes()
+    except NotTabulated as error:
+        raise ValueError(f"cannot index {directory}: {error}") from None
+    url = manifest_url(directory)
+    io.request("writing the manifest", url, "pipe_file", url, data)
+    if _shard_objects(io, directory) != before:
+        with contextlib.suppress(FileNotFoundError):
+            io.request("deleting the manifest", url, "rm_file", url)
+        raise ShardLockedError(
+            errno.EWOULDBLOCK,
+            f"{directory} changed while it was indexed (a writer committed); index it again "
+            f"once no writer is writing it",
+        )
+    return listing.num_shards
+
+
+def _shard_objects(io: ListingFsspecIO, directory: PurePath) -> dict[str, tuple[int, Any]]:
+    """The size and ETag of each shard object (files and records) under ``directory``."""
+    details = io.list_dir_details(directory)
+    return {name: found for name, found in details.items() if SHARD_NAME.match(name)}
+
+
+def _remote_table(listing: ShardListing, kind: str, suffixes: tuple[str, ...]) -> ManifestTable:
+    """The whole table of a listed dataset at a URL, its files' ETags in the header (no
+    inodes nor modification times: -1)."""
+    count = listing.num_shards
+    columns = {name: np.full(count, -1, dtype=np.int64) for name in column_names(suffixes)}
+    columns["shard"][:] = np.arange(count)
+    etags: dict[str, list[str | None]] = {suffix: [None] * count for suffix in suffixes}
+    for shard in range(count):
+        record = listing.records.get(shard)
+        if record is not None:
+            columns["count"][shard] = record.count
+            columns["payloads"][shard] = -1 if record.payloads is None else record.payloads
+        for i, suffix in enumerate(suffixes):
+            columns[f"size{i}"][shard] = listing.sizes[(shard, suffix)]
+            committed = record.files.get(suffix.lstrip(".")) if record is not None else None
+            if committed is not None:
+                columns[f"crc{i}"][shard] = committed.crc32
+            etags[suffix][shard] = listing.tags.get((shard, suffix))
+    dtype = _dtype_of(listing.records.values())
+    header = _header(kind, suffixes, dtype, bool(listing.records), True, 0, 0, -1, count)
+    header["verified"] = True  # listed and checked just now
+    header[ETAGS] = etags
+    return _whole(ManifestTable(header, columns))
+
+
+__all__ = [
+    "ETAGS",
+    "RemoteManifestListing",
+    "index_remote",
+    "manifest_url",
+    "open_remote_listing",
+]

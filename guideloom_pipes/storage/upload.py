@@ -263,7 +263,8 @@ class RemoteUpload:
             )
         if self.mode == "overwrite":
             self._remove(removed)
-        elif self.mode == "update" and staged:
+        self._drop_manifest()  # again: an index that ran meanwhile saw a dataset half-published
+        if self.mode == "update" and staged:
             highest = staged[-1].shard
             older = sorted(s for s in self.present if s > highest)
             if older:

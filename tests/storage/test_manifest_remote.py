@@ -310,3 +310,71 @@ def test_a_writer_to_s3_deletes_the_whole_table_before_it_commits(
     assert not s3.filesystem().exists(f"{BUCKET}/rewritten/{MANIFEST_DIR}/{MAIN}")
     listing = _listing(storage)
     assert type(listing) is ShardListing and listing.num_shards == SHARDS + 1
+
+
+# --- an index at an object store records the ETags --------------------------------------------
+
+
+def test_an_s3_index_records_etags_so_first_reads_ask_for_no_size(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    _write(tmp_path / "data", index=False)
+    url = _upload(s3, tmp_path / "data", "indexed")
+    storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+    assert type(_listing(storage)) is ShardListing  # only a writer's fragment: listed
+    assert storage.index() == SHARDS
+    with fault_proxy(_port(s3), lambda n: "pass") as proxy:
+        proxied = StreamStorage(url, TOKENS, storage_options=s3.options(proxy.url), retry=FAST)
+        assert _windows(proxied, [25, 26]) == _tokens([25, 26])
+    lines = [line for _, line in proxy.log]
+    assert lines[0].startswith(f"GET /{BUCKET}/indexed/{MANIFEST_DIR}/{MAIN}")
+    assert not [line for line in lines if line.startswith("HEAD")]  # pinned from the table
+    assert _shard_requests(proxy) == {"0000002.shard.json", "0000002.in_band.bin"}
+
+
+def test_an_object_replaced_after_an_s3_index_is_refused_before_its_bytes_are_read(
+    s3: S3Server, tmp_path: Path
+) -> None:
+    _write(tmp_path / "data", index=False)
+    url = _upload(s3, tmp_path / "data", "pinned")
+    storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+    storage.index()
+    key = f"{BUCKET}/pinned/0000001.in_band.bin"
+    fs = s3.filesystem()
+    data = bytearray(fs.cat_file(key))
+    data[8:12] = b"\xff\xff\xff\xff"  # same size, its record left as it was
+    fs.pipe_file(key, bytes(data))
+    with (
+        StreamDataset(storage, WINDOW).sync_reader() as reader,
+        pytest.raises(DatasetChangedError, match=r"0000001\.in_band\.bin.*ETag") as error,
+    ):
+        reader.read_batch(np.array([10]))
+    assert f"{MANIFEST_DIR}/{MAIN}" in str(error.value)
+
+
+def test_a_dataset_changed_while_it_is_indexed_keeps_no_table(
+    s3: S3Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from guideloom_pipes.storage import ShardLockedError, manifest_remote
+
+    _write(tmp_path / "data", index=False)
+    url = _upload(s3, tmp_path / "data", "moving")
+    fs = s3.filesystem()
+    listed = manifest_remote.discover
+
+    def discover_then_commit(*args: Any) -> Any:
+        found = listed(*args)
+        fs.pipe_file(f"{BUCKET}/moving/0000000.shard.json", b"{}")  # as a writer's commit
+        return found
+
+    monkeypatch.setattr(manifest_remote, "discover", discover_then_commit)
+    storage = StreamStorage(url, TOKENS, storage_options=s3.options(), retry=FAST)
+    with pytest.raises(ShardLockedError, match="changed while it was indexed"):
+        storage.index()
+    assert not fs.exists(f"{BUCKET}/moving/{MANIFEST_DIR}/{MAIN}")
+
+
+def test_an_http_url_cannot_be_indexed(http: HttpServer) -> None:
+    _write(http.root / "readonly", index=False)
+    with pytest.raises(ValueError, match=r"index the directory it serves"):
+        StreamStorage(f"{http.url}/readonly", TOKENS, retry=FAST).index()
