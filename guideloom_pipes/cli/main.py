@@ -155,9 +155,11 @@ def _add_index(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         description="List the dataset directory, make every check an open makes, and write "
         ".guideloom-manifest/manifest.bin: opens then read it instead of listing the "
         "directory and every commit record. For datasets written by GuideLoom or before "
-        "manifests, or whose manifest a change by another tool made stale.",
+        "manifests, or whose manifest a change by another tool made stale. An object "
+        "store's URL (s3://...) is indexed in place, with each file's ETag; for an HTTP(S) "
+        "server, index the directory it serves.",
     )
-    p.add_argument("path", metavar="DIR")
+    p.add_argument("path", metavar="DIR|URL")
     p.set_defaults(run=index.run)
 
 

@@ -15,7 +15,8 @@ from guideloom_pipes.storage.commit import _fsync_directory
 from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.listing import discover
-from guideloom_pipes.storage.manifest_open import open_listing
+from guideloom_pipes.storage.manifest_open import ManifestListing, open_listing
+from guideloom_pipes.storage.manifest_remote import index_remote, open_remote_listing
 from guideloom_pipes.storage.manifest_write import NotTabulated, build_manifest
 from guideloom_pipes.storage.names import shard_name
 from guideloom_pipes.storage.records import format_name
@@ -196,7 +197,22 @@ class StorageBase(Storage):
         the manifest instead of listing the directory and every commit record. Refused while
         a writer is writing (:class:`~guideloom_pipes.storage.ShardLockedError`).
         ``own_marker``: the marker of a writer that indexes what it wrote (write_parallel).
+
+        A dataset at an object store's URL (``s3://``, ...) is indexed there: its table
+        records each shard file's ETag too (see ``docs/remote.md``). An HTTP(S) URL cannot
+        be indexed (``ValueError``): index the directory the server serves.
         """
+        if not self._resolve_io().local:
+            reader = self.sync_reader()
+            suffixes = tuple(self.suffixes)
+            return index_remote(
+                self._resolve_io(),
+                self.dir,
+                self.kind,
+                suffixes,
+                reader._record_dtype(),
+                reader._dtype_hint,
+            )
         io = self._local_io("index() writes the manifest into the dataset directory")
         listing = discover(io, self.dir, self.suffixes)
         reader = self.sync_reader()
@@ -256,18 +272,18 @@ class ReaderBase:
         return self._open
 
     def open(self) -> None:
-        """Discover and check the shards; idempotent. A local dataset with a manifest that
-        passes its checks opens from it (a few files read, whatever the number of shards);
-        others are listed (cost O(number of shards))."""
+        """Discover and check the shards; idempotent. A dataset with a manifest that passes
+        its checks opens from it (a local one: a few files read; one at a URL: one request
+        for its whole table), whatever the number of shards; others are listed (cost
+        O(number of shards))."""
         if self._open:
             return
         storage = self.storage
-        if self._io.local:
-            found = open_listing(storage.dir, storage.kind, tuple(storage.suffixes))
-            want = self._record_dtype()
-            if found is not None and (found.dtype is None or want is None or found.dtype == want):
-                self._attach(found, found.file_sizes())
-                return
+        found = self._manifest_listing()
+        want = self._record_dtype()
+        if found is not None and (found.dtype is None or want is None or found.dtype == want):
+            self._attach(found, found.file_sizes())
+            return
         listing = discover(self._io, storage.dir, storage.suffixes)
         sizes = check_listing(
             listing,
@@ -278,6 +294,15 @@ class ReaderBase:
             self._dtype_hint,
         )
         self._attach(listing, sizes)
+
+    def _manifest_listing(self) -> ManifestListing | None:
+        """The listing from the dataset's manifest, where it has one that passes the open's
+        checks (see ``manifest_open`` and ``manifest_remote``)."""
+        storage = self.storage
+        suffixes = tuple(storage.suffixes)
+        if self._io.local:
+            return open_listing(storage.dir, storage.kind, suffixes)
+        return open_remote_listing(self._io, storage.dir, storage.kind, suffixes)
 
     def _attach(
         self, listing: ShardListing, sizes: FileSizes | Sequence[Mapping[str, int]]

@@ -81,6 +81,16 @@ def _decode_error_class(original: type[BaseException]) -> type[ShardDecodeError]
     return found
 
 
+def size_changed(name: str, where: str, size: int, committed: int, shard: int) -> CorruptShardError:
+    """The error for shard ``shard``'s file ``name`` in ``where``, found ``size`` bytes
+    long where it was committed with ``committed`` bytes."""
+    change = "was truncated" if size < committed else "grew"
+    return CorruptShardError(
+        f"{name} in {where} is {size} bytes but was committed with {committed} bytes: the "
+        f"file {change} after it was written. Restore it or rewrite shard {shard}"
+    )
+
+
 class ShardLockedError(StorageError, BlockingIOError):
     """Another writer holds the write lock of the shard."""
 

@@ -80,7 +80,8 @@ class ManifestTable:
     None for documents), ``records`` (whether the shards have commit records), ``complete``
     (the table is the whole dataset), ``before``/``after`` (the directory's ``st_mtime_ns``
     before the writer's first commit and after its last), ``dev`` (the directory's
-    ``st_dev``), ``fingerprint`` (the dataset's, when the table is the whole dataset).
+    ``st_dev``), ``fingerprint`` (the dataset's, when the table is the whole dataset);
+    ``etags`` (a table of a dataset at a URL that lists: each file's ETag, per suffix).
     """
 
     header: dict[str, Any]
@@ -132,8 +133,8 @@ class ManifestTable:
         """Column ``what`` (size, ino, mtime, crc) of the ``suffix`` files."""
         return self.column(f"{what}{self.suffixes.index(suffix)}")
 
-    def write(self, path: str) -> None:
-        """Write the table to ``path`` atomically (a temporary, flushed, then renamed)."""
+    def _parts(self) -> list[Any]:
+        """The file's parts: its head (magic, length, header), then each column's buffer."""
         names = column_names(self.suffixes)
         columns = [np.ascontiguousarray(self.columns[n], dtype="<i8") for n in names]
         if any(len(c) != self.rows for c in columns):
@@ -148,13 +149,21 @@ class ManifestTable:
         }
         raw = json.dumps(header, sort_keys=True).encode()
         raw += b" " * (-(len(raw) + 16) % 8)
+        return [_MAGIC + len(raw).to_bytes(8, "little") + raw, *(c.data for c in columns)]
+
+    def to_bytes(self) -> bytes:
+        """The table's file, as bytes (what an index uploads to an object store)."""
+        return b"".join(self._parts())
+
+    def write(self, path: str) -> None:
+        """Write the table to ``path`` atomically (a temporary, flushed, then renamed)."""
+        parts = self._parts()
         temporary = f"{path}.{secrets.token_hex(4)}.tmp"
         fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             with os.fdopen(fd, "wb") as file:
-                file.write(_MAGIC + len(raw).to_bytes(8, "little") + raw)
-                for column in columns:
-                    file.write(column.data)
+                for part in parts:
+                    file.write(part)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temporary, path)
@@ -171,21 +180,30 @@ class ManifestTable:
             if size < 16:
                 raise _damaged(path, "too short")
             mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-        if mapped[:8] != _MAGIC:
-            raise _damaged(path, "not a manifest of this version")
-        length = int.from_bytes(mapped[8:16], "little")
+        return cls.parse(mapped, path)
+
+    @classmethod
+    def parse(cls, data: Any, source: str) -> ManifestTable:
+        """The table whose file's bytes are ``data`` (a buffer: a mapped file, or the bytes
+        of a manifest read over the network), read from ``source``."""
+        size = len(data)
+        if size < 16:
+            raise _damaged(source, "too short")
+        if bytes(data[:8]) != _MAGIC:
+            raise _damaged(source, "not a manifest of this version")
+        length = int.from_bytes(data[8:16], "little")
         try:
-            header = json.loads(mapped[16 : 16 + length])
-        except ValueError:
-            raise _damaged(path, "its header is not JSON") from None
-        rows, names = int(header["rows"]), list(header["columns"])
+            header = json.loads(bytes(data[16 : 16 + length]))
+            rows, names = int(header["rows"]), list(header["columns"])
+        except (ValueError, KeyError, TypeError):
+            raise _damaged(source, "its header is not a manifest's") from None
         start = 16 + length
         if size != start + 8 * rows * len(names):
             wanted = start + 8 * rows * len(names)
-            raise _damaged(path, f"{size} bytes, not the {wanted} its header describes")
-        values = np.frombuffer(mapped, dtype="<i8", offset=start, count=rows * len(names))
+            raise _damaged(source, f"{size} bytes, not the {wanted} its header describes")
+        values = np.frombuffer(data, dtype="<i8", offset=start, count=rows * len(names))
         columns = {name: values[i * rows : (i + 1) * rows] for i, name in enumerate(names)}
-        return cls(header, columns, path)
+        return cls(header, columns, source)
 
 
 def _damaged(path: str, why: str) -> CorruptShardError:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from guideloom_pipes.storage.errors import CorruptShardError, StaleManifestWarning
+from guideloom_pipes.storage.errors import StaleManifestWarning, size_changed
 from guideloom_pipes.storage.locks import is_locked
 from guideloom_pipes.storage.manifest import (
     FRAGMENT_PREFIX,
@@ -289,9 +289,7 @@ class _Records(Mapping[int, ShardRecord]):
             raise KeyError(shard)
         found = self._read.get(shard)
         if found is None:
-            path = os.fspath(listing.directory / (shard_name(shard) + RECORD))
-            with open(path, "rb") as file:
-                found = self._read[shard] = ShardRecord.from_json(file.read(), path)
+            found = self._read[shard] = listing.read_record(shard)
         return found
 
     def __iter__(self) -> Iterator[int]:
@@ -331,6 +329,12 @@ class ManifestListing(ShardListing):
     def file_column(self, what: str, suffix: str) -> np.ndarray:
         return self.loaded.columns[f"{what}{self.suffixes.index(suffix)}"]
 
+    def read_record(self, shard: int) -> ShardRecord:
+        """Shard ``shard``'s commit record, read now."""
+        path = os.fspath(self.directory / (shard_name(shard) + RECORD))
+        with open(path, "rb") as file:
+            return ShardRecord.from_json(file.read(), path)
+
     def value(self, name: str, shard: int) -> int:
         """Column ``name`` at ``shard`` (of a table read from disk: its block checked)."""
         columns = self.loaded.columns
@@ -350,13 +354,8 @@ class ManifestListing(ShardListing):
         raise; False where the shard was recommitted (a new record)."""
         committed = self.value(f"size{self.suffixes.index(suffix)}", shard)
         if info.st_size != committed:
-            where, name = os.fspath(self.directory), shard_name(shard) + suffix
-            change = "was truncated" if info.st_size < committed else "grew"
-            raise CorruptShardError(
-                f"{name} in {where} is {info.st_size} bytes but was committed with "
-                f"{committed} bytes: the file {change} after it was written. Restore it or "
-                f"rewrite shard {shard}"
-            )
+            name = shard_name(shard) + suffix
+            raise size_changed(name, os.fspath(self.directory), info.st_size, committed, shard)
         if suffix != self.suffixes[0] or not self.has_records:
             return True
         path = os.fspath(self.directory / (shard_name(shard) + RECORD))
@@ -380,18 +379,31 @@ class ManifestListing(ShardListing):
         the files the table does."""
         with open(path, "rb") as file:
             record = ShardRecord.from_json(file.read(), path)  # raises: unreadable
+        return self.describes(shard, record)
+
+    def describes(self, shard: int, record: ShardRecord) -> bool:
+        """Make the open's checks of ``record``, shard ``shard``'s commit record (raising
+        the error an open that listed the dataset would raise); whether it names the files
+        of the shard's row (same sizes and CRC-32s)."""
         found = {s: self.value(f"size{i}", shard) for i, s in enumerate(self.suffixes)}
         single = ShardListing(
             self.directory,
             self.num_shards,
             sizes={(shard, s): size for s, size in found.items()},
             records={shard: record},
+            listed=self.listed,
         )
         check_shard(single, self.loaded.header["kind"], self.suffixes, self.dtype, shard)
+        return self.names_row(shard, record, sizes=False)
+
+    def names_row(self, shard: int, record: ShardRecord, sizes: bool = True) -> bool:
+        """Whether ``record`` names the files of shard ``shard``'s row: their CRC-32s, and
+        with ``sizes`` their sizes."""
         for i, suffix in enumerate(self.suffixes):
             committed = record.files.get(suffix.lstrip("."))
-            crc = self.value(f"crc{i}", shard)
-            if committed is None or committed.crc32 != crc:
+            if committed is None or committed.crc32 != self.value(f"crc{i}", shard):
+                return False
+            if sizes and committed.size != self.value(f"size{i}", shard):
                 return False
         return True
 

@@ -147,6 +147,7 @@ class ManifestSession:
             self.marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644
         )
         fcntl.flock(self._fd, fcntl.LOCK_EX)
+        _retire_whole(self.folder)
         info = os.stat(directory)
         self.before, self.dev = info.st_mtime_ns, info.st_dev
         # the fragment is the whole dataset for an overwrite or create, and for a first
@@ -233,6 +234,24 @@ class ManifestSession:
                 os.unlink(self.marker)
         os.close(self._fd)
         self._fd = None
+
+
+def _retire_whole(folder: str) -> None:
+    """Give the whole table, if there is one, a fragment's name, once this writer's marker
+    exists: local opens read it as before (a fragment may be whole), while opens at a URL,
+    which read only the whole table, list the dataset until a merge or an index with no
+    writer writing names one whole again, instead of trusting a table that this writer's
+    commits make stale. Under the merge lock, so that a merge that began before the marker
+    existed has written its table."""
+    lock = _CompactLock(folder, wait=True)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(
+                os.path.join(folder, MAIN), os.path.join(folder, new_name(FRAGMENT_PREFIX, SUFFIX))
+            )
+            _fsync_directory(folder)
+    finally:
+        lock.close()
 
 
 def _shard_files(directory: str) -> bool:

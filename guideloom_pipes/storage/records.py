@@ -76,12 +76,14 @@ def format_name(format: Any) -> str:
 class ExpectedFile:
     """One shard file as its dataset's open found it: size, the CRC-32 its commit record
     gives and the object's ETag (remote stores), each None where unknown; the record's
-    block checksums (None in records written before they were kept)."""
+    block checksums (None in records written before they were kept); what to add to the
+    error of a file found changed (an open from a manifest says how to index again)."""
 
     size: int | None
     crc32: int | None
     etag: str | None
     blocks: BlockChecksums | None = None
+    changed_hint: str = ""
 
 
 @dataclass

@@ -301,12 +301,13 @@ def _precondition_failed(error: BaseException) -> bool:
     return False
 
 
-def _changed(url: str, etag: str, now: str | None = None) -> DatasetChangedError:
+def _changed(url: str, etag: str, now: str | None = None, hint: str = "") -> DatasetChangedError:
     seen = f"the server's is now {now}" if now else "the server refused a read of that version"
     return DatasetChangedError(
         f"{url} ({_shard_label(url)}) changed after this reader opened the dataset (its ETag "
         f"was {etag}; {seen}): the object was replaced under an open reader, which reads only "
-        f"the version it opened. Open the dataset again (a new reader) to read the new version"
+        f"the version it opened. Open the dataset again (a new reader) to read the new "
+        f"version{hint}"
     )
 
 

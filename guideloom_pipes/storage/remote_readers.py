@@ -12,7 +12,12 @@ from typing import TYPE_CHECKING, Any
 
 from guideloom_pipes.storage.cache import CachedFile
 from guideloom_pipes.storage.checksums import BlockChecksums
-from guideloom_pipes.storage.errors import CorruptShardError, DatasetChangedError, StorageError
+from guideloom_pipes.storage.errors import (
+    CorruptShardError,
+    DatasetChangedError,
+    StorageError,
+    size_changed,
+)
 from guideloom_pipes.storage.io import _MmapReader
 from guideloom_pipes.storage.names import RECORD, SHARD_NAME, shard_name
 from guideloom_pipes.storage.records import ExpectedFile, ShardRecord
@@ -33,6 +38,12 @@ if TYPE_CHECKING:
 def _protocols(fs: Any) -> tuple[str, ...]:
     protocol = getattr(fs, "protocol", ())
     return (protocol,) if isinstance(protocol, str) else tuple(protocol)
+
+
+def _shard_id(name: str) -> int:
+    """The shard id of the file ``name`` (-1 where it is not a shard file)."""
+    match = SHARD_NAME.match(name)
+    return int(match["shard"]) if match else -1
 
 
 def _strong(etag: str | None) -> bool:
@@ -77,6 +88,7 @@ class _RemoteReader(IOSyncReaderAbstract):
         if self._size >= 0:
             return
         expected = self.expected
+        hint = expected.changed_hint if expected is not None else ""
         if expected is not None and expected.size is not None and expected.etag is not None:
             self._size, self.etag = expected.size, expected.etag  # found by the open
             if _strong(expected.etag) and self._checks_each_read():
@@ -85,11 +97,17 @@ class _RemoteReader(IOSyncReaderAbstract):
             # no conditional reads (a weak ETag, another protocol): checked once, now
             now = self._info()[1]
             if now != expected.etag:
-                raise _changed(self.url, expected.etag, now)
+                self._size = -1
+                raise _changed(self.url, expected.etag, now, hint)
             return
-        self._size, self.etag = self._info()
+        size, self.etag = self._info()
         if expected is not None and expected.etag is not None and self.etag != expected.etag:
-            raise _changed(self.url, expected.etag, self.etag)
+            raise _changed(self.url, expected.etag, self.etag, hint)
+        if expected is not None and expected.size is not None and size != expected.size:
+            # (an open from a manifest learns the size only now, at the shard's first read)
+            where, _, name = self.url.rpartition("/")
+            raise size_changed(name, where, size, expected.size, _shard_id(name))
+        self._size = size
         if expected is not None and _strong(self.etag) and self._checks_each_read():
             self._pin = self.etag
 
@@ -138,7 +156,13 @@ class _RemoteReader(IOSyncReaderAbstract):
             start, stop, blocks = offset, end, None
 
         def fetch() -> bytes:
-            data = self.backend.ranged(self.url, start, stop, self._pin)
+            try:
+                data = self.backend.ranged(self.url, start, stop, self._pin)
+            except DatasetChangedError as error:
+                hint = self.expected.changed_hint if self.expected is not None else ""
+                if not hint:
+                    raise
+                raise DatasetChangedError(f"{error}{hint}") from error
             _check_length(self.url, start, stop, size_now, len(data))
             return data
 

@@ -44,6 +44,7 @@ from dataclasses import replace
 
 from guideloom_pipes.storage.commit import _read_record
 from guideloom_pipes.storage.errors import CorruptShardError, StorageError
+from guideloom_pipes.storage.manifest import MAIN, MANIFEST_DIR
 from guideloom_pipes.storage.names import (
     IN_BAND,
     INDEX,
@@ -186,6 +187,8 @@ class RemoteUpload:
         """Remove every shard whose id is ``first`` or more, as an ``"overwrite"`` writer
         removes the shards it did not write; the ids removed."""
         doomed = sorted((s for s in self.shards_present() if s >= first), reverse=True)
+        if doomed:
+            self._drop_manifest()
         self._mark_deleted(doomed)
         self._remove(doomed)
         return sorted(doomed)
@@ -236,6 +239,7 @@ class RemoteUpload:
                 source = os.path.join(staging, shard_name(record.shard) + suffix)
                 target = self._url(record.file_name(suffix))
                 self.backend.request("uploading", target, "put_file", source, target)
+        self._drop_manifest()
         removed = sorted(self.present - set(shards), reverse=True)
         if self.mode == "overwrite":
             self._mark_deleted(removed)
@@ -259,7 +263,8 @@ class RemoteUpload:
             )
         if self.mode == "overwrite":
             self._remove(removed)
-        elif self.mode == "update" and staged:
+        self._drop_manifest()  # again: an index that ran meanwhile saw a dataset half-published
+        if self.mode == "update" and staged:
             highest = staged[-1].shard
             older = sorted(s for s in self.present if s > highest)
             if older:
@@ -273,6 +278,12 @@ class RemoteUpload:
                     UserWarning,
                     stacklevel=5,
                 )
+
+    def _drop_manifest(self) -> None:
+        """Delete the manifest's whole table (uploaded with the dataset, or written by an
+        index), which this writer's commits are about to make stale: opens list the
+        dataset until it is indexed again. Before the first commit point."""
+        self._delete([f"{MANIFEST_DIR}/{MAIN}"])
 
     def _mark_deleted(self, shards: Sequence[int]) -> None:
         """Records in state ``"deleted"`` for ``shards`` (highest first): readers treat

@@ -18,6 +18,7 @@ from guideloom_pipes.storage.errors import (
     CorruptShardError,
     DatasetChangedError,
     UncommittedShardError,
+    size_changed,
 )
 from guideloom_pipes.storage.io import ResolvedBackend, resolve_backend
 from guideloom_pipes.storage.locks import is_locked
@@ -121,12 +122,7 @@ def _check_shard(
                 f"rewrite shard {shard}"
             )
         if expected.size != size:
-            change = "was truncated" if size < expected.size else "grew"
-            raise CorruptShardError(
-                f"{file_name} in {where} is {size} bytes but was committed with "
-                f"{expected.size} bytes: the file {change} after it was written. "
-                f"Restore it or rewrite shard {shard}"
-            )
+            raise size_changed(file_name, where, size, expected.size, shard)
 
 
 def _check_record(

@@ -76,12 +76,32 @@ def test_shards_appended_by_later_writers_are_in_the_manifest(
     assert read(kind, tmp_path) == expected(kind, {0: [1, 2], 1: [7, 8], 2: [4, 5, 6]})
 
 
+def _fragments(path: Path) -> list[str]:
+    return [n for n in os.listdir(path / MANIFEST_DIR) if n.startswith("fragment-")]
+
+
 def test_many_writers_leave_one_merged_table(tmp_path: Path, no_listing: None) -> None:
-    for shard in range(12):
+    for shard in range(8):
         write("stream", tmp_path, {shard: [shard]})
-    names = os.listdir(tmp_path / MANIFEST_DIR)
-    assert MAIN in names and len([n for n in names if n.startswith("fragment-")]) < 8
+    assert MAIN in os.listdir(tmp_path / MANIFEST_DIR) and not _fragments(tmp_path)
+    for shard in range(8, 12):
+        write("stream", tmp_path, {shard: [shard]})
+    assert len(_fragments(tmp_path)) < 8
     assert read("stream", tmp_path) == expected("stream", {k: [k] for k in range(12)})
+
+
+def test_a_writer_renames_the_whole_table_to_a_fragment_before_it_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write("stream", tmp_path, SHARDS)
+    storage("stream", tmp_path).index()
+    assert MAIN in os.listdir(tmp_path / MANIFEST_DIR)
+    write("stream", tmp_path, {5: [5, 6]})
+    # a reader at a URL reads only the whole table: it lists the dataset until the next
+    # merge or index; a local open reads the renamed table with the new fragment
+    assert MAIN not in os.listdir(tmp_path / MANIFEST_DIR) and len(_fragments(tmp_path)) == 2
+    monkeypatch.setattr(storage_base, "discover", None)  # an open that lists fails
+    assert read("stream", tmp_path) == expected("stream", {**SHARDS, 5: [5, 6]})
 
 
 def _write_shards(path: str, shards: list[int], barrier: Any) -> None:

@@ -549,7 +549,7 @@ def test_a_stalled_request_times_out_and_is_retried(http: HttpServer) -> None:
     import aiohttp
 
     tokens = _write_tokens(http.root / "stalled", shards=1)
-    stalls = {3}  # the first ranged read of data, after the probes and the record
+    stalls = {4}  # the first ranged read of data, after the manifest, the probes, the record
     with fault_proxy(http.port, lambda n: "stall" if n in stalls else "pass") as proxy:
         options = {"client_kwargs": {"timeout": aiohttp.ClientTimeout(total=1)}}
         storage = StreamStorage(f"{proxy.url}/stalled", TOKENS, storage_options=options, retry=FAST)
@@ -565,7 +565,7 @@ def test_the_retry_policys_timeout_abandons_a_stalled_request_and_retries_it(
     caplog.set_level(logging.INFO, logger="guideloom_pipes.remote")
     # no client timeout of the user's: the policy's deadline alone ends the stalled read
     tokens = _write_tokens(http.root / "stalled-policy", shards=1)
-    stalls = {3}  # the first ranged read of data, after the probes and the record
+    stalls = {4}  # the first ranged read of data, after the manifest, the probes, the record
     policy = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=2)
     with fault_proxy(http.port, lambda n: "stall" if n in stalls else "pass") as proxy:
         storage = StreamStorage(f"{proxy.url}/stalled-policy", TOKENS, retry=policy)
