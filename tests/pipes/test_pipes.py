@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 import traceback
@@ -738,6 +739,58 @@ def test_a_pool_never_given_a_job_closes_without_starting_threads():
     pool = ThreadPool(str, 2, init=lambda index: None)
     pool.close()
     assert all(thread.ident is None for thread in pool._threads)
+
+
+def test_the_interpreters_exit_waits_for_a_closed_pools_worker_to_finish_its_job():
+    """A pool closed while a worker runs a job does not wait for it, but the interpreter's
+    exit does: a daemon thread still running at finalization is stopped where it next takes
+    the GIL, which inside torch or pyarrow (a tensor freed) aborts the process after the
+    script succeeded. The job here is let go by the script's own exit handler (those run
+    last registered, first), and ends after a pause: its output shows it ran to its end."""
+    script = textwrap.dedent(
+        """
+        import atexit, threading, time
+        from guideloom_pipes.pipes.workers.threads import ThreadPool
+
+        started, release = threading.Event(), threading.Event()
+
+        def job(arg):
+            started.set()
+            release.wait()
+            time.sleep(0.2)
+            print("the job ended", flush=True)
+
+        pool = ThreadPool(job, 1, caller_runs=False)
+        pool.submit(0)
+        started.wait()
+        pool.close()  # (the worker is busy: not waited for here)
+        atexit.register(release.set)
+        print("closed", flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["closed", "the job ended"]
+
+
+def test_the_exit_wait_for_closed_pools_workers_is_bounded():
+    release = threading.Event()
+    pool = ThreadPool(lambda arg: release.wait(), 1, caller_runs=False)
+    job = pool.submit(0)
+    deadline = time.monotonic() + 30
+    while not pool._busy:  # (the worker took the job)
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    pool.close()
+    (worker,) = pool._threads
+    started = time.monotonic()
+    _pool._join_orphans_at_exit(timeout=0.05)
+    assert worker.is_alive() and time.monotonic() - started < 30
+    release.set()
+    _pool._join_orphans_at_exit(timeout=30)
+    assert not worker.is_alive() and job.done
 
 
 def test_workers_started_by_a_job_run_their_init_before_it():

@@ -4,9 +4,12 @@ thread and process pools share (timeouts, waking, jobs of closed pools)."""
 
 from __future__ import annotations
 
+import atexit
 import collections
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -16,9 +19,14 @@ from guideloom_pipes.pipes.errors import DataLoaderTimeoutError
 # A thread pool closed while its workers run jobs does not wait for them: each such worker
 # finishes its job in the background (its result is dropped) and then exits. Closing what
 # those jobs may still use (the dataset's reader) waits for them: see after_orphaned_jobs.
+# The interpreter's exit waits for those workers too (see _join_orphans_at_exit).
 _orphans_lock = threading.Lock()
 _orphans = 0  # jobs of closed pools still running
 _after_orphans: list[Callable[[], None]] = []
+#: the workers of closed pools that were running a job (until they end)
+_orphan_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: how long the interpreter's exit waits for them
+EXIT_WAIT_SECONDS = 30.0
 
 
 def after_orphaned_jobs(fn: Callable[[], None]) -> None:
@@ -31,10 +39,37 @@ def after_orphaned_jobs(fn: Callable[[], None]) -> None:
     fn()
 
 
-def _orphaned(count: int) -> None:
+def _orphaned(threads: set[threading.Thread]) -> None:
     global _orphans
     with _orphans_lock:
-        _orphans += count
+        _orphans += len(threads)
+        _orphan_threads.update(threads)
+
+
+def _join_orphans_at_exit(timeout: float | None = None) -> None:
+    """Wait (up to ``timeout``, default EXIT_WAIT_SECONDS) for the workers of closed pools
+    still finishing a job. At exit, before the interpreter finalizes: a daemon thread that
+    is still running then is stopped wherever it next waits for the GIL, and where that is
+    inside a C++ library (torch freeing a tensor, pyarrow) the process aborts
+    (``terminate called without an active exception``) after the script has succeeded."""
+    wait = EXIT_WAIT_SECONDS if timeout is None else timeout
+    deadline = time.monotonic() + wait
+    with _orphans_lock:
+        threads = list(_orphan_threads)
+    current = threading.current_thread()
+    for thread in threads:
+        if thread is not current:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    left = sum(thread.is_alive() for thread in threads if thread is not current)
+    if left:
+        print(
+            f"guideloom_pipes: {left} reader thread(s) of a closed loader still running a "
+            f"read after {wait:g} s; exiting without them",
+            file=sys.stderr,
+        )
+
+
+atexit.register(_join_orphans_at_exit)
 
 
 def _orphan_ended() -> None:
@@ -381,7 +416,7 @@ class ThreadPool:
             self._finished.notify_all()
             busy = set(self._busy)
             if busy:
-                _orphaned(len(busy))  # under the pool's lock: before any of them can end
+                _orphaned(busy)  # under the pool's lock: before any of them can end
         current = threading.current_thread()
         for thread in self._threads:
             # (one not alive was never started, has ended, or is being started by a submit
