@@ -294,8 +294,9 @@ def test_a_damaged_manifest_is_not_used_with_a_warning(http: HttpServer) -> None
     storage = StreamStorage(f"{http.url}/damaged", TOKENS, retry=FAST)
     with pytest.warns(StaleManifestWarning, match=r"manifest\.bin was not used: .* damaged"):
         listing = _listing(storage)
+        windows = _windows(storage, [0, 59])  # (opened again: warns again)
     assert type(listing) is ShardListing
-    assert _windows(storage, [0, 59]) == _tokens([0, 59])
+    assert windows == _tokens([0, 59])
 
 
 def test_a_writer_to_s3_deletes_the_whole_table_before_it_commits(
