@@ -319,11 +319,11 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
             assert self._gather is not None
             windows = self._grids.get(length)
             if windows is None:
-                windows = self._grids[length] = WindowGrid(self._starts, length, self._mapped_array)
-            out = self._pool.take((count, length), raw)
+                grid = WindowGrid(self._starts, length, self._mapped_array, self._gather)
+                windows = self._grids[length] = grid
+            take = self._pool.take
             numbers = numbers.astype(np.int64, copy=False)
-            done = windows.gather(numbers, out.view(self._gather), self._copy_across)
-            return out if done else None
+            return windows.gather(numbers, lambda shape: take(shape, raw), self._copy_across)
         if count >= _FEW_ROWS and not self._by_rows(count, length):
             return None
         listed = numbers.tolist()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -16,7 +19,7 @@ def _grid(sizes: tuple[int, ...]) -> tuple[WindowGrid, np.ndarray]:
     stream = np.arange(sum(sizes), dtype=np.uint32)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     shards = [stream[starts[k] : starts[k + 1]] for k in range(len(sizes))]
-    return WindowGrid(starts, LENGTH, lambda shard: shards[shard]), stream
+    return WindowGrid(starts, LENGTH, lambda shard: shards[shard], np.dtype(np.uint32)), stream
 
 
 def _block(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -29,12 +32,11 @@ def _block(numbers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _gathered(grid: WindowGrid, stream: np.ndarray, numbers: np.ndarray) -> np.ndarray:
-    out = np.empty((len(numbers), LENGTH), dtype=np.uint32)
-
     def across(row: np.ndarray, start: int, shard: int, length: int) -> None:
         row[...] = stream[start : start + length]
 
-    assert grid.gather(numbers, out, across)
+    out = grid.gather(numbers, lambda shape: np.empty(shape, dtype=np.uint32), across)
+    assert out is not None
     return out
 
 
@@ -50,15 +52,18 @@ def _windows(stream: np.ndarray, numbers: np.ndarray) -> list[list[int]]:
 @pytest.mark.parametrize("phase", [0, 5], ids=["from-the-start", "resumed-mid-block"])
 @pytest.mark.parametrize("listed", [True, False], ids=["bounds-listed", "bounds-as-arrays"])
 @pytest.mark.parametrize("ranks", ["16-bit", "64-bit"])
+@pytest.mark.parametrize("per", [1, 16], ids=["a-batch-a-unit", "units-of-16-batches"])
 def test_batches_sliced_from_one_block_are_gathered_by_its_plan(
-    sizes, phase, listed, ranks, monkeypatch
+    sizes, phase, listed, ranks, per, monkeypatch
 ):
     """A loader's batches are consecutive read-only slices of one block of shuffled ids:
-    the block is planned once (each batch sorted by shard), and each batch, looked up in
-    the plan, is exactly its windows, in its order (windows crossing into later shards, and
-    shards shorter than a window, included); with the shard bounds kept as Python lists
-    and, as past ``LISTED_SHARDS`` shards, as arrays; with few shards (keyed by compares)
-    and more (by binary search)."""
+    the block is planned once (its units of batches sorted by shard), and each batch, looked
+    up in the plan, is exactly its windows, in its order (windows crossing into later
+    shards, and shards shorter than a window, included); with the shard bounds kept as
+    Python lists and, as past ``LISTED_SHARDS`` shards, as arrays; with few shards (keyed
+    by compares) and more (by binary search); a batch a unit, and 16."""
+    if per == 1:  # (as batches larger than a unit's bytes)
+        monkeypatch.setattr(window_grid, "_UNIT_BYTES", 0)
     if not listed:
         monkeypatch.setattr(window_grid, "LISTED_SHARDS", 0)
     if ranks == "64-bit":  # (as a block of more (row, shard) pairs than 16 bits hold)
@@ -71,6 +76,7 @@ def test_batches_sliced_from_one_block_are_gathered_by_its_plan(
     first = block[phase : phase + count]
     plan = BlockPlan.of(first, grid)
     assert plan is not None
+    assert plan.per == per
     rows = (len(block) - phase) // count
     for row in range(rows):
         batch = block[phase + row * count : phase + (row + 1) * count]
@@ -109,5 +115,107 @@ def test_ids_that_are_not_a_read_only_block_of_windows_get_no_plan():
     assert BlockPlan.of(block[: len(block) // 2 + 1], grid) is None  # (under two batches)
     outside, _ = _block(np.append(numbers, grid.windows))
     assert BlockPlan.of(outside[:16], grid) is None
-    out = np.empty((2, LENGTH), dtype=np.uint32)
-    assert not grid.gather(np.array([0, grid.windows]), out, lambda *args: None)
+    make = lambda shape: np.empty(shape, dtype=np.uint32)  # noqa: E731
+    assert grid.gather(np.array([0, grid.windows]), make, lambda *args: None) is None
+
+
+def _counted(stream: np.ndarray) -> tuple[list[tuple[int, ...]], Any, Any]:
+    """A ``make`` that notes the shapes it made, and an ``across`` reading ``stream``."""
+    shapes: list[tuple[int, ...]] = []
+
+    def make(shape: tuple[int, ...]) -> np.ndarray:
+        shapes.append(shape)
+        return np.empty(shape, dtype=np.uint32)
+
+    def across(row: np.ndarray, start: int, shard: int, length: int) -> None:
+        row[...] = stream[start : start + length]
+
+    return shapes, make, across
+
+
+def test_a_unit_is_gathered_once_and_each_of_its_batches_handed_out_once():
+    """The first batch of a unit asked for gathers the unit's 16 batches into one array;
+    the others are its rows, made by nothing more. A batch asked for again is read again
+    into memory of its own: nothing handed out is handed out twice."""
+    grid, stream = _grid((700, 1300, 999, 2000))
+    block, _ = _block(np.random.default_rng(2).permutation(grid.windows))
+    count = 16
+    shapes, make, across = _counted(stream)
+    batches = [block[row * count : (row + 1) * count] for row in range(16)]
+    got = [grid.gather(batch, make, across) for batch in batches]
+    assert shapes[0] == (16, count, LENGTH)
+    assert len(shapes) == 2  # (the unit's array and its scratch, for all 16 batches)
+    for batch, out in zip(batches, got):
+        assert out is not None
+        assert out.tolist() == _windows(stream, batch)
+        assert out.base is got[0].base  # (rows of the unit's array)
+    again = grid.gather(batches[3], make, across)
+    assert again is not None
+    assert again.tolist() == _windows(stream, batches[3])
+    assert not np.shares_memory(again, got[3])
+
+
+def test_batches_asked_for_by_threads_at_once_are_each_their_own_windows():
+    """Worker threads taking a block's batches in turn, as a loader's do, each get their
+    batch's windows, and no two batches share memory."""
+    grid, stream = _grid((333,) * 12)
+    block, _ = _block(np.random.default_rng(3).permutation(grid.windows))
+    count = 16
+    _, make, across = _counted(stream)
+    batches = [block[row * count : (row + 1) * count] for row in range(len(block) // count)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda batch: grid.gather(batch, make, across), batches))
+    for batch, out in zip(batches, got):
+        assert out is not None
+        assert out.tolist() == _windows(stream, batch)
+    for index, out in enumerate(got):
+        assert not any(np.may_share_memory(out, other) for other in got[index + 1 :])
+
+
+def test_a_shard_failing_its_first_touch_fails_only_the_batches_that_touch_it():
+    """A unit touches the shards of all its batches; where one fails its first touch (a
+    shard found truncated, say), only the batches reading from it raise, each in its own
+    read, and the unit's other batches are their windows."""
+    sizes = (700, 1300, 999, 2000)
+    stream = np.arange(sum(sizes), dtype=np.uint32)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def mapped(shard: int) -> np.ndarray:
+        if shard == 2:
+            raise OSError("shard 0000002 is shorter than its record")
+        return stream[starts[shard] : starts[shard + 1]]
+
+    grid = WindowGrid(starts, LENGTH, mapped, np.dtype(np.uint32))
+    block, _ = _block(np.random.default_rng(4).permutation(grid.windows))
+    _, make, across = _counted(stream)
+    count, failed, read = 4, 0, 0
+    for row in range(len(block) // count):
+        batch = block[row * count : (row + 1) * count]
+        touches = any(starts[2] <= n * LENGTH < starts[3] for n in batch.tolist())
+        if touches:
+            with pytest.raises(OSError, match="0000002"):
+                grid.gather(batch, make, across)
+            failed += 1
+            continue
+        out = grid.gather(batch, make, across)
+        assert out is not None
+        assert out.tolist() == _windows(stream, batch)
+        read += 1
+    assert failed and read
+
+
+def test_a_grid_keeps_the_batches_of_a_few_units_only():
+    """Batches of units left behind (a loader that skipped them) are not kept past the last
+    few units: their memory goes, and a batch of one asked for later is read anew."""
+    grid, stream = _grid((30000,) * 4)
+    block, _ = _block(np.random.default_rng(5).permutation(grid.windows))
+    count = 16
+    _, make, across = _counted(stream)
+    units = window_grid._UNITS_KEPT + 2
+    for unit in range(units):  # (the first batch of each unit only)
+        grid.gather(block[unit * 16 * count : (unit * 16 + 1) * count], make, across)
+    assert len(grid._units) == window_grid._UNITS_KEPT
+    late = block[count : 2 * count]  # (unit 0's second batch)
+    out = grid.gather(late, make, across)
+    assert out is not None
+    assert out.tolist() == _windows(stream, late)
