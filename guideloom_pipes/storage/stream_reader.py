@@ -18,7 +18,7 @@ from guideloom_pipes.storage.names import IN_BAND, shard_name
 from guideloom_pipes.storage.recycle import BufferPool
 from guideloom_pipes.storage.shard_listing import FileSizes, ShardListing
 from guideloom_pipes.storage.stream_checks import _checked_out, as_indexes, check_read_size
-from guideloom_pipes.storage.window_grid import LISTED_SHARDS, WindowGrid
+from guideloom_pipes.storage.window_grid import WindowGrid, searchable
 from guideloom_pipes.types import StreamStorageSyncReaderAbstract
 
 if TYPE_CHECKING:
@@ -79,12 +79,8 @@ class StreamReader(ReaderBase, StreamStorageSyncReaderAbstract[Any]):
         self._starts = np.zeros(listing.num_shards + 1, dtype=np.int64)
         np.cumsum(lengths, out=self._starts[1:])
         self._total = int(self._starts[-1])
-        # shard bounds as Python ints for the row copies' bisect (a third of numpy's time
-        # per lookup); past LISTED_SHARDS shards, the array itself (bisect works on it, a
-        # little slower): 40 bytes per shard less, 40 MB for a million shards
-        self._bounds: Any = (
-            self._starts.tolist() if listing.num_shards <= LISTED_SHARDS else self._starts
-        )
+        # shard bounds as the row copies' bisect searches them
+        self._bounds: Any = searchable(self._starts, listing.num_shards)
         self._in_band = self._files[IN_BAND]
         # windows gathered through an unsigned integer view of the element's size, if any
         self._gather = _GATHER_DTYPES.get(itemsize)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LISTED_SHARDS", "BlockPlan", "WindowGrid"]
+__all__ = ["LISTED_SHARDS", "BlockPlan", "WindowGrid", "searchable"]
 
 #: up to this many shard bounds, a plan keys a block's ids by one compare per bound
 _COMPARED_BOUNDS = 16
@@ -47,6 +47,14 @@ _UNITS_KEPT = 4
 #: up to this many shards, a stream's shard bounds are kept as lists of Python ints (for
 #: ``bisect``, a third of numpy's time per lookup); past it, as the int64 arrays themselves
 LISTED_SHARDS = 1 << 16
+
+
+def searchable(bounds: np.ndarray, shards: int) -> Any:
+    """A stream's per-shard ``bounds`` (an int64 array) as ``bisect`` searches them: a list
+    of Python ints for a stream of up to :data:`LISTED_SHARDS` shards (a third of numpy's
+    time per lookup), else the array itself (a little slower; a list costs 40 bytes a
+    value, 40 MB for a million shards)."""
+    return bounds.tolist() if shards <= LISTED_SHARDS else bounds
 
 
 class WindowGrid:
@@ -72,15 +80,13 @@ class WindowGrid:
         self.length, self.dtype = length, dtype
         # window numbers: the first one starting in each shard (and the stream's end), and
         # the end of those lying inside it (a window from there to the next shard's first
-        # one crosses into a later shard). Python ints for bisect (a third of numpy's time
-        # per lookup), past LISTED_SHARDS shards the arrays (bisect works on them, a little
-        # slower): a list of ints costs 40 bytes a shard, 120 MB for the three at 10^6
+        # one crosses into a later shard), each as bisect searches them (see searchable)
         firsts = -(-starts // length)
         ends = starts[1:] // length
-        listed = len(starts) - 1 <= LISTED_SHARDS
-        self._firsts: Any = firsts.tolist() if listed else firsts
-        self._ends: Any = ends.tolist() if listed else ends
-        self._starts: Any = starts.tolist() if listed else starts
+        shards = len(starts) - 1
+        self._firsts: Any = searchable(firsts, shards)
+        self._ends: Any = searchable(ends, shards)
+        self._starts: Any = searchable(starts, shards)
         #: The windows in the stream.
         self.windows = int(starts[-1]) // length
         self._mapped = mapped

@@ -284,12 +284,11 @@ def test_a_damaged_manifest_block_is_named_when_a_shard_in_it_is_first_read(
 def test_a_reader_of_many_shards_keeps_their_bounds_in_an_array_and_reads_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from guideloom_pipes.storage import stream_reader, window_grid
+    from guideloom_pipes.storage import window_grid
 
     write("stream", tmp_path, SHARDS)
     listed = read("stream", tmp_path)
-    for module in (stream_reader, window_grid):  # as past 65,536 shards
-        monkeypatch.setattr(module, "LISTED_SHARDS", 1)
+    monkeypatch.setattr(window_grid, "LISTED_SHARDS", 1)  # as past 65,536 shards
     with storage("stream", tmp_path).sync_reader() as reader:
         assert not isinstance(reader._bounds, list)
         windows = reader.read_windows(np.array([0, 3, 5, 9, 13]), 4)["tokens"].tolist()

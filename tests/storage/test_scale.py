@@ -226,10 +226,10 @@ def test_a_reader_keeps_no_state_for_the_shards_it_has_not_touched(
     shard each, 40 MB at a million shards)."""
     import tracemalloc
 
-    from guideloom_pipes.storage import stream_reader
+    from guideloom_pipes.storage import window_grid
 
-    # as past 65,536 shards: the bounds are not also kept as a list of Python ints
-    monkeypatch.setattr(stream_reader, "LISTED_SHARDS", 1)
+    # as past 65,536 shards: the bounds are not also kept as lists of Python ints
+    monkeypatch.setattr(window_grid, "LISTED_SHARDS", 1)
     shards, per_shard = 5000, 64
     storage = StreamStorage(tmp_path / "d", TOKENS)
     with storage.sync_writer() as writer:
