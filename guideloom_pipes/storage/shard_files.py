@@ -112,11 +112,11 @@ class ShardFiles:
         self._fills: dict[int, Callable[[int, memoryview], int]] = {}
         self._arrays: dict[tuple[int, str], np.ndarray] = {}
         self.max_mapped = max(1, max_mapped_per_kind() if max_mapped is None else max_mapped)
-        # shards mapped, oldest first (kept only where there are more shards than may stay
-        # mapped), the dtypes their arrays were made in, and who drops theirs on a release
+        # shards mapped, oldest first, each with the dtypes its arrays were made in (kept
+        # only where there are more shards than may stay mapped), and who drops theirs on a
+        # release
         self._bounds_maps = num_shards > self.max_mapped
-        self._maps_order: dict[int, None] = {}
-        self._array_dtypes: set[str] = set()
+        self._maps_order: dict[int, list[str]] = {}
         self._on_release: list[Callable[[int], None]] = []
         self._lru: OrderedDict[int, int] = OrderedDict()  # shard -> readers in use
         self._lock = threading.Lock()
@@ -215,8 +215,7 @@ class ShardFiles:
                 usable = len(view) - len(view) % dtype.itemsize
                 found = self._arrays[key] = np.frombuffer(view[:usable], dtype=dtype)
                 if self._bounds_maps:
-                    self._array_dtypes.add(key[1])
-                    self._maps_order[shard] = None
+                    self._maps_order.setdefault(shard, []).append(key[1])
                     if len(self._maps_order) > self.max_mapped:
                         self._let_go(next(iter(self._maps_order)))
             return found
@@ -230,8 +229,7 @@ class ShardFiles:
     def _let_go(self, shard: int) -> None:
         """Let go of shard ``shard``'s mapping (under ``_lock``): its reader is dropped, not
         closed (a read in another thread may be using it), and unmapped with its last view."""
-        del self._maps_order[shard]
-        for dtype in self._array_dtypes:
+        for dtype in self._maps_order.pop(shard):
             self._arrays.pop((shard, dtype), None)
         self._readers.pop(shard, None)
         self._fills.pop(shard, None)
