@@ -9,8 +9,11 @@ The server tests skip when the ``[remote]`` packages or nginx are missing, excep
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -330,6 +333,36 @@ def test_an_s3_index_records_etags_so_first_reads_ask_for_no_size(
     lines = [line for _, line in proxy.log]
     assert lines[0].startswith(f"GET /{BUCKET}/indexed/{MANIFEST_DIR}/{MAIN}")
     assert not [line for line in lines if line.startswith("HEAD")]  # pinned from the table
+    assert _shard_requests(proxy) == {"0000002.shard.json", "0000002.in_band.bin"}
+
+
+def test_the_index_command_indexes_a_dataset_at_an_s3_url(s3: S3Server, tmp_path: Path) -> None:
+    """``guideloom-pipes index s3://...``, the store named by the AWS environment variables
+    as a user's shell names it, writes the whole table there: the next open is one GET."""
+    _write(tmp_path / "data", index=False)
+    url = _upload(s3, tmp_path / "data", "by-cli")
+    env = {
+        **os.environ,
+        "AWS_ENDPOINT_URL": s3.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "eu-west-1",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "guideloom_pipes", "index", url, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["shards"] == SHARDS
+    with fault_proxy(_port(s3), lambda n: "pass") as proxy:
+        proxied = StreamStorage(url, TOKENS, storage_options=s3.options(proxy.url), retry=FAST)
+        assert _windows(proxied, [25, 26]) == _tokens([25, 26])
+    lines = [line for _, line in proxy.log]
+    assert lines[0].startswith(f"GET /{BUCKET}/by-cli/{MANIFEST_DIR}/{MAIN}")
     assert _shard_requests(proxy) == {"0000002.shard.json", "0000002.in_band.bin"}
 
 
