@@ -84,6 +84,16 @@ class S3Server:
             **extra,
         }
 
+    def environment(self) -> dict[str, str]:
+        """The AWS environment variables that name this server and its credentials, as a
+        user's shell names a store for a command (``AWS_ENDPOINT_URL``, ...)."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "eu-west-1",
+        }
+
     def filesystem(self) -> Any:
         import s3fs
 

@@ -222,12 +222,7 @@ def docs_s3() -> Iterator[dict[str, str]]:
         with storage.sync_writer() as writer:
             for shard in range(2):
                 writer.append(shard, {"tokens": np.arange(shard << 16, (shard + 1) << 16)})
-        yield {
-            "AWS_ENDPOINT_URL": server.endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "eu-west-1",
-        }
+        yield server.environment()
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -341,21 +341,9 @@ def test_the_index_command_indexes_a_dataset_at_an_s3_url(s3: S3Server, tmp_path
     as a user's shell names it, writes the whole table there: the next open is one GET."""
     _write(tmp_path / "data", index=False)
     url = _upload(s3, tmp_path / "data", "by-cli")
-    env = {
-        **os.environ,
-        "AWS_ENDPOINT_URL": s3.endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "eu-west-1",
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "guideloom_pipes", "index", url, "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-        check=False,
-    )
+    command = [sys.executable, "-m", "guideloom_pipes", "index", url, "--json"]
+    env = {**os.environ, **s3.environment()}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["shards"] == SHARDS
     with fault_proxy(_port(s3), lambda n: "pass") as proxy:
