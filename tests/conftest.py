@@ -31,9 +31,11 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
+from remote_servers import HttpServer, S3Server, moto_server, need_modules, nginx_server
 
 TORCH_FREE = os.environ.get("GUIDELOOM_PIPES_TORCH_FREE") == "1"
 _BLOCKED = ("torch", "torchdata")
@@ -118,3 +120,22 @@ def _writers_keep_no_manifest(request: pytest.FixtureRequest, monkeypatch: pytes
 
         monkeypatch.setattr(ShardWriterBase, "_keeps_manifest", False)
     yield
+
+
+# --- servers on loopback for the remote tests (remote_servers.py) -------------------------------
+
+
+@pytest.fixture(scope="module")
+def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    """nginx serving an empty directory of its own (``server.root``) to a module's tests."""
+    need_modules("aiohttp")
+    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def s3(request: pytest.FixtureRequest) -> Iterator[S3Server]:
+    """moto's S3 server, holding the test module's empty bucket ``BUCKET``."""
+    with moto_server() as server:
+        server.filesystem().mkdir(request.module.BUCKET)
+        yield server

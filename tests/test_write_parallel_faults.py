@@ -23,7 +23,7 @@ import numpy as np
 import psutil
 import pytest
 import write_parallel_driver as driver
-from remote_servers import S3Server, moto_server
+from remote_servers import S3Server
 
 HERE = Path(__file__).parent
 #: generous bounds for a busy 2-core machine: a driver reaching the blocked item, workers
@@ -226,13 +226,6 @@ def test_a_stopped_driver_leaves_no_worker_and_a_rerun_completes_the_dataset(
         assert not list(tmp_path.glob("guideloom_pipes-upload-*"))
     _rerun("own", str(dataset), directory, tmp_path)
     _check_local(dataset)
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with moto_server() as server:
-        server.filesystem().mkdir(BUCKET)
-        yield server
 
 
 @pytest.mark.remote

@@ -5,13 +5,12 @@ the batches are the local dataset's."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from remote_servers import HttpServer, fault_proxy, need_modules, nginx_server
+from remote_servers import HttpServer, fault_proxy
 
 pytest.importorskip("torch")
 
@@ -24,13 +23,6 @@ pytestmark = pytest.mark.remote
 TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
 SHARDS, PER_SHARD, WINDOW = 4, 1000, 50
-
-
-@pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    need_modules("aiohttp")
-    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
-        yield server
 
 
 def _write(directory: Path) -> None:

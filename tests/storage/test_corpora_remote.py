@@ -12,14 +12,13 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from corpus_writers import megatron, parquet, random_documents, write_megatron, write_parquet
-from remote_servers import HttpServer, S3Server, moto_server, need_modules, nginx_server
+from remote_servers import HttpServer, S3Server
 
 from guideloom_pipes import (
     DocumentDataset,
@@ -38,20 +37,6 @@ pytestmark = pytest.mark.remote
 FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
 BUCKET = "corpora"
 EOS = 0
-
-
-@pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    need_modules("aiohttp")
-    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with moto_server() as server:
-        server.filesystem().mkdir(BUCKET)
-        yield server
 
 
 class Served:

@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +24,6 @@ from remote_servers import (
     HttpServer,
     S3Server,
     fault_proxy,
-    moto_server,
-    need_modules,
-    nginx_server,
 )
 
 from guideloom_pipes import StreamDataset, StreamNumpyFormat, StreamStorage
@@ -45,20 +41,6 @@ TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
 BUCKET = "manifests"
 SHARDS, PER_SHARD, WINDOW = 6, 1000, 100
-
-
-@pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    need_modules("aiohttp")
-    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with moto_server() as server:
-        server.filesystem().mkdir(BUCKET)
-        yield server
 
 
 def _refuse_listing(monkeypatch: pytest.MonkeyPatch) -> None:

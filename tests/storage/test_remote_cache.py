@@ -32,9 +32,7 @@ from remote_servers import (
     _close_connection,
     _read_request,
     fault_proxy,
-    moto_server,
     need_modules,
-    nginx_server,
 )
 from remote_servers import _read_all as _read_all_socket
 
@@ -60,20 +58,6 @@ TOKENS = StreamNumpyFormat(np.dtype([("tokens", "<i4")]))
 FAST = RetryPolicy(attempts=6, base_delay=0.001, max_delay=0.01, timeout=10)
 BUCKET = "cached"
 WINDOW = 100
-
-
-@pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    need_modules("aiohttp")
-    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with moto_server() as server:
-        server.filesystem().mkdir(BUCKET)
-        yield server
 
 
 def _write_tokens(directory: Path, shards: int = 3, per_shard: int = 1000, start: int = 0) -> Any:

@@ -30,9 +30,6 @@ from remote_servers import (
     HttpServer,
     S3Server,
     fault_proxy,
-    moto_server,
-    need_modules,
-    nginx_server,
 )
 
 from guideloom_pipes import (
@@ -127,20 +124,6 @@ def test_a_sealed_shard_gets_block_checksums_too(tmp_path: Path) -> None:
 
 
 # --- servers --------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    need_modules("aiohttp")
-    with nginx_server(tmp_path_factory.mktemp("nginx")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Server]:
-    with moto_server() as server:
-        server.filesystem().mkdir(BUCKET)
-        yield server
 
 
 def _write_tokens(directory: Path, shards: int = 2, seed: int = 0) -> np.ndarray:
