@@ -92,9 +92,21 @@ class PackedReader(DatasetReaderBase):
         self._slabs = BufferPool(limit=_SLAB_BYTES, shelves=1)
 
     def fingerprint(self) -> dict[str, Any] | None:
-        """The source's fingerprint (``None`` if it cannot tell)."""
+        """The source's fingerprint (its keys; none where it cannot tell) and ``packing``:
+        the settings that decide which tokens each window holds (a state taken with other
+        ones would resume on other windows)."""
         self._check_open()
-        return reader_fingerprint(self._source)
+        dataset = self.dataset
+        packing = {
+            "packing": dataset.packing,
+            "sequence_length": dataset.sequence_length,
+            "eos_token": dataset.eos_token,
+            "seed": dataset.seed,
+            "field": dataset.field,
+            "pad_token": dataset.pad_token,
+            "lookahead": dataset.lookahead,
+        }
+        return {**(reader_fingerprint(self._source) or {}), "packing": packing}
 
     def open(self) -> None:
         """Open the source; for documents, load (or build) the prefix sums."""

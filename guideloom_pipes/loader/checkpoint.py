@@ -25,7 +25,7 @@ from guideloom_pipes.loader.orders import GLOBAL_BATCH_KEY, ORDER_KEY, mixture_e
 from guideloom_pipes.loader.settings import SEED_WORD_LIMIT, _int_arg
 from guideloom_pipes.mixture import MixtureDataset
 from guideloom_pipes.mixture_weights import Part, legacy_history
-from guideloom_pipes.pipes.fingerprints import fingerprint_changes
+from guideloom_pipes.pipes.fingerprints import fingerprint_changes, same_dataset
 
 if TYPE_CHECKING:
     from guideloom_pipes.loader.stateful import StatefulDataLoader
@@ -331,7 +331,7 @@ def _use_history(
 def check_fingerprint(loader: StatefulDataLoader[Any, Any], saved: Any) -> None:
     """Refuse a state taken on another version of the dataset, naming what changed."""
     now = dataset_fingerprint(loader)
-    if now is None or saved == now:
+    if now is None or same_dataset(saved, now):
         return
     if not isinstance(saved, Mapping):
         raise TypeError(

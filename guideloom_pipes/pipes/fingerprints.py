@@ -1,4 +1,5 @@
-"""What differs between two dataset fingerprints, in words: the one diff that both the
+"""Whether a state's dataset fingerprint holds for the dataset now (:func:`same_dataset`),
+and what differs between the two in words (:func:`fingerprint_changes`): what both the
 loader's checkpoint (``loader/checkpoint.py``) and ``ListShards`` (a listing's state) use
 to refuse a state taken on another version of the dataset."""
 
@@ -7,7 +8,33 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["fingerprint_changes"]
+__all__ = ["fingerprint_changes", "same_dataset"]
+
+
+def same_dataset(saved: Any, now: Mapping[str, Any]) -> bool:
+    """Whether the fingerprint ``saved`` with a state is the dataset's ``now``, in the keys
+    ``saved`` has: a key a later version of this package added to fingerprints (a packed
+    dataset's ``packing``) is not held against a state saved before it; a mixture's
+    components are compared so, each."""
+    if not isinstance(saved, Mapping):
+        return False
+    for key, value in saved.items():
+        if key not in now:
+            return False
+        if key == "components" and isinstance(value, Mapping):
+            components = now[key]
+            if not isinstance(components, Mapping) or set(components) != set(value):
+                return False
+            if not all(
+                same_dataset(value[name], components[name])
+                if isinstance(components[name], Mapping)
+                else value[name] == components[name]
+                for name in value
+            ):
+                return False
+        elif value != now[key]:
+            return False
+    return True
 
 
 def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str:
@@ -44,6 +71,11 @@ def fingerprint_changes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> str
         return (
             "it has the same shards and sizes, but their contents changed (the commit "
             f"records' checksums differ: {_change('checksums', saved, now)})"
+        )
+    if "packing" in saved and saved.get("packing") != now.get("packing"):
+        return (
+            f"it is the same data packed with other settings ({_change('packing', saved, now)}): "
+            f"its windows hold other tokens"
         )
     if saved.get("samples") != now.get("samples"):
         return _samples_changed(list(saved.get("samples") or ()), list(now.get("samples") or ()))

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 from torchdata.nodes import BaseNode
 
 from guideloom_pipes.datasets import reader_fingerprint
-from guideloom_pipes.pipes.fingerprints import fingerprint_changes
+from guideloom_pipes.pipes.fingerprints import fingerprint_changes, same_dataset
 from guideloom_pipes.pipes.shard_plan import ShardPlan, ShardSpan, shard_spans
 
 __all__ = ["ListShards", "RankShard", "RankShards", "ReadShards", "ShardSamples"]
@@ -63,7 +63,7 @@ class ListShards(BaseNode[ShardSpan]):
         self._position = 0
         if initial_state is not None:
             saved = initial_state[self.FINGERPRINT_KEY]
-            if saved != self.fingerprint:
+            if not same_dataset(saved, self.fingerprint):
                 raise ValueError(
                     "this state was taken on another listing of the dataset: "
                     f"{fingerprint_changes(saved, self.fingerprint)}. Resume on the dataset "

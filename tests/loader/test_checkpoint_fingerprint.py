@@ -14,7 +14,10 @@ import pytest
 pytest.importorskip("torch")
 
 from guideloom_pipes import (
+    DocumentPickleFormat,
+    DocumentStorage,
     MixtureDataset,
+    PackedDataset,
     StatefulDataLoader,
     StreamDataset,
     StreamNumpyFormat,
@@ -155,3 +158,69 @@ def test_a_mixture_names_the_component_that_changed(tmp_path: Path) -> None:
         writer.append(0, {"tokens": np.arange(900, 940, dtype="<i4")})
     with pytest.raises(ValueError, match=r"component 'code': .*contents changed"):
         StatefulDataLoader(mixture(), batch_size=2, device="cpu").load_state_dict(state)
+
+
+def _documents(directory: Path) -> DocumentStorage:
+    storage = DocumentStorage(directory, DocumentPickleFormat())
+    rng = np.random.default_rng(0)
+    with storage.sync_writer() as writer:
+        for index in range(40):
+            writer.append(index % 2, rng.integers(1, 99, int(rng.integers(3, 30))).tolist())
+    return storage
+
+
+@pytest.mark.parametrize(
+    "other",
+    [{"seed": 8}, {"packing": "best_fit", "pad_token": 0}, {"eos_token": 99}],
+    ids=["another-document-order", "another-packing", "another-end-token"],
+)
+def test_a_packed_dataset_state_is_refused_on_the_same_data_packed_otherwise(
+    tmp_path: Path, other: dict[str, Any]
+) -> None:
+    """The windows of a packed dataset depend on how it is packed, not on its data alone: a
+    state taken with other settings (of as many windows, or not) would resume on other
+    windows, so it is refused, naming the settings."""
+    documents = _documents(tmp_path / "documents")
+    packed = {"eos_token": 0, "seed": 7}
+
+    def loader(**settings: Any) -> StatefulDataLoader:
+        dataset = PackedDataset(documents, 8, **{**packed, **settings})
+        return StatefulDataLoader(dataset, batch_size=2, shuffle=True, drop_last=True, device="cpu")
+
+    state = _state_after(loader(), 2)
+    assert state["dataset_fingerprint"]["packing"]["seed"] == 7
+    with pytest.raises(ValueError, match=r"packed with other settings \(packing .*: its windows"):
+        loader(**other).load_state_dict(state)
+    with loader() as same:
+        same.load_state_dict(state)  # (the same settings: resumed)
+
+
+def test_a_state_saved_before_fingerprints_named_the_packing_still_resumes(
+    tmp_path: Path,
+) -> None:
+    """A state whose fingerprint predates a key (a packed dataset's ``packing``, added
+    later) is compared on the keys it has: it resumes where it was taken, on the same
+    data, also as a component of a mixture."""
+    documents = _documents(tmp_path / "documents")
+
+    def packed() -> PackedDataset:
+        return PackedDataset(documents, 8, eos_token=0, seed=7)
+
+    def mixture() -> MixtureDataset:
+        return MixtureDataset({"a": packed(), "b": packed()}, {"a": 0.5, "b": 0.5}, seed=3)
+
+    for make in (packed, mixture):
+        whole = StatefulDataLoader(make(), batch_size=2, shuffle=True, drop_last=True, device="cpu")
+        state = _state_after(whole, 2)
+        fingerprint = state["dataset_fingerprint"]
+        for part in fingerprint.get("components", {"": fingerprint}).values():
+            del part["packing"]  # (as saved by the version before)
+        resumed = StatefulDataLoader(
+            make(), batch_size=2, shuffle=True, drop_last=True, device="cpu"
+        )
+        with resumed:
+            resumed.load_state_dict(state)
+            rest = [batch["tokens"].tolist() for batch in resumed]
+        with whole:
+            whole.load_state_dict(_state_after(whole, 2))
+            assert rest == [batch["tokens"].tolist() for batch in whole]
