@@ -29,12 +29,12 @@ def _not_open(path: PurePath) -> RuntimeError:
     )
 
 
-def _regular_size(fd: int, path: PurePath) -> int:
-    """The size of the open file ``fd``; a clear error naming ``path`` if it is not a
-    regular file (a directory, say: mapping or reading it fails with a bare errno)."""
+def _regular_file(fd: int, path: PurePath) -> os.stat_result:
+    """``os.fstat(fd)`` of the open file ``fd``; a clear error naming ``path`` if it is not
+    a regular file (a directory, say: mapping or reading it fails with a bare errno)."""
     info = os.fstat(fd)
     if stat.S_ISREG(info.st_mode):
-        return info.st_size
+        return info
     what = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
     error = IsADirectoryError if stat.S_ISDIR(info.st_mode) else OSError
     raise error(

@@ -39,7 +39,7 @@ from guideloom_pipes.storage.backend_base import (
     _AsyncAdapter,
     _LocalBackend,
     _not_open,
-    _regular_size,
+    _regular_file,
 )
 from guideloom_pipes.types import AsyncByteReader, IOSyncReaderAbstract, SyncByteReader
 
@@ -108,17 +108,22 @@ class _MmapReader(IOSyncReaderAbstract):
         self.path = path
         self._map: Any = None  # an mmap.mmap, or a ctypes array over a libc mapping
         self._size = -1
+        #: ``(st_dev, st_ino)`` of the file opened (None before): the file this reader
+        #: reads, whatever its path names since
+        self.identity: tuple[int, int] | None = None
 
     def open(self) -> None:
         if self._size >= 0:
             return
         fd = os.open(os.fspath(self.path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            size = _regular_size(fd, self.path)
+            info = _regular_file(fd, self.path)
+            size = info.st_size
             self._map = _map_file(fd, size) if size else None
         finally:
             os.close(fd)  # the mapping keeps the file; no descriptor stays open
         self._size = size
+        self.identity = (info.st_dev, info.st_ino)
 
     def close(self) -> None:
         if isinstance(self._map, mmap.mmap):
@@ -175,16 +180,20 @@ class _PreadReader(IOSyncReaderAbstract):
         self.advice = advice
         self._fd = -1
         self._size = -1
+        #: ``(st_dev, st_ino)`` of the file opened (None before)
+        self.identity: tuple[int, int] | None = None
 
     def open(self) -> None:
         if self._fd >= 0:
             return
         fd = os.open(os.fspath(self.path), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         try:
-            self._size = _regular_size(fd, self.path)
+            info = _regular_file(fd, self.path)
         except OSError:
             os.close(fd)
             raise
+        self._size = info.st_size
+        self.identity = (info.st_dev, info.st_ino)
         if self.advice and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._fd = fd
@@ -274,12 +283,16 @@ class _SeekReader(IOSyncReaderAbstract):
         self._file: Any = None
         self._size = -1
         self._lock = threading.Lock()
+        #: ``(st_dev, st_ino)`` of the file opened (None before)
+        self.identity: tuple[int, int] | None = None
 
     def open(self) -> None:
         if self._file is not None:
             return
         self._file = open(os.fspath(self.path), "rb")  # noqa: SIM115 - closed in close()
-        self._size = os.fstat(self._file.fileno()).st_size
+        info = os.fstat(self._file.fileno())
+        self._size = info.st_size
+        self.identity = (info.st_dev, info.st_ino)
 
     def close(self) -> None:
         if self._file is not None:

@@ -325,6 +325,7 @@ class ManifestListing(ShardListing):
         self.sizes = _FileColumn(self, "size")
         self.identities = _FileColumn(self, "ino")
         self.records = _Records(self)
+        self._local = os.fspath(directory)  # (the records' paths are joined to it)
 
     def file_column(self, what: str, suffix: str) -> np.ndarray:
         return self.loaded.columns[f"{what}{self.suffixes.index(suffix)}"]
@@ -358,7 +359,7 @@ class ManifestListing(ShardListing):
             raise size_changed(name, os.fspath(self.directory), info.st_size, committed, shard)
         if suffix != self.suffixes[0] or not self.has_records:
             return True
-        path = os.fspath(self.directory / (shard_name(shard) + RECORD))
+        path = os.path.join(self._local, shard_name(shard) + RECORD)
         try:
             record = os.stat(path)
         except FileNotFoundError:

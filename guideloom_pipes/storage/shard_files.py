@@ -156,17 +156,16 @@ class ShardFiles:
             return reader
         assert self._listing is not None
         size = self._listing.sizes.get((shard, self.suffix), -1)
-        canonical = self.directory / (shard_name(shard) + self.suffix)
-        paths = [self.path(shard)]
-        if paths[0] != canonical:
-            paths.append(canonical)
-        for path in paths:
-            reader = self._open_same(shard, path, identity, size)
+        canonical = shard_name(shard) + self.suffix
+        listed = self._listing.file_name(shard, self.suffix)
+        for name in (listed,) if listed == canonical else (listed, canonical):
+            reader = self._open_same(shard, self.directory / name, identity, size)
             if reader is not None:
                 return reader
+        path = os.fspath(self.directory / canonical)
         raise DatasetChangedError(
             f"shard {shard_name(shard)} of {os.fspath(self.directory)} was replaced by a "
-            f"writer after this reader opened the dataset ({os.fspath(paths[-1])} is now "
+            f"writer after this reader opened the dataset ({path} is now "
             f"another file, or gone){self._listing.changed_hint}: the dataset was rewritten "
             f"under an open reader, which reads only the version it opened. Open the dataset "
             f"again (a new reader) to read the new version"
@@ -187,11 +186,15 @@ class ShardFiles:
             reader.open()
         except FileNotFoundError:
             return None
+        # the file opened: a local reader's own (what its descriptor was), else the path's now
+        opened = getattr(reader, "identity", None)
         try:
-            same = _identity(os.stat(local)) == identity and reader.filesize() == size
+            if opened is None:
+                opened = _identity(os.stat(local))
+            same = opened == identity and reader.filesize() == size
         except FileNotFoundError:
             same = False
-        if not same:  # replaced between the two looks: which one is open is unknown
+        if not same:  # replaced between the two looks: another file is open
             reader.close()
             return None
         return reader

@@ -414,3 +414,35 @@ def test_verify_while_another_process_recommits_a_shard_never_fails_a_sound_data
         child.wait(60)
     assert "problem:" not in out
     assert statuses == [0] * 30
+
+
+@pytest.mark.parametrize("backend", BACKENDS, ids=repr)
+def test_a_shard_replaced_between_its_check_and_its_open_is_refused(
+    tmp_path: Path, backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer may replace a shard's file after a reader checked the path and before it
+    opened it: the file the reader opened is compared with the one the open listed, and
+    refused, never read as the old version."""
+    write("stream", tmp_path, OLD)
+    store = storage("stream", tmp_path)
+    store.read_interface = backend
+    with store.sync_reader() as reader:
+        resolved = type(reader._files[".in_band.bin"].backend)
+        real = resolved.reader
+
+        def replaced_first(self: Any, path: Any) -> Any:
+            opened = real(self, path)
+            original = opened.open
+
+            def open_after_a_rewrite() -> None:
+                stand_in = Path(f"{path}.new")
+                stand_in.write_bytes(Path(path).read_bytes()[::-1])  # the same size
+                os.replace(stand_in, path)
+                original()
+
+            opened.open = open_after_a_rewrite
+            return opened
+
+        monkeypatch.setattr(resolved, "reader", replaced_first)
+        with pytest.raises(DatasetChangedError, match=r"shard 0000001 of .*replaced"):
+            read_shard("stream", reader, 1)
