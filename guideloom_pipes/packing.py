@@ -200,6 +200,19 @@ class PackedDataset:
         with self.sync_reader() as reader:
             return reader[index]
 
+    def settings(self) -> dict[str, Any]:
+        """What decides which tokens each window holds, besides the source's data (a packed
+        dataset's checkpoint fingerprint carries it, as ``packing``)."""
+        return {
+            "packing": self.packing,
+            "sequence_length": self.sequence_length,
+            "eos_token": self.eos_token,
+            "seed": self.seed,
+            "field": self.field,
+            "pad_token": self.pad_token,
+            "lookahead": self.lookahead,
+        }
+
     def __repr__(self) -> str:
         fit = (
             ""

@@ -96,17 +96,7 @@ class PackedReader(DatasetReaderBase):
         the settings that decide which tokens each window holds (a state taken with other
         ones would resume on other windows)."""
         self._check_open()
-        dataset = self.dataset
-        packing = {
-            "packing": dataset.packing,
-            "sequence_length": dataset.sequence_length,
-            "eos_token": dataset.eos_token,
-            "seed": dataset.seed,
-            "field": dataset.field,
-            "pad_token": dataset.pad_token,
-            "lookahead": dataset.lookahead,
-        }
-        return {**(reader_fingerprint(self._source) or {}), "packing": packing}
+        return {**(reader_fingerprint(self._source) or {}), "packing": self.dataset.settings()}
 
     def open(self) -> None:
         """Open the source; for documents, load (or build) the prefix sums."""
