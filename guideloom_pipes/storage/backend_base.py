@@ -29,6 +29,12 @@ def _not_open(path: PurePath) -> RuntimeError:
     )
 
 
+def _identity(info: os.stat_result) -> tuple[int, int]:
+    """Which file ``info`` is: ``(st_dev, st_ino)`` (a local reader's ``identity``, and what
+    a listing records of each shard file)."""
+    return info.st_dev, info.st_ino
+
+
 def _regular_file(fd: int, path: PurePath) -> os.stat_result:
     """``os.fstat(fd)`` of the open file ``fd``; a clear error naming ``path`` if it is not
     a regular file (a directory, say: mapping or reading it fails with a bare errno)."""

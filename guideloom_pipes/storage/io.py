@@ -37,6 +37,7 @@ from typing import Any
 
 from guideloom_pipes.storage.backend_base import (
     _AsyncAdapter,
+    _identity,
     _LocalBackend,
     _not_open,
     _regular_file,
@@ -123,7 +124,7 @@ class _MmapReader(IOSyncReaderAbstract):
         finally:
             os.close(fd)  # the mapping keeps the file; no descriptor stays open
         self._size = size
-        self.identity = (info.st_dev, info.st_ino)
+        self.identity = _identity(info)
 
     def close(self) -> None:
         if isinstance(self._map, mmap.mmap):
@@ -193,7 +194,7 @@ class _PreadReader(IOSyncReaderAbstract):
             os.close(fd)
             raise
         self._size = info.st_size
-        self.identity = (info.st_dev, info.st_ino)
+        self.identity = _identity(info)
         if self.advice and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         self._fd = fd
@@ -292,7 +293,7 @@ class _SeekReader(IOSyncReaderAbstract):
         self._file = open(os.fspath(self.path), "rb")  # noqa: SIM115 - closed in close()
         info = os.fstat(self._file.fileno())
         self._size = info.st_size
-        self.identity = (info.st_dev, info.st_ino)
+        self.identity = _identity(info)
 
     def close(self) -> None:
         if self._file is not None:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from guideloom_pipes.storage.backend_base import (
+    _identity,
     descriptor_limit,
     max_mapped_per_kind,
     max_open_per_kind,
@@ -23,10 +24,6 @@ from guideloom_pipes.storage.errors import DatasetChangedError
 from guideloom_pipes.storage.io import resolve_backend
 from guideloom_pipes.storage.names import shard_name
 from guideloom_pipes.storage.shard_listing import ShardListing
-
-
-def _identity(info: os.stat_result) -> tuple[int, int]:
-    return info.st_dev, info.st_ino
 
 
 def _fill_function(reader: Any) -> Callable[[int, memoryview], int]:

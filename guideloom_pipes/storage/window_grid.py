@@ -43,6 +43,8 @@ _UNIT_BYTES = 256 << 10
 _UNIT_BATCHES = 16
 #: the units of a plan whose batches are kept for their turn, at most
 _UNITS_KEPT = 4
+#: (a unit not gathered yet)
+_NOT_YET: Any = object()
 
 #: up to this many shards, a stream's shard bounds are kept as lists of Python ints (for
 #: ``bisect``, a third of numpy's time per lookup); past it, as the int64 arrays themselves
@@ -418,7 +420,3 @@ class BlockPlan:
             return -1
         # (a byte compare: ~0.2 us for a batch of 64 ids)
         return row if self.batches[row].tobytes() == numbers.tobytes() else -1
-
-
-#: (a unit not gathered yet)
-_NOT_YET: Any = object()
